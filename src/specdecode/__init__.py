@@ -1,0 +1,6 @@
+"""specdecode: lossless speculative decoding for causal language models."""
+
+from specdecode.llm import LLM
+from specdecode.types import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "RequestMetrics", "RequestOutput", "SamplingParams"]

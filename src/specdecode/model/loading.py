@@ -1,0 +1,96 @@
+"""Load a Hugging Face-layout folder (config.json + *.safetensors) into a `Transformer`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor
+
+from specdecode.model.config import ModelConfig
+from specdecode.model.transformer import Transformer
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "auto": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """'float32' | 'bfloat16' | 'float16' | 'auto' (= bfloat16) or a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+
+
+def required_tensors(cfg: ModelConfig) -> list[str]:
+    """Hugging Face names of every tensor the model needs."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ]
+    if cfg.qkv_bias:
+        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    names += [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer]
+    return names
+
+
+def load_weights(
+    path: Path, cfg: ModelConfig, dtype: torch.dtype, device: str
+) -> dict[str, Tensor]:
+    """Read every *.safetensors file in `path`, check names and shapes, cast to `dtype`."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weight files")
+    weights: dict[str, Tensor] = {}
+    for file in files:
+        try:
+            weights.update(load_file(str(file), device=device))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise ValueError(f"cannot read weights from {file} (malformed?): {err}") from err
+    missing = [n for n in required_tensors(cfg) if n not in weights]
+    if missing:
+        raise ValueError(
+            f"{path} lacks {len(missing)} tensor(s) the {cfg.architecture} config needs, "
+            f"e.g. {missing[:3]}"
+        )
+    embed = weights["model.embed_tokens.weight"].shape
+    if tuple(embed) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(
+            f"embedding shape {tuple(embed)} does not match config "
+            f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})"
+        )
+    return {
+        name: w.to(dtype) for name, w in weights.items() if not name.endswith("rotary_emb.inv_freq")
+    }
+
+
+def load_model(
+    path: Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
+) -> Transformer:
+    """Build a `Transformer` from a Hugging Face folder."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"no such model folder: {path}")
+    cfg = ModelConfig.from_folder(path)
+    weights = load_weights(path, cfg, parse_dtype(dtype), device)
+    return Transformer(cfg, weights).eval()

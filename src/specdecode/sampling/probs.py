@@ -1,0 +1,99 @@
+"""The ONE path from logits to probabilities (temperature, top-k, top-p) and to sampled tokens.
+
+Drafter and verifier both call `probs_from_logits` with the same per-row parameters, so the
+drafter's q and the target's p are always computed the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdecode.types import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingTensors:
+    """Per-row sampling parameters of a batch, as tensors."""
+
+    temperature: Tensor  # [B] float32; 0 = greedy
+    top_k: Tensor  # [B] int64; <= 0 = disabled
+    top_p: Tensor  # [B] float32; 1 = disabled
+
+    @classmethod
+    def from_params(
+        cls, params: Sequence[SamplingParams], device: str | torch.device
+    ) -> SamplingTensors:
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+        )
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+def warp_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """Apply temperature, then top-k, then top-p; removed tokens get -inf.
+
+    logits: [B, V] or [B, K, V] (row b uses parameters b). Returns float32, same shape.
+    Greedy rows (temperature 0) are left unscaled: their argmax is what counts.
+    """
+    x = logits.float()
+    view = (-1,) + (1,) * (x.dim() - 1)  # broadcast [B] over the trailing dims
+    temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
+    x = x / temp.view(view)
+    use_k = (st.top_k > 0) & (st.top_k < x.shape[-1])
+    use_p = st.top_p < 1.0
+    if not bool((use_k | use_p).any()):
+        return x
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [..., V]
+    rank = torch.arange(x.shape[-1], device=x.device)
+    k = torch.where(use_k, st.top_k, torch.full_like(st.top_k, x.shape[-1]))
+    remove = rank >= k.view(view)  # [..., V]: beyond the k-th best
+    sorted_x = sorted_x.masked_fill(remove, float("-inf"))
+    sorted_p = sorted_x.softmax(dim=-1)
+    before = sorted_p.cumsum(dim=-1) - sorted_p  # probability mass strictly above each token
+    remove = remove | (before >= st.top_p.view(view))  # the top token always has before == 0
+    sorted_x = sorted_x.masked_fill(remove, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
+def probs_from_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """Probabilities after warping; greedy rows become one-hot on their argmax.
+
+    logits: [B, V] or [B, K, V]. Returns float32 probabilities of the same shape.
+    """
+    warped = warp_logits(logits, st)
+    probs = warped.softmax(dim=-1)
+    greedy = st.temperature == 0
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, warped.argmax(-1, keepdim=True), 1.0)
+        view = (-1,) + (1,) * (probs.dim() - 1)
+        probs = torch.where(greedy.view(view), one_hot, probs)
+    return probs
+
+
+def sample(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """Draw one token per row of `probs` ([B, V]) with each row's own generator -> [B] int64."""
+    out = [
+        torch.multinomial(row, 1, generator=gen) for row, gen in zip(probs, generators, strict=True)
+    ]
+    return torch.cat(out)
+
+
+def next_tokens(
+    logits: Tensor, st: SamplingTensors, generators: Sequence[torch.Generator | None]
+) -> Tensor:
+    """Pick the next token of every row: argmax for greedy rows, a sample otherwise.
+
+    logits: [B, V]. Returns [B] int64.
+    """
+    if st.all_greedy:
+        return logits.argmax(dim=-1)
+    return sample(probs_from_logits(logits, st), generators)

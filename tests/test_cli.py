@@ -1,0 +1,37 @@
+"""The `specdecode` command line on a tiny model (human and --json modes) and `models`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdecode.cli import main
+
+
+def test_generate_json_prints_one_object(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hello", "--json"]
+    assert main([*args, "--max-tokens", "7", "--dtype", "float32"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    required = {"text", "token_ids", "num_generated_tokens", "elapsed_s", "tokens_per_s"}
+    assert required <= out.keys()
+    assert out["num_generated_tokens"] == len(out["token_ids"]) <= 7
+
+
+def test_generate_streams_text_then_a_summary(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--chat"]
+    assert main([*args, "--max-tokens", "5", "--temperature", "0.8", "--seed", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "tokens/s" in captured.err and "tokens in" in captured.err
+
+
+def test_models_lists_every_alias(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for alias in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+        assert alias in out

@@ -1,0 +1,84 @@
+"""Integration tests on the real SmolLM2-135M-Instruct (pulled from PyPI, converted once)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdecode.llm import LLM
+from specdecode.model.loading import load_model
+from specdecode.types import SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "The history of the Roman Empire",
+    "def quicksort(arr):\n",
+    "Q: What is the boiling point of water in Celsius?\nA:",
+    "Once upon a time, in a small village,",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm32(smollm2_dir: Path) -> LLM:
+    return LLM(model="smollm2-135m", dtype="float32")
+
+
+def test_logits_match_hf_on_real_weights(llm32: LLM, hf_smollm2: torch.nn.Module) -> None:
+    ids = llm32.tokenizer.encode(PROMPTS[0] + " was long and complicated.")
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        expected = hf_smollm2(tokens).logits
+    cache = llm32.model.new_cache(1, 64)
+    logits, _ = llm32.model(tokens, torch.arange(len(ids))[None], cache)
+    torch.testing.assert_close(logits, expected, atol=2e-3, rtol=1e-3)
+
+
+def test_conversion_matches_hf_reading_the_gguf(
+    smollm2_dir: Path, smollm2_gguf_alone: Path
+) -> None:
+    """Independent check of our GGUF conversion (dequantization, q/k un-permutation, names)."""
+    ref = AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf_alone.parent, gguf_file=smollm2_gguf_alone.name, dtype=torch.float32
+    ).eval()
+    ours = load_model(smollm2_dir, dtype="float32")
+    tokens = torch.tensor([[1, 504, 3458, 282, 4649, 314, 253, 1789, 30, 378, 2365, 28]])
+    with torch.no_grad():
+        expected = ref(tokens).logits
+    got, _ = ours(tokens, torch.arange(tokens.shape[1])[None], ours.new_cache(1, 16))
+    # Our cache stores bf16 weights (rounded from the dequantized Q4 values), so allow that.
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_greedy_64_tokens_equal_hf_token_for_token(llm32: LLM, hf_smollm2: torch.nn.Module) -> None:
+    # Both stop at the same EOS ids (generation_config.json); HF's min_new_tokens would instead
+    # mask the EOS logits and so change the greedy path.
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    outs = llm32.generate(PROMPTS, params)  # one batch of prompts with different lengths
+    lengths = []
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = llm32.tokenizer.encode(prompt)
+        with torch.no_grad():
+            ref = hf_smollm2.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=64)
+        assert list(out.token_ids) == ref[0, len(ids) :].tolist(), prompt
+        lengths.append(len(out.token_ids))
+    assert sum(lengths) >= 3 * 64  # most prompts run the full 64 tokens
+
+
+def test_chat_answers_coherently() -> None:
+    llm = LLM(model="smollm2-135m", dtype="bfloat16")
+    (out,) = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=40),
+    )
+    assert "Paris" in out.text
+    assert out.outputs[0].finish_reason == "stop"  # ended by <|im_end|>, not by the limit
