@@ -20,12 +20,12 @@ demo: install
 	$(VENV)/bin/specdecode generate --model $(MODEL) --chat --max-tokens 128 --prompt "$(PROMPT)"
 
 test: install
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 bench: install
 	$(PY) benchmarks/plain_decode.py --models smollm2-135m,qwen2.5-coder-1.5b

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from specdecode.model.loading import load_model
-from specdecode.model.transformer import Transformer
+from specdecode.model.transformer import Transformer, _grouped_attention
 
 
 def _run(model: Transformer, tokens: torch.Tensor, start: int = 0, cache=None):
@@ -127,3 +128,19 @@ def test_cache_capacity_and_truncate_errors(models) -> None:
         _run(ours, torch.tensor([[4, 5]]), start=3, cache=cache)
     with pytest.raises(ValueError, match="cannot truncate"):
         cache.truncate(5)
+
+
+@pytest.mark.parametrize("num_new", [1, 3, 16])
+def test_grouped_attention_matches_sdpa(num_new: int) -> None:
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 6, num_new, 32, generator=gen)
+    k = torch.randn(2, 2, 20, 32, generator=gen)
+    v = torch.randn(2, 2, 20, 32, generator=gen)
+    mask = torch.rand(2, 1, num_new, 20, generator=gen) > 0.3
+    mask[..., 0] = True  # every query sees at least one slot
+    for m in (None, mask):
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+        got = _grouped_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), m)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(_grouped_attention(q, k, v, m), expected, atol=1e-5, rtol=1e-5)

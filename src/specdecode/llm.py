@@ -75,6 +75,7 @@ class LLM:
             params,
             self.tokenizer,
             self.model.config.max_position_embeddings,
+            self.model.device,
         )
 
     def _sequences(

@@ -40,6 +40,7 @@ class Sequence:
         params: SamplingParams,
         tokenizer: Tokenizer,
         max_context: int,
+        device: torch.device | str = "cpu",
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
@@ -54,7 +55,9 @@ class Sequence:
         self.params = params
         self.max_new = min(params.max_tokens, max_context - len(prompt_ids))
         self.eos_ids = frozenset(() if params.ignore_eos else tokenizer.eos_token_ids)
-        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        self.generator = (
+            None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
+        )
         self.output_ids: list[int] = []
         self.text = ""  # text released to the user so far
         self._pending = ""  # decoded text held back because it may begin a stop string
