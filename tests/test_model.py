@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from specdecode.model import transformer
 from specdecode.model.loading import load_model
 from specdecode.model.transformer import Transformer, _grouped_attention
 
@@ -144,3 +145,21 @@ def test_grouped_attention_matches_sdpa(num_new: int) -> None:
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(_grouped_attention(q, k, v, m), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_decoding_through_grouped_attention(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model's bf16 decode path over a long cache (grouped attention) agrees with SDPA."""
+    model = load_model(tiny_model_dir, dtype="bfloat16")
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(9))
+
+    def decode(long_span: int) -> torch.Tensor:
+        monkeypatch.setattr(transformer, "LONG_SPAN", long_span)
+        logits, _, cache = _run(model, tokens[:, :4])
+        steps = [_run(model, tokens[:, i : i + 1], start=i, cache=cache)[0] for i in range(4, 12)]
+        return torch.cat([logits, *steps], dim=1).float()
+
+    grouped, sdpa = decode(1), decode(10**9)
+    assert not torch.equal(grouped, sdpa)  # two different kernels really ran
+    assert (grouped - sdpa).abs().max() < 0.02 * sdpa.abs().max()

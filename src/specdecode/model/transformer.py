@@ -108,7 +108,7 @@ class Attention(nn.Module):
         biases = [w.get(f"{n}.bias") for n in names]
         bias = None if biases[0] is None else torch.cat(biases)  # [(H + 2 Hkv) D]
         self.qkv_proj = make_linear(weight, bias)
-        self.split = (cfg.num_heads * cfg.head_dim, *[cfg.num_kv_heads * cfg.head_dim] * 2)
+        self.qkv_sizes = (cfg.num_heads * cfg.head_dim, *[cfg.num_kv_heads * cfg.head_dim] * 2)
         self.o_proj = make_linear(w[f"{prefix}o_proj.weight"])
 
     def forward(
@@ -121,7 +121,7 @@ class Attention(nn.Module):
         mask: Tensor | None,  # [B, 1, T, S] bool or None
     ) -> Tensor:  # [B, T, hidden]
         batch, num_new, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)  # [B, T, (H|Hkv) * D]
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # [B, T, (H|Hkv) * D]
         q = q.view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, num_new, self.num_kv_heads, self.head_dim)
         v = v.view(batch, num_new, self.num_kv_heads, self.head_dim)
