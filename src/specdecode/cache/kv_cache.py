@@ -35,6 +35,7 @@ class KVCache:
         self.lengths: list[int] = [0] * batch_size  # committed slots per row (host side)
         self._start: list[int] = list(self.lengths)  # lengths at the start of the current pass
         self._num_new = 0
+        self._slots: Tensor | None = None  # [B, T] write slots of this pass; None = one offset
 
     @property
     def batch_size(self) -> int:
@@ -56,9 +57,16 @@ class KVCache:
                 f"KV cache full: {max(self.lengths)} + {num_new} tokens > capacity {self.capacity}"
             )
         self._start, self._num_new = list(self.lengths), num_new
-        if mask is None and num_new == 1 and len(set(self.lengths)) == 1:
-            return None
         device = self.k.device
+        uniform = len(set(self._start)) == 1
+        self._slots = (
+            None
+            if uniform
+            else torch.tensor(self._start, device=device)[:, None]
+            + torch.arange(num_new, device=device)
+        )
+        if mask is None and num_new == 1 and uniform:
+            return None
         span = max(self._start) + num_new
         start = torch.tensor(self._start, device=device)  # [B]
         rel = torch.arange(span, device=device)[None, None, :] - start[:, None, None]  # [B,1,S]
@@ -76,17 +84,14 @@ class KVCache:
         k, v: [B, T, Hkv, D]. Returns two [B, Hkv, S, D] views, S = max(start) + T.
         """
         starts, num_new = self._start, self._num_new
-        if len(set(starts)) == 1:
+        if self._slots is None:  # every row starts at the same slot
             s0 = starts[0]
             self.k[layer, :, :, s0 : s0 + num_new] = k.transpose(1, 2)
             self.v[layer, :, :, s0 : s0 + num_new] = v.transpose(1, 2)
         else:
             rows = torch.arange(len(starts), device=k.device)[:, None]  # [B, 1]
-            slots = torch.tensor(starts, device=k.device)[:, None] + torch.arange(
-                num_new, device=k.device
-            )  # [B, T]
-            self.k[layer, rows, :, slots] = k  # advanced indices first: [B, T, Hkv, D]
-            self.v[layer, rows, :, slots] = v
+            self.k[layer, rows, :, self._slots] = k  # advanced indices first: [B, T, Hkv, D]
+            self.v[layer, rows, :, self._slots] = v
         span = max(starts) + num_new
         return self.k[layer, :, :, :span], self.v[layer, :, :, :span]
 

@@ -47,8 +47,8 @@ class Engine:
         device = self.model.device
         logits, cache = self._prefill(seqs)
         active = list(seqs)
+        st = SamplingTensors.from_params([s.params for s in active], device)
         while True:
-            st = SamplingTensors.from_params([s.params for s in active], device)
             chosen = next_tokens(logits, st, [s.generator for s in active]).tolist()
             for seq, token in zip(active, chosen, strict=True):
                 delta = seq.append([token])
@@ -61,6 +61,7 @@ class Engine:
                 cache.keep_rows(keep)
                 active = [active[row] for row in keep]
                 chosen = [chosen[row] for row in keep]
+                st = SamplingTensors.from_params([s.params for s in active], device)
             tokens = torch.tensor(chosen, device=device)[:, None]  # [B, 1]
             positions = torch.tensor(cache.lengths, device=device)[:, None]  # [B, 1]
             logits = self.model(tokens, positions, cache)[0][:, 0]  # [B, V]
