@@ -13,6 +13,17 @@ from specdecode.model.registry import ALIASES, PullError, list_models, pull
 from specdecode.types import RequestOutput, SamplingParams
 
 
+def _json_object(text: str) -> dict[str, object]:
+    """argparse type: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt")
     p.add_argument("--model", required=True, help="alias, Hugging Face folder or .gguf file")
@@ -27,6 +38,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'',
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
 
 
@@ -59,7 +76,7 @@ def _result_json(out: RequestOutput) -> dict[str, object]:
         "text": out.text,
         "token_ids": list(out.token_ids),
         "finish_reason": out.outputs[0].finish_reason,
-        **out.metrics.as_dict(),
+        **out.metrics.as_dict(),  # includes "spec": drafts, acceptance, tau
     }
 
 
@@ -72,7 +89,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop or ()),
     )
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        speculative_config=args.speculative_config,
+    )
     prompt: object = args.prompt
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
@@ -92,6 +114,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"\n[{m.num_generated_tokens} tokens in {m.elapsed_s:.2f} s, "
         f"{m.tokens_per_s:.2f} tokens/s, first token {m.time_to_first_token_s * 1000:.0f} ms, "
+        f"acceptance {m.spec.acceptance_rate:.2f}, tau {m.spec.mean_acceptance_length:.2f}, "
         f"finish: {reason}]",
         file=sys.stderr,
     )

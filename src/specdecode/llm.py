@@ -8,11 +8,15 @@ from typing import Any
 
 import torch
 
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.ngram import NgramConfig, NgramDrafter
 from specdecode.engine.engine import Engine
 from specdecode.engine.sequence import Sequence
+from specdecode.metrics import SpecCounters
 from specdecode.model.loading import load_model
 from specdecode.model.registry import resolve_model
 from specdecode.model.tokenizer import Tokenizer
+from specdecode.spec_config import SpecConfig
 from specdecode.types import RequestOutput, SamplingParams
 
 # A prompt: text, or vLLM's tokens form {"prompt_token_ids": [...]}.
@@ -25,7 +29,10 @@ class LLM:
 
     model: an alias (`specdecode models`), a Hugging Face folder, or a .gguf file.
     dtype: "bfloat16" (default, fast on CPU), "float32" (exact reference), "float16" or "auto".
-    speculative_config: reserved for speculative decoding; only None is accepted yet.
+    speculative_config: None for plain decoding, or vLLM's form, e.g.
+        {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2} (see `SpecConfig`). Output is the same either way (greedy:
+        token for token; sampling: the same distribution).
     device: where weights and caches live ("cpu", "cuda", ...).
     """
 
@@ -36,10 +43,9 @@ class LLM:
         speculative_config: Mapping[str, Any] | None = None,
         device: str = "cpu",
     ) -> None:
-        if speculative_config is not None:
-            raise ValueError(
-                "speculative_config is not supported yet; pass None for plain decoding"
-            )
+        self.spec_config = (
+            None if speculative_config is None else SpecConfig.from_dict(speculative_config)
+        )
         path = resolve_model(model)
         self.model_path = path
         self.model = load_model(path, dtype=dtype, device=device)
@@ -49,8 +55,21 @@ class LLM:
                 f"tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
                 f"{self.model.config.vocab_size}: they do not belong together"
             )
-        self.engine = Engine(self.model)
+        self.engine = Engine(self.model, self._drafter())
+        self.spec_metrics = SpecCounters()  # all requests of this LLM added together
         self._ids = itertools.count()
+
+    def _drafter(self) -> Drafter | None:
+        """The drafter `speculative_config` asks for (None = plain decoding)."""
+        spec = self.spec_config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            config = NgramConfig(
+                spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
+            )
+            return NgramDrafter(config, self.tokenizer.eos_token_ids)
+        raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
     def _sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
         if isinstance(prompt, str):
@@ -99,6 +118,8 @@ class LLM:
         seqs = self._sequences(prompts, sampling_params)
         for _ in self.engine.stream(seqs):
             pass
+        for seq in seqs:
+            self.spec_metrics += seq.spec
         return [s.output() for s in seqs]
 
     def stream(
@@ -108,6 +129,7 @@ class LLM:
         (seq,) = self._sequences(prompt, sampling_params)
         for _, _delta in self.engine.stream([seq]):
             yield seq.output()
+        self.spec_metrics += seq.spec
 
     def chat_prompt(self, messages: Messages) -> dict[str, list[int]]:
         """Render one conversation with the model's chat template into a tokens prompt."""

@@ -1,8 +1,12 @@
-"""Frozen dataclasses at stage boundaries: sampling parameters, request metrics and outputs."""
+"""Frozen dataclasses at stage boundaries: sampling parameters, drafts, verdicts, outputs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from specdecode.metrics import SpecCounters
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,22 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class Draft:
+    """The tokens a drafter proposes for one sequence in one step (a chain)."""
+
+    tokens: Tensor  # [K] int64, K >= 0
+    probs: Tensor | None = None  # [K, V] float32 q of each token; None = deterministic (one-hot)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What verification kept of one sequence's draft."""
+
+    num_accepted: int  # accepted draft tokens, 0..K
+    tokens: Tensor  # [num_accepted + 1] int64: accepted tokens + the recovered or bonus token
+
+
+@dataclass(frozen=True, slots=True)
 class RequestMetrics:
     """Counters and timings of one request; rates are derived on read."""
 
@@ -61,6 +81,7 @@ class RequestMetrics:
     num_generated_tokens: int
     elapsed_s: float  # from the start of the request to its last token
     time_to_first_token_s: float  # from the start of the request to its first generated token
+    spec: SpecCounters = field(default_factory=SpecCounters)  # drafting / acceptance counters
 
     @property
     def tokens_per_s(self) -> float:
@@ -74,6 +95,7 @@ class RequestMetrics:
             "elapsed_s": self.elapsed_s,
             "time_to_first_token_s": self.time_to_first_token_s,
             "tokens_per_s": self.tokens_per_s,
+            "spec": self.spec.as_dict(),
         }
 
 

@@ -1,4 +1,4 @@
-"""The engine owns the model and its cache and runs a batch of sequences to completion."""
+"""The engine owns the model, its cache and a drafter, and runs a batch of sequences to the end."""
 
 from __future__ import annotations
 
@@ -8,16 +8,22 @@ import torch
 from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.plain import EMPTY_DRAFT, PlainDrafter
 from specdecode.engine.sequence import Sequence
+from specdecode.engine.step import commit, speculative_step
 from specdecode.model.transformer import Transformer
-from specdecode.sampling.probs import SamplingTensors, next_tokens
+from specdecode.sampling.probs import SamplingTensors, probs_from_logits
+from specdecode.sampling.rejection import verdicts, verify_chain
+from specdecode.spec_config import MAX_SPECULATIVE_TOKENS
 
 
 class Engine:
-    """Plain (non-speculative) batched decoding over a `Transformer`."""
+    """Batched decoding over a `Transformer`, speculative when given a drafter."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, drafter: Drafter | None = None) -> None:
         self.model = model
+        self.drafter: Drafter = drafter if drafter is not None else PlainDrafter()
 
     def _prefill(self, seqs: list[Sequence]) -> tuple[Tensor, KVCache]:
         """Run every prompt (right-padded into one batch); return last-token logits and cache."""
@@ -29,12 +35,27 @@ class Engine:
             tokens[row, : lengths[row]] = torch.tensor(seq.prompt_ids)
         positions = torch.arange(width).expand(len(seqs), -1)  # [B, T]
         last = torch.tensor(lengths)[:, None] - 1  # [B, 1]
-        cache = self.model.new_cache(len(seqs), max(s.length + s.max_new for s in seqs))
+        # Spare slots: a short draft is padded to the batch's longest one (<= 64 tokens).
+        capacity = max(s.length + s.max_new for s in seqs) + MAX_SPECULATIVE_TOKENS
+        cache = self.model.new_cache(len(seqs), capacity)
         logits, _ = self.model(
             tokens.to(device), positions.to(device), cache, logits_index=last.to(device)
         )
         cache.truncate(lengths)  # padding slots are rolled back
-        return logits[:, 0], cache  # [B, V]
+        return logits, cache  # [B, 1, V]
+
+    def _first_tokens(self, seqs: list[Sequence], logits: Tensor, st: SamplingTensors) -> list[str]:
+        """Sample each sequence's first token from the prefill logits ([B, 1, V]); commit it."""
+        device = self.model.device
+        none = torch.zeros(len(seqs), 0, dtype=torch.long, device=device)  # [B, 0]
+        num_accepted, out = verify_chain(
+            probs_from_logits(logits, st),
+            none,
+            None,
+            torch.zeros(len(seqs), dtype=torch.long, device=device),
+            [s.generator for s in seqs],
+        )
+        return commit(seqs, [EMPTY_DRAFT] * len(seqs), verdicts(num_accepted, out), self.drafter)
 
     @torch.inference_mode()
     def stream(self, seqs: list[Sequence]) -> Iterator[tuple[Sequence, str]]:
@@ -44,24 +65,22 @@ class Engine:
         """
         if not seqs:
             return
-        device = self.model.device
         logits, cache = self._prefill(seqs)
         active = list(seqs)
-        st = SamplingTensors.from_params([s.params for s in active], device)
+        st = SamplingTensors.from_params([s.params for s in active], self.model.device)
+        texts = self._first_tokens(active, logits, st)
         while True:
-            chosen = next_tokens(logits, st, [s.generator for s in active]).tolist()
-            for seq, token in zip(active, chosen, strict=True):
-                delta = seq.append([token])
-                if delta or seq.finished:
-                    yield seq, delta
+            for seq, text in zip(active, texts, strict=True):
+                if text or seq.finished:
+                    yield seq, text
             keep = [row for row, seq in enumerate(active) if not seq.finished]
+            for seq in active:
+                if seq.finished:
+                    self.drafter.release(seq.request_id)
             if not keep:
                 return
             if len(keep) < len(active):
                 cache.keep_rows(keep)
                 active = [active[row] for row in keep]
-                chosen = [chosen[row] for row in keep]
-                st = SamplingTensors.from_params([s.params for s in active], device)
-            tokens = torch.tensor(chosen, device=device)[:, None]  # [B, 1]
-            positions = torch.tensor(cache.lengths, device=device)[:, None]  # [B, 1]
-            logits = self.model(tokens, positions, cache)[0][:, 0]  # [B, V]
+                st = SamplingTensors.from_params([s.params for s in active], self.model.device)
+            texts = speculative_step(self.model, cache, active, self.drafter, st)

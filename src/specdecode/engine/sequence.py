@@ -11,6 +11,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from specdecode.engine.detokenizer import IncrementalDetokenizer
+from specdecode.metrics import SpecCounters
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.types import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 
@@ -59,6 +60,7 @@ class Sequence:
             None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
         )
         self.output_ids: list[int] = []
+        self.spec = SpecCounters()  # draft / accept counters of this request
         self.text = ""  # text released to the user so far
         self._pending = ""  # decoded text held back because it may begin a stop string
         self._detok = IncrementalDetokenizer(tokenizer)
@@ -71,6 +73,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Committed tokens: prompt + generated (a new list)."""
+        return self.prompt_ids + self.output_ids
 
     @property
     def length(self) -> int:
@@ -138,6 +145,7 @@ class Sequence:
             num_generated_tokens=len(self.output_ids),
             elapsed_s=end - self.t_start,
             time_to_first_token_s=first - self.t_start,
+            spec=self.spec.copy(),
         )
         completion = CompletionOutput(
             index=0,

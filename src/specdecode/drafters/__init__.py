@@ -1,0 +1,1 @@
+"""Drafters: anything that proposes tokens for the target to verify."""

@@ -1,0 +1,173 @@
+"""Prompt lookup decoding: draft what followed the last earlier occurrence of the current suffix.
+
+A deterministic drafter (q is one-hot, so `Draft.probs` is None), like vLLM's `ngram` method and
+Hugging Face's `prompt_lookup_num_tokens`. Each sequence keeps an incremental index, so a propose
+costs a few dictionary look-ups whatever the history's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.drafters.base import SeqView
+from specdecode.types import Draft, Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class NgramConfig:
+    """Settings of the n-gram (prompt lookup) drafter.
+
+    num_speculative_tokens: draft at most this many tokens per step (K).
+    prompt_lookup_max: the longest suffix (n-gram) looked up; tried first.
+    prompt_lookup_min: the shortest suffix looked up; tried last.
+    """
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                "prompt_lookup_min must be <= prompt_lookup_max, got "
+                f"prompt_lookup_min={self.prompt_lookup_min} > "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+
+
+class _SuffixIndex:
+    """For one sequence: each n-gram (min <= n <= max) -> start of its last occurrence.
+
+    An n-gram is indexed only once the token after it is known, so the suffix of the history
+    is never found as its own earlier occurrence. Worked example, min = max = 2:
+
+        tokens = [5, 6, 7, 5, 6]      (positions 0..4)
+        indexed: (5, 6) -> 0, (6, 7) -> 1, (7, 5) -> 2     continuations at positions 2, 3, 4
+        not yet: (5, 6) at 3: its continuation (position 5) is not known yet
+        suffix (5, 6) -> start 0 -> propose tokens[2:] = [7, 5, 6]
+
+    After the token 7 is committed, tokens = [5, 6, 7, 5, 6, 7]: the continuation at position 5
+    is now known, so (5, 6) -> 3 overwrites (5, 6) -> 0 (later wins: the most recent occurrence),
+    and the new suffix (6, 7) -> 1 proposes tokens[3:] = [5, 6, 7].
+
+    Attributes:
+        last_start: n-gram tuple -> start position of its most recent occurrence that has a
+            continuation (tuples of different n never collide, so one dict serves every n).
+        num_indexed: length of the history already indexed (its continuations are all in).
+    """
+
+    __slots__ = ("last_start", "num_indexed")
+
+    def __init__(self) -> None:
+        self.last_start: dict[tuple[int, ...], int] = {}
+        self.num_indexed = 0
+
+    def extend(self, tokens: list[int], min_n: int, max_n: int) -> None:
+        """Index every n-gram whose continuation lies in `tokens[num_indexed:]`.
+
+        The n-gram starting at s has its continuation at s + n, so the new starts of each n
+        run from max(num_indexed - n, 0) to len(tokens) - n - 1. Their tuples are built by
+        zipping n shifted slices (C speed), e.g. n = 2, tokens = [5, 6, 7, 5], all new:
+        zip([5, 6], [6, 7]) -> (5, 6) at 0, (6, 7) at 1; (7, 5) at 2 waits for its continuation.
+        Starts go in increasing order, so a later occurrence overwrites an earlier one.
+        """
+        if len(tokens) < self.num_indexed:  # the history was rolled back: start over
+            self.last_start.clear()
+            self.num_indexed = 0
+        end = len(tokens)
+        for n in range(min_n, max_n + 1):
+            first = max(self.num_indexed - n, 0)
+            if first >= end - n:  # no new n-gram with a continuation (and no negative slices)
+                continue
+            grams = zip(*(tokens[first + j : end - n + j] for j in range(n)), strict=True)
+            self.last_start.update(zip(grams, range(first, end - n), strict=True))
+        self.num_indexed = end
+
+
+class NgramDrafter:
+    """Drafts the tokens that followed the most recent earlier occurrence of the suffix.
+
+    For n from `prompt_lookup_max` down to `prompt_lookup_min`, the last n tokens of
+    `token_ids` (prompt + committed output) are looked up; the first n with an earlier
+    occurrence wins and its continuation is proposed, at most
+    min(max_tokens[i], num_speculative_tokens) tokens, never past the end of the history and
+    cut just before the first EOS token. No match gives an empty draft.
+
+    Args:
+        config: draft length and n-gram range.
+        eos_token_ids: end-of-sequence ids; a draft never contains one.
+    """
+
+    def __init__(self, config: NgramConfig, eos_token_ids: Collection[int]) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self._indexes: dict[str, _SuffixIndex] = {}
+
+    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+        """One deterministic draft per sequence, of at most `max_tokens[i]` tokens.
+
+        Args:
+            seqs: the sequences to draft for.
+            max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
+
+        Returns:
+            drafts: `Draft(tokens [K_i] int64, probs=None)` per sequence, K_i may be 0.
+        """
+        if len(max_tokens) != len(seqs):
+            raise ValueError(
+                f"max_tokens needs one entry per sequence: got {len(max_tokens)} entries "
+                f"for {len(seqs)} sequences"
+            )
+        return [
+            Draft(tokens=torch.tensor(self._propose_one(seq, k), dtype=torch.long))
+            for seq, k in zip(seqs, max_tokens, strict=True)
+        ]
+
+    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+        """Index the tokens of `verdict`, already appended to `seq.token_ids`."""
+        self._sync(seq)
+
+    def release(self, request_id: str) -> None:
+        """Forget the index of a finished sequence (unknown ids are ignored)."""
+        self._indexes.pop(request_id, None)
+
+    def _sync(self, seq: SeqView) -> tuple[_SuffixIndex, list[int]]:
+        """The sequence's index, brought up to date with its history (built on first use)."""
+        index = self._indexes.get(seq.request_id)
+        if index is None:
+            index = self._indexes[seq.request_id] = _SuffixIndex()
+        tokens = seq.token_ids
+        if index.num_indexed != len(tokens):
+            index.extend(tokens, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        return index, tokens
+
+    def _propose_one(self, seq: SeqView, max_tokens: int) -> list[int]:
+        """The draft of one sequence as a list of token ids (possibly empty)."""
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens} for {seq.request_id!r}")
+        index, tokens = self._sync(seq)
+        k = min(max_tokens, self.config.num_speculative_tokens)
+        length = len(tokens)
+        if k == 0:
+            return []
+        for n in range(
+            min(self.config.prompt_lookup_max, length), self.config.prompt_lookup_min - 1, -1
+        ):
+            start = index.last_start.get(tuple(tokens[length - n :]))
+            if start is not None:
+                return self._cut_at_eos(tokens[start + n : min(start + n + k, length)])
+        return []
+
+    def _cut_at_eos(self, draft: list[int]) -> list[int]:
+        """`draft` up to, not including, its first EOS token."""
+        for i, token in enumerate(draft):
+            if token in self.eos_token_ids:
+                return draft[:i]
+        return draft

@@ -1,0 +1,83 @@
+"""Speculative-decoding metrics: counters only; every rate is derived on read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """Counters of one request, or of many added together.
+
+    num_steps: target verification passes (prefill's first token counts as one).
+    num_drafts: steps that carried a draft of at least one token.
+    num_draft_tokens: drafted tokens, summed over steps.
+    num_accepted_tokens: draft tokens the verifier kept.
+    num_output_tokens: tokens the steps emitted (accepted + recovered/bonus, as committed).
+    accepted_per_position: [i] = drafts whose first i + 1 tokens were all accepted.
+    """
+
+    num_steps: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_output_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
+        """Count one verification step of one sequence."""
+        self.num_steps += 1
+        self.num_output_tokens += num_emitted
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        missing = num_accepted - len(self.accepted_per_position)
+        self.accepted_per_position.extend([0] * max(0, missing))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def copy(self) -> SpecCounters:
+        """An independent snapshot."""
+        snapshot = SpecCounters()
+        snapshot += self
+        return snapshot
+
+    def __iadd__(self, other: SpecCounters) -> SpecCounters:
+        self.num_steps += other.num_steps
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_output_tokens += other.num_output_tokens
+        ours, theirs = self.accepted_per_position, other.accepted_per_position
+        ours.extend([0] * max(0, len(theirs) - len(ours)))
+        for i, count in enumerate(theirs):
+            ours[i] += count
+        return self
+
+    @property
+    def acceptance_rate(self) -> float:
+        """num_accepted_tokens / num_draft_tokens (0 when nothing was drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: output tokens per target verification step, recovered/bonus token included.
+
+        Plain decoding has tau = 1.0; a step that accepts all K draft tokens emits K + 1.
+        """
+        return self.num_output_tokens / self.num_steps if self.num_steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "num_steps": self.num_steps,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "accepted_per_position": list(self.accepted_per_position),
+        }

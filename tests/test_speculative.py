@@ -1,0 +1,174 @@
+"""Speculative decoding is lossless: greedy output equals plain greedy output, token for token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode.drafters.base import SeqView
+from specdecode.engine.engine import Engine
+from specdecode.llm import LLM
+from specdecode.types import Draft, SamplingParams, Verdict
+
+PROMPTS = [
+    {"prompt_token_ids": [5, 17, 42, 99, 3, 250, 17, 42, 99]},
+    {"prompt_token_ids": list(range(10, 40)) + list(range(10, 20))},
+    {"prompt_token_ids": [7]},
+    {"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2]},
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir: Path) -> LLM:
+    return LLM(model=str(tiny_model_dir), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def expected(plain: LLM) -> list[list[int]]:
+    return [list(o.token_ids) for o in plain.generate(PROMPTS, GREEDY)]
+
+
+class OracleDrafter:
+    """Proposes the target's own greedy continuation (draft = target)."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], k: int) -> None:
+        self.continuations, self.k = continuations, k
+
+    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+        drafts = []
+        for seq, limit in zip(seqs, max_tokens, strict=True):
+            ids = seq.token_ids
+            for prompt, cont in self.continuations.items():
+                if tuple(ids[: len(prompt)]) == prompt:
+                    done = len(ids) - len(prompt)
+                    nxt = cont[done : done + min(self.k, limit)]
+                    drafts.append(Draft(torch.tensor(nxt, dtype=torch.long)))
+        return drafts
+
+    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class RandomDrafter:
+    """Proposes random tokens (deterministic drafter: q one-hot)."""
+
+    def __init__(self, k: int, vocab: int) -> None:
+        self.k, self.vocab, self.gen = k, vocab, torch.Generator().manual_seed(0)
+
+    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+        return [
+            Draft(torch.randint(0, self.vocab, (min(self.k, m),), generator=self.gen))
+            for m in max_tokens
+        ]
+
+    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def _with_drafter(llm: LLM, drafter) -> LLM:
+    llm.engine = Engine(llm.model, drafter)
+    return llm
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_ngram_greedy_equals_plain_batch_and_single(
+    tiny_model_dir: Path, expected: list[list[int]], k: int
+) -> None:
+    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    batched = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.token_ids) for o in batched] == expected
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        assert list(llm.generate(prompt, GREEDY)[0].token_ids) == want
+    assert llm.spec_metrics.num_draft_tokens > 0  # the drafter really drafted
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_draft_equal_to_target_is_fully_accepted(
+    tiny_model_dir: Path, expected: list[list[int]], k: int
+) -> None:
+    continuations = {
+        tuple(p["prompt_token_ids"]): e for p, e in zip(PROMPTS, expected, strict=True)
+    }
+    llm = _with_drafter(
+        LLM(model=str(tiny_model_dir), dtype="float32"), OracleDrafter(continuations, k)
+    )
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.token_ids) for o in outs] == expected
+    for out in outs:
+        spec = out.metrics.spec
+        assert spec.acceptance_rate >= 0.98
+        # every full step emits k + 1 tokens; only the first token and the tail are shorter
+        assert spec.mean_acceptance_length >= 0.98 * (k + 1) * (1 - (k + 2) / 40)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_random_drafts_are_rejected_and_output_unchanged(
+    tiny_model_dir: Path, expected: list[list[int]], k: int
+) -> None:
+    llm = _with_drafter(LLM(model=str(tiny_model_dir), dtype="float32"), RandomDrafter(k, 300))
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.token_ids) for o in outs] == expected
+    assert llm.spec_metrics.acceptance_rate < 0.1
+
+
+def test_plain_decoding_has_tau_one(plain: LLM) -> None:
+    (out,) = plain.generate(PROMPTS[0], GREEDY)
+    spec = out.metrics.spec
+    assert spec.num_steps == 40 and spec.mean_acceptance_length == 1.0
+    assert spec.num_draft_tokens == 0 and spec.acceptance_rate == 0.0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5])
+def test_max_tokens_never_exceeded_by_a_step(
+    tiny_model_dir: Path, expected: list[list[int]], max_tokens: int
+) -> None:
+    continuations = {
+        tuple(p["prompt_token_ids"]): e for p, e in zip(PROMPTS, expected, strict=True)
+    }
+    llm = _with_drafter(
+        LLM(model=str(tiny_model_dir), dtype="float32"), OracleDrafter(continuations, 8)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for out, want in zip(llm.generate(PROMPTS, params), expected, strict=True):
+        assert list(out.token_ids) == want[:max_tokens]
+
+
+def test_sampling_with_a_seed_is_reproducible(tiny_model_dir: Path) -> None:
+    config = {"method": "ngram", "num_speculative_tokens": 4}
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    params = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=3, ignore_eos=True)
+    first = llm.generate(PROMPTS, params)
+    second = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method 'medusa' is not supported"),
+        ({"method": "ngram"}, "needs num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, r"must be an int in 1\.\.64"),
+        ({"method": "ngram", "num_speculative_tokens": 65}, r"must be an int in 1\.\.64"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown speculative_config"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5},
+            "1 <= prompt_lookup_min <= prompt_lookup_max",
+        ),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+        ("ngram", "must be a dict"),
+    ],
+)
+def test_bad_speculative_configs(tiny_model_dir: Path, config, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
