@@ -35,3 +35,22 @@ def test_models_lists_every_alias(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for alias in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
         assert alias in out
+
+
+def test_generate_with_speculative_config_reports_spec_metrics(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc", "--json"]
+    assert main([*args, "--max-tokens", "12", "--speculative-config", config]) == 0
+    spec = json.loads(capsys.readouterr().out)["spec"]
+    assert spec["num_steps"] >= 1 and spec["mean_acceptance_length"] >= 1.0
+    assert {"num_drafts", "num_draft_tokens", "acceptance_rate", "accepted_per_position"} <= set(
+        spec
+    )
+
+
+def test_bad_speculative_config_json(tiny_model_dir: Path) -> None:
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi"]
+    with pytest.raises(SystemExit):
+        main([*args, "--speculative-config", "{not json"])

@@ -82,3 +82,28 @@ def test_chat_answers_coherently() -> None:
     )
     assert "Paris" in out.text
     assert out.outputs[0].finish_reason == "stop"  # ended by <|im_end|>, not by the limit
+
+
+def test_ngram_speculative_greedy_equals_plain_on_real_model(llm32: LLM) -> None:
+    spec = LLM(
+        model="smollm2-135m",
+        dtype="float32",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 6},
+    )
+    text = "The cat sat on the mat. The dog sat on the log. "
+    prompts = [*PROMPTS[:2], f"Repeat this text exactly: {text}\nRepeated: {text[:20]}"]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    plain_out = llm32.generate(prompts, params)
+    spec_out = spec.generate(prompts, params)
+    assert [o.token_ids for o in spec_out] == [o.token_ids for o in plain_out]
+    assert spec.spec_metrics.num_accepted_tokens > 0  # lookup hits on the echo prompt
+
+
+def test_draft_model_speculative_greedy_equals_plain_on_real_model(llm32: LLM) -> None:
+    config = {"model": "smollm2-135m", "num_speculative_tokens": 4}  # draft = target
+    spec = LLM(model="smollm2-135m", dtype="float32", speculative_config=config)
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    plain_out = llm32.generate(PROMPTS[:2], params)
+    spec_out = spec.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in spec_out] == [o.token_ids for o in plain_out]
+    assert spec.spec_metrics.acceptance_rate >= 0.98

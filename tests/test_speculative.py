@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -171,4 +172,28 @@ def test_sampling_with_a_seed_is_reproducible(tiny_model_dir: Path) -> None:
 )
 def test_bad_speculative_configs(tiny_model_dir: Path, config, message: str) -> None:
     with pytest.raises(ValueError, match=message):
+        LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+
+
+def test_draft_model_config_greedy_equals_plain(
+    tiny_model_dir: Path, expected: list[list[int]]
+) -> None:
+    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 3}  # draft = target
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.token_ids) for o in outs] == expected
+    assert llm.spec_metrics.acceptance_rate >= 0.98
+
+
+def test_draft_model_with_another_vocabulary_is_refused(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from tiny_tokenizer import make_byte_tokenizer
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    (other / "tokenizer.json").unlink()
+    make_byte_tokenizer(other, vocab_size=290)  # fewer filler tokens than the target's 300
+    config = {"model": str(other), "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match=r"different vocabulary from the target \(290 vs 300"):
         LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)

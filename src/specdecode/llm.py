@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from specdecode.drafters.base import Drafter
+from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramConfig, NgramDrafter
 from specdecode.engine.engine import Engine
 from specdecode.engine.sequence import Sequence
@@ -22,6 +23,23 @@ from specdecode.types import RequestOutput, SamplingParams
 # A prompt: text, or vLLM's tokens form {"prompt_token_ids": [...]}.
 Prompt = str | Mapping[str, Any]
 Messages = list[dict[str, str]]
+
+
+def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
+    """Refuse a draft model whose tokens differ from the target's, saying what differs."""
+    ours, theirs = target.vocab(), draft.vocab()
+    if ours == theirs:
+        return
+    differ = sorted(
+        (t for t in set(ours) | set(theirs) if ours.get(t) != theirs.get(t)),
+        key=lambda t: (ours.get(t, -1), t),
+    )
+    examples = ", ".join(f"{t!r}: target {ours.get(t)}, draft {theirs.get(t)}" for t in differ[:3])
+    raise ValueError(
+        f"draft model {draft_name!r} has a different vocabulary from the target "
+        f"({len(theirs)} vs {len(ours)} tokens, {len(differ)} differ, e.g. {examples}); "
+        "a draft model must share the target's tokenizer"
+    )
 
 
 class LLM:
@@ -69,7 +87,11 @@ class LLM:
                 spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
             )
             return NgramDrafter(config, self.tokenizer.eos_token_ids)
-        raise ValueError(f"speculative method {spec.method!r} is not available yet")
+        assert spec.model is not None  # SpecConfig checks that a draft_model has one
+        draft_path = resolve_model(spec.model)
+        check_same_vocabulary(self.tokenizer, Tokenizer.from_folder(draft_path), spec.model)
+        draft = load_model(draft_path, dtype=self.model.dtype, device=str(self.model.device))
+        return DraftModelDrafter(draft, spec.num_speculative_tokens, self.model.config.vocab_size)
 
     def _sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
         if isinstance(prompt, str):

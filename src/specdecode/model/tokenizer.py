@@ -177,6 +177,10 @@ class Tokenizer:
         token_ids = [self._check_id(i, "token id") for i in ids]
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token string with its id, added tokens included."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def token_to_id(self, token: str) -> int | None:
         """Id of the vocabulary entry spelled `token` (byte-level spelling), or None."""
         return self._backend.token_to_id(token)

@@ -1,0 +1,160 @@
+"""Draft model: a small model with the target's vocabulary proposes K tokens autoregressively.
+
+The classic speculative decoding drafter (Leviathan et al. 2023; Chen et al. 2023; vLLM's
+`draft_model` method). q is the draft model's distribution after the sequence's own sampling
+parameters (the same `probs_from_logits` path as the target's p), so greedy requests get a
+one-hot q and the draft is the draft model's greedy continuation.
+
+Each sequence owns a one-row KV cache of the draft model, kept under the same invariant as the
+target's cache: it holds every committed token but the last. Worked example, K = 3, committed
+tokens t0..t4 (cache holds t0..t3, length 4):
+
+    propose: feed [t4] at position 4 -> q1, d1; feed [d1] at 5 -> q2, d2; feed [d2] at 6 -> q3, d3
+             cache now holds t0..t4 d1 d2 (length 7); d3 was never fed.
+    verdict: accepted d1, recovered r -> committed t0..t4 d1 r (7 tokens)
+    commit:  truncate to min(7, 7 - 1) = 6 -> t0..t4 d1 (still valid: d1 was accepted)
+    propose: feeds the rest, [r] at position 6, and drafts on.
+
+If every draft token is accepted plus a bonus b (committed t0..t4 d1 d2 d3 b, 9 tokens), the
+truncation keeps length 7 and the next propose catches up by feeding [d3, b] at positions 7, 8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from specdecode.cache.kv_cache import KVCache
+from specdecode.drafters.base import SeqView
+from specdecode.model.transformer import Transformer
+from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
+from specdecode.types import Draft, Verdict
+
+
+class DraftModelDrafter:
+    """Proposes up to K tokens per sequence by running a small draft model autoregressively.
+
+    Sequences are drafted one after another (no batching across sequences yet); each keeps
+    its own draft-model KV cache, keyed by `request_id`, until `release`.
+
+    Args:
+        model: the draft model; its vocabulary must be the target's (same ids, same size).
+        num_speculative_tokens: draft at most this many tokens per step (K >= 1).
+        target_vocab_size: the target's vocabulary size, checked against the draft model's.
+
+    Raises:
+        ValueError: K is not an int >= 1, or the vocabulary sizes differ.
+    """
+
+    def __init__(
+        self, model: Transformer, num_speculative_tokens: int, target_vocab_size: int
+    ) -> None:
+        k = num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an int >= 1, got {k!r}")
+        if model.config.vocab_size != target_vocab_size:
+            raise ValueError(
+                "the draft model's vocabulary size must equal the target's: draft model has "
+                f"{model.config.vocab_size} tokens, target has {target_vocab_size}"
+            )
+        self.model = model
+        self.num_speculative_tokens = k
+        self._caches: dict[str, KVCache] = {}
+
+    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+        """One sampled draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
+
+        Args:
+            seqs: the sequences to draft for.
+            max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
+
+        Returns:
+            drafts: `Draft(tokens [k_i] int64, probs [k_i, V] float32)` per sequence.
+        """
+        if len(max_tokens) != len(seqs):
+            raise ValueError(
+                f"max_tokens needs one entry per sequence: got {len(max_tokens)} entries "
+                f"for {len(seqs)} sequences"
+            )
+        with torch.inference_mode():
+            return [self._propose_one(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
+
+    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+        """Roll the cache back to the committed tokens but the last one.
+
+        Draft tokens that were fed and then accepted stay cached (they are committed now);
+        the rejected ones are cut off. The next `propose` feeds whatever is missing.
+        """
+        cache = self._caches.get(seq.request_id)
+        if cache is not None:
+            cache.truncate(min(cache.lengths[0], len(seq.token_ids) - 1))
+
+    def release(self, request_id: str) -> None:
+        """Drop the draft-model cache of a finished sequence (unknown ids are ignored)."""
+        self._caches.pop(request_id, None)
+
+    def _propose_one(self, seq: SeqView, max_tokens: int) -> Draft:
+        """Catch up on the committed tokens, then draft token by token."""
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens} for {seq.request_id!r}")
+        ids = seq.token_ids
+        # d_j is fed at position len(ids) - 2 + j (j < k); keep positions inside the context.
+        room = self.model.config.max_position_embeddings - len(ids) + 1
+        k = min(max_tokens, self.num_speculative_tokens, max(room, 0))
+        vocab = self.model.config.vocab_size
+        if k == 0 or not ids:
+            return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, vocab))
+        cache = self._cache_for(seq, len(ids) + k)
+        cached = min(cache.lengths[0], len(ids) - 1)
+        cache.truncate(cached)
+        st = SamplingTensors.from_params([seq.params], self.model.device)
+        tokens = torch.empty(k, dtype=torch.long)  # [k]
+        probs = torch.empty(k, vocab)  # [k, V]
+        new = ids[cached:]  # the last committed token, plus any not fed yet
+        for j in range(k):
+            q = self._next_probs(cache, new, cached, st)  # [V]
+            token = self._draw(q, st, seq.generator)
+            tokens[j], probs[j] = token, q
+            cached += len(new)
+            new = [token]
+        return Draft(tokens, probs)
+
+    def _next_probs(
+        self, cache: KVCache, new: list[int], start: int, st: SamplingTensors
+    ) -> Tensor:
+        """Feed `new` at positions start.. and return q ([V] float32) after the last of them."""
+        device = self.model.device
+        tokens = torch.tensor([new], dtype=torch.long, device=device)  # [1, T]
+        positions = torch.arange(start, start + len(new), device=device)[None]  # [1, T]
+        last = torch.tensor([[len(new) - 1]], device=device)  # [1, 1]
+        logits, _ = self.model(tokens, positions, cache, logits_index=last)  # [1, 1, V]
+        return probs_from_logits(logits[:, 0], st)[0].cpu()  # [V]
+
+    @staticmethod
+    def _draw(q: Tensor, st: SamplingTensors, generator: torch.Generator | None) -> int:
+        """The next draft token: argmax of a greedy (one-hot) q, else a sample with `generator`."""
+        if st.all_greedy:
+            return int(q.argmax())
+        return int(sample(q[None], [generator])[0])
+
+    def _cache_for(self, seq: SeqView, needed: int) -> KVCache:
+        """The sequence's cache, allocated or grown so that it holds at least `needed` slots.
+
+        First allocation: room for the prompt, the whole `max_tokens` and a K-token draft, so
+        it normally never grows; growing copies the cached keys/values once.
+        """
+        cache = self._caches.get(seq.request_id)
+        if cache is not None and cache.capacity >= needed:
+            return cache
+        capacity = max(needed, len(seq.token_ids) + seq.params.max_tokens)
+        capacity += self.num_speculative_tokens + 1
+        grown = self.model.new_cache(1, capacity)
+        if cache is not None:
+            n = cache.lengths[0]
+            grown.k[:, :, :, :n] = cache.k[:, :, :, :n]
+            grown.v[:, :, :, :n] = cache.v[:, :, :, :n]
+            grown.lengths = [n]
+        self._caches[seq.request_id] = grown
+        return grown

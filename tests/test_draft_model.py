@@ -1,0 +1,102 @@
+"""Draft-model drafter: lossless greedy output, full acceptance of itself, seeded sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import build_tiny_model
+
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.engine.engine import Engine
+from specdecode.llm import LLM
+from specdecode.model.loading import load_model
+from specdecode.types import SamplingParams
+
+PROMPTS = [
+    {"prompt_token_ids": [5, 17, 42, 99, 3, 250, 17, 42, 99]},
+    {"prompt_token_ids": list(range(10, 40)) + list(range(10, 20))},
+    {"prompt_token_ids": [7]},
+    {"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2]},
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: Path) -> list[list[int]]:
+    plain = LLM(model=str(tiny_model_dir), dtype="float32")
+    return [list(o.token_ids) for o in plain.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A different tiny model (seed 1) of the same architecture and vocabulary."""
+    arch = "llama" if "llama" in tiny_model_dir.name else "qwen2"
+    return build_tiny_model(tmp_path_factory.mktemp(f"draft_{arch}"), arch, seed=1)
+
+
+def _speculative(target_dir: Path, draft_dir: Path, k: int) -> LLM:
+    """The target with a `DraftModelDrafter` over the model in `draft_dir`."""
+    llm = LLM(model=str(target_dir), dtype="float32")
+    draft = load_model(draft_dir, dtype="float32")
+    llm.engine = Engine(llm.model, DraftModelDrafter(draft, k, llm.model.config.vocab_size))
+    return llm
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_with_another_draft_model_equals_plain(
+    tiny_model_dir: Path, other_draft_dir: Path, expected: list[list[int]], k: int
+) -> None:
+    llm = _speculative(tiny_model_dir, other_draft_dir, k)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.token_ids) for o in outs] == expected
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        assert list(llm.generate(prompt, GREEDY)[0].token_ids) == want
+    assert sum(o.metrics.spec.num_draft_tokens for o in outs) > 0  # it really drafted
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_target_as_its_own_draft_is_fully_accepted(
+    tiny_model_dir: Path, expected: list[list[int]], k: int
+) -> None:
+    llm = _speculative(tiny_model_dir, tiny_model_dir, k)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.token_ids) for o in outs] == expected
+    for out in outs:
+        spec = out.metrics.spec
+        assert spec.acceptance_rate >= 0.98
+        # every full step emits k + 1 tokens; only the first token and the tail are shorter
+        assert spec.mean_acceptance_length >= 0.98 * (k + 1) * (1 - (k + 2) / 40)
+        assert spec.mean_acceptance_length <= k + 1
+    assert not llm.engine.drafter._caches  # finished sequences released their caches
+
+
+def test_seeded_sampling_is_reproducible(tiny_model_dir: Path, other_draft_dir: Path) -> None:
+    params = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=3, ignore_eos=True)
+    llm = _speculative(tiny_model_dir, other_draft_dir, 4)
+    first = [list(o.token_ids) for o in llm.generate(PROMPTS, params)]
+    second = [list(o.token_ids) for o in llm.generate(PROMPTS, params)]
+    fresh = _speculative(tiny_model_dir, other_draft_dir, 4)
+    assert first == second == [list(o.token_ids) for o in fresh.generate(PROMPTS, params)]
+    assert all(len(tokens) == 30 for tokens in first)
+
+
+def test_self_draft_sampling_accepts_everything(tiny_model_dir: Path) -> None:
+    """q == p exactly when the draft is the target, so sampled drafts are always accepted."""
+    params = SamplingParams(temperature=1.0, max_tokens=30, seed=7, ignore_eos=True)
+    llm = _speculative(tiny_model_dir, tiny_model_dir, 3)
+    for out in llm.generate(PROMPTS, params):
+        assert out.metrics.spec.acceptance_rate >= 0.98
+
+
+def test_vocabulary_mismatch_is_a_clear_error(tiny_model_dir: Path) -> None:
+    draft = load_model(tiny_model_dir, dtype="float32")
+    with pytest.raises(ValueError, match="draft model has 300 tokens, target has 512"):
+        DraftModelDrafter(draft, 3, 512)
+
+
+@pytest.mark.parametrize("k", [0, -1, 2.0, True])
+def test_bad_draft_length_is_a_clear_error(tiny_model_dir: Path, k: object) -> None:
+    draft = load_model(tiny_model_dir, dtype="float32")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 1"):
+        DraftModelDrafter(draft, k, 300)  # type: ignore[arg-type]
