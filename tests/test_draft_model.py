@@ -6,20 +6,13 @@ from pathlib import Path
 
 import pytest
 from conftest import build_tiny_model
+from spec_cases import GREEDY, PROMPTS
 
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine.engine import Engine
 from specdecode.llm import LLM
 from specdecode.model.loading import load_model
 from specdecode.types import SamplingParams
-
-PROMPTS = [
-    {"prompt_token_ids": [5, 17, 42, 99, 3, 250, 17, 42, 99]},
-    {"prompt_token_ids": list(range(10, 40)) + list(range(10, 20))},
-    {"prompt_token_ids": [7]},
-    {"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2]},
-]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -8,19 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from spec_cases import GREEDY, PROMPTS
 
 from specdecode.drafters.base import SeqView
 from specdecode.engine.engine import Engine
 from specdecode.llm import LLM
 from specdecode.types import Draft, SamplingParams, Verdict
-
-PROMPTS = [
-    {"prompt_token_ids": [5, 17, 42, 99, 3, 250, 17, 42, 99]},
-    {"prompt_token_ids": list(range(10, 40)) + list(range(10, 20))},
-    {"prompt_token_ids": [7]},
-    {"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2]},
-]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
