@@ -33,8 +33,16 @@ def build_tiny_model(path: Path, architecture: str, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
     # Random init gives near-uniform logits; sharpen them so greedy paths are well separated.
+    # A tied head cannot be scaled alone (it would scale the embeddings too, and the model then
+    # just repeats its input token): scale the final norm and the residual branches instead.
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        if architecture == "llama":
+            model.model.norm.weight.mul_(8.0)
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(8.0)
+                layer.mlp.down_proj.weight.mul_(8.0)
+        else:
+            model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
     make_byte_tokenizer(path, vocab_size=TINY_VOCAB)
     return path

@@ -190,3 +190,32 @@ def test_draft_model_with_another_vocabulary_is_refused(
     config = {"model": str(other), "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match=r"different vocabulary from the target \(290 vs 300"):
         LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+
+
+def test_eos_inside_a_draft_stops_generation_there(
+    tiny_model_dir: Path, expected: list[list[int]]
+) -> None:
+    """The oracle drafts straight through an EOS; output ends at it, exactly like plain."""
+    # Declare an end-of-sequence token one that first appears a few tokens into a continuation.
+    row, stop_at = next(
+        (row, i)
+        for row, cont in enumerate(expected)
+        for i in range(2, len(cont))
+        if cont[i] not in cont[:i]
+    )
+    continuation, prompt = expected[row], PROMPTS[row]
+    eos = continuation[stop_at]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    continuations = {tuple(prompt["prompt_token_ids"]): continuation}
+    outs = []
+    for drafter in (None, OracleDrafter(continuations, 8)):
+        llm = LLM(model=str(tiny_model_dir), dtype="float32")
+        llm.tokenizer.eos_token_ids = (eos,)
+        if drafter is not None:
+            llm.engine = Engine(llm.model, drafter)
+        (out,) = llm.generate(prompt, params)
+        outs.append(out)
+    plain_out, spec_out = outs
+    assert list(spec_out.token_ids) == continuation[: stop_at + 1] == list(plain_out.token_ids)
+    assert spec_out.outputs[0].finish_reason == "stop" and spec_out.outputs[0].stop_reason == eos
+    assert spec_out.metrics.spec.num_draft_tokens > len(spec_out.token_ids) - 1  # drafted past it
