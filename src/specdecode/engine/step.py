@@ -23,19 +23,21 @@ from specdecode.spec_config import MAX_SPECULATIVE_TOKENS
 from specdecode.types import Draft, Verdict
 
 
-def pad_drafts(drafts: Seq[Draft], vocab: int, device: torch.device) -> tuple[Tensor, ...]:
+def pad_drafts(
+    drafts: Seq[Draft], vocab: int, device: torch.device
+) -> tuple[Tensor, Tensor | None, Tensor]:
     """Stack drafts of different lengths.
 
-    Returns tokens [B, K] (0-padded), q [B, K, V] or an empty tensor when every drafter is
-    deterministic, and lengths [B]; K = the longest draft. A deterministic draft next to a
-    sampled one gets a one-hot q.
+    Returns tokens [B, K] (0-padded), q [B, K, V] (None when every draft is deterministic) and
+    lengths [B]; K = the longest draft. A deterministic draft next to a sampled one gets a
+    one-hot q.
     """
     lengths = [int(d.tokens.numel()) for d in drafts]
     width = max(lengths)
     tokens = torch.zeros(len(drafts), width, dtype=torch.long, device=device)  # [B, K]
     for row, draft in enumerate(drafts):
         tokens[row, : lengths[row]] = draft.tokens
-    q = torch.empty(0, device=device)
+    q = None
     if any(d.probs is not None for d in drafts):
         q = torch.zeros(len(drafts), width, vocab, device=device)  # [B, K, V]
         for row, draft in enumerate(drafts):
@@ -65,9 +67,7 @@ def verify(
     positions = positions.clamp(max=model.config.max_position_embeddings - 1)
     logits, _ = model(tokens, positions, cache)  # [B, K + 1, V]
     p = probs_from_logits(logits, st)  # [B, K + 1, V]
-    num_accepted, out = verify_chain(
-        p, draft_tokens, q if q.numel() else None, num_draft, [s.generator for s in seqs]
-    )
+    num_accepted, out = verify_chain(p, draft_tokens, q, num_draft, [s.generator for s in seqs])
     cache.truncate([n + 1 + a for n, a in zip(start, num_accepted.tolist(), strict=True)])
     return verdicts(num_accepted, out)
 
