@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdecode.types import SamplingParams
+from specdecode.types import RequestOutput, SamplingParams
 
 # Token-id prompts of different lengths, some repetitive (so prompt lookup finds matches).
 PROMPTS = [
@@ -12,3 +12,15 @@ PROMPTS = [
     {"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2]},
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def assert_fully_accepted(outs: list[RequestOutput], k: int) -> None:
+    """Draft = target: acceptance >= 0.98 and tau close to K + 1, per request.
+
+    Every full step emits K + 1 tokens; only the first token (from prefill) and the tail of the
+    40-token limit are shorter.
+    """
+    for out in outs:
+        spec = out.metrics.spec
+        assert spec.acceptance_rate >= 0.98
+        assert 0.98 * (k + 1) * (1 - (k + 2) / 40) <= spec.mean_acceptance_length <= k + 1
