@@ -30,6 +30,18 @@ class SeqView(Protocol):
         ...
 
 
+def check_draft_limits(seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> None:
+    """Refuse `propose` arguments that are not one limit >= 0 per sequence."""
+    if len(max_tokens) != len(seqs):
+        raise ValueError(
+            f"max_tokens needs one entry per sequence: got {len(max_tokens)} entries "
+            f"for {len(seqs)} sequences"
+        )
+    for seq, limit in zip(seqs, max_tokens, strict=True):
+        if limit < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {limit} for {seq.request_id!r}")
+
+
 class Drafter(Protocol):
     """Proposes tokens; the engine never asks which kind of drafter it holds."""
 

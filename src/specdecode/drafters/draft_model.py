@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
-from specdecode.drafters.base import SeqView
+from specdecode.drafters.base import SeqView, check_draft_limits
 from specdecode.model.transformer import Transformer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.types import Draft, Verdict
@@ -73,11 +73,7 @@ class DraftModelDrafter:
         Returns:
             drafts: `Draft(tokens [k_i] int64, probs [k_i, V] float32)` per sequence.
         """
-        if len(max_tokens) != len(seqs):
-            raise ValueError(
-                f"max_tokens needs one entry per sequence: got {len(max_tokens)} entries "
-                f"for {len(seqs)} sequences"
-            )
+        check_draft_limits(seqs, max_tokens)
         with torch.inference_mode():
             return [self._propose_one(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
 
@@ -97,8 +93,6 @@ class DraftModelDrafter:
 
     def _propose_one(self, seq: SeqView, max_tokens: int) -> Draft:
         """Catch up on the committed tokens, then draft token by token."""
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens} for {seq.request_id!r}")
         ids = seq.token_ids
         # d_j is fed at position len(ids) - 2 + j (j < k); keep positions inside the context.
         room = self.model.config.max_position_embeddings - len(ids) + 1

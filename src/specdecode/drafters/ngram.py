@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.drafters.base import SeqView
+from specdecode.drafters.base import SeqView, check_draft_limits
 from specdecode.types import Draft, Verdict
 
 
@@ -120,11 +120,7 @@ class NgramDrafter:
         Returns:
             drafts: `Draft(tokens [K_i] int64, probs=None)` per sequence, K_i may be 0.
         """
-        if len(max_tokens) != len(seqs):
-            raise ValueError(
-                f"max_tokens needs one entry per sequence: got {len(max_tokens)} entries "
-                f"for {len(seqs)} sequences"
-            )
+        check_draft_limits(seqs, max_tokens)
         return [
             Draft(tokens=torch.tensor(self._propose_one(seq, k), dtype=torch.long))
             for seq, k in zip(seqs, max_tokens, strict=True)
@@ -150,8 +146,6 @@ class NgramDrafter:
 
     def _propose_one(self, seq: SeqView, max_tokens: int) -> list[int]:
         """The draft of one sequence as a list of token ids (possibly empty)."""
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens} for {seq.request_id!r}")
         index, tokens = self._sync(seq)
         k = min(max_tokens, self.config.num_speculative_tokens)
         length = len(tokens)

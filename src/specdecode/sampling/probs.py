@@ -85,15 +85,3 @@ def sample(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tenso
         torch.multinomial(row, 1, generator=gen) for row, gen in zip(probs, generators, strict=True)
     ]
     return torch.cat(out)
-
-
-def next_tokens(
-    logits: Tensor, st: SamplingTensors, generators: Sequence[torch.Generator | None]
-) -> Tensor:
-    """Pick the next token of every row: argmax for greedy rows, a sample otherwise.
-
-    logits: [B, V]. Returns [B] int64.
-    """
-    if st.all_greedy:
-        return logits.argmax(dim=-1)
-    return sample(probs_from_logits(logits, st), generators)
