@@ -1,4 +1,4 @@
-"""`specdecode` command line: models, pull, generate."""
+"""`specdecode` command line: models, pull, generate, bench."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from specdecode.llm import LLM
 from specdecode.model.loading import DTYPES
@@ -47,6 +48,37 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
 
 
+def _csv(text: str) -> tuple[str, ...]:
+    """argparse type: a comma-separated list of names."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark methods side by side, interleaved, vs plain decoding",
+        description="Methods: plain, ngram:k=8[:max=4][:min=2], draft:MODEL:k=4, hf, "
+        "hf-assisted:MODEL:k=4, hf-lookup:k=8[:max=2]. Prompt sets: code (HumanEval), chat, "
+        "translation, summarize, qa, math, rag, edit.",
+    )
+    p.add_argument("--model", help="target: alias, Hugging Face folder or .gguf file")
+    p.add_argument("--methods", default="plain,ngram:k=8", help="comma-separated method specs")
+    p.add_argument("--prompts", type=_csv, default=("code", "chat", "summarize", "edit"))
+    p.add_argument("--per-set", type=int, default=3, help="prompts taken from each set")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of sampled runs")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--retries", type=int, default=2, help="redo a group disturbed by others")
+    p.add_argument("--quiet-wait", type=float, default=60.0, help="max s to wait for quiet")
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for JSON + md")
+    p.add_argument("--report", type=Path, help="only print the tables of a saved bench.json")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or run lines")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdecode", description="Lossless speculative decoding for causal language models."
@@ -57,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("alias", choices=sorted(ALIASES))
     p.add_argument("--force", action="store_true", help="pull again even if already pulled")
     _add_generate(sub)
+    _add_bench(sub)
     return parser
 
 
@@ -121,6 +154,39 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from specdecode.bench.harness import LoopConfig
+    from specdecode.bench.report import markdown
+    from specdecode.bench.run import BenchConfig, run_bench, save
+
+    if args.report is not None:
+        print(markdown(json.loads(args.report.read_text())), end="")
+        return 0
+    if not args.model:
+        raise ValueError("bench needs --model (or --report FILE to re-print a saved run)")
+    if args.repeats < 1 or args.retries < 0 or args.max_tokens < 1:
+        raise ValueError("bench needs --repeats >= 1, --retries >= 0 and --max-tokens >= 1")
+    loop = LoopConfig(args.repeats, args.retries, args.quiet_wait, not args.no_progress)
+    config = BenchConfig(
+        model=args.model,
+        methods=args.methods,
+        prompt_sets=args.prompts,
+        per_set=args.per_set,
+        max_tokens=args.max_tokens,
+        dtype=args.dtype,
+        temperature=args.temperature,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        device=args.device,
+        loop=loop,
+    )
+    report = run_bench(config, log=not args.no_progress)
+    save(report, args.out)
+    print(markdown(report), end="")
+    print(f"raw runs: {args.out / 'bench.json'}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -130,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = pull(args.alias, force=args.force)
             print(f"{args.alias} ready at {path}")
             return 0
+        if args.command == "bench":
+            return _cmd_bench(args)
         return _cmd_generate(args)
-    except (ValueError, FileNotFoundError, TypeError, PullError) as err:
+    except (ValueError, FileNotFoundError, TypeError, ImportError, PullError) as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return 2

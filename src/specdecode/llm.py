@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ from specdecode.metrics import SpecCounters
 from specdecode.model.loading import load_model
 from specdecode.model.registry import resolve_model
 from specdecode.model.tokenizer import Tokenizer
+from specdecode.model.transformer import Transformer
 from specdecode.spec_config import SpecConfig
 from specdecode.types import RequestOutput, SamplingParams
 
@@ -73,9 +76,26 @@ class LLM:
                 f"tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
                 f"{self.model.config.vocab_size}: they do not belong together"
             )
+        self._draft_models: dict[Path, Transformer] = {}  # shared with `with_speculative_config`
         self.engine = Engine(self.model, self._drafter())
         self.spec_metrics = SpecCounters()  # all requests of this LLM added together
         self._ids = itertools.count()
+
+    def with_speculative_config(self, speculative_config: Mapping[str, Any] | None) -> LLM:
+        """Another LLM on this one's loaded target and tokenizer, with its own drafter.
+
+        Nothing is loaded twice: the target's weights are shared, and so is every draft model
+        that this LLM or one derived from it has loaded. Metrics start from zero. Used to compare
+        methods on one set of weights (`specdecode bench`).
+        """
+        other = copy.copy(self)
+        other.spec_config = (
+            None if speculative_config is None else SpecConfig.from_dict(speculative_config)
+        )
+        other.engine = Engine(self.model, other._drafter())
+        other.spec_metrics = SpecCounters()
+        other._ids = itertools.count()
+        return other
 
     def _drafter(self) -> Drafter | None:
         """The drafter `speculative_config` asks for (None = plain decoding)."""
@@ -90,7 +110,10 @@ class LLM:
         assert spec.model is not None  # SpecConfig checks that a draft_model has one
         draft_path = resolve_model(spec.model)
         check_same_vocabulary(self.tokenizer, Tokenizer.from_folder(draft_path), spec.model)
-        draft = load_model(draft_path, dtype=self.model.dtype, device=str(self.model.device))
+        draft = self._draft_models.get(draft_path)
+        if draft is None:
+            draft = load_model(draft_path, dtype=self.model.dtype, device=str(self.model.device))
+            self._draft_models[draft_path] = draft
         return DraftModelDrafter(draft, spec.num_speculative_tokens, self.model.config.vocab_size)
 
     def _sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:

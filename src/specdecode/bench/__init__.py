@@ -1,0 +1,1 @@
+"""Benchmark harness: methods and peers side by side on the same prompts, interleaved."""

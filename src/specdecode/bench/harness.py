@@ -1,0 +1,98 @@
+"""The benchmark loop: every method on every prompt, interleaved, each group redone if disturbed.
+
+Order: for each repeat, for each prompt, every method once (a "group"), the method order rotated
+by one place each repeat so no method always runs first (a warm or cold cache, a machine
+slowing down) and machine noise hits all methods alike. One short untimed warm-up run per
+method comes first. A group during which other processes used >= `QUIET_CORES` of CPU is set
+aside and run again (at most `retries` times; the last attempt is kept whatever its load, and
+marked "disturbed").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tqdm import tqdm
+
+from specdecode.bench.machine import QUIET_CORES, ForeignLoad, wait_until_quiet
+from specdecode.bench.prompts import BenchPrompt
+from specdecode.bench.runners import Runner
+from specdecode.types import SamplingParams
+
+WARMUP_TOKENS = 16  # new tokens of each method's untimed warm-up run
+
+
+@dataclass(frozen=True, slots=True)
+class LoopConfig:
+    """How the loop runs.
+
+    repeats: timed runs of every (method, prompt).
+    retries: times a disturbed group is run again.
+    quiet_wait_s: the longest wait for a quiet machine before each group (0 = do not wait).
+    progress: show a progress bar on stderr.
+    """
+
+    repeats: int = 2
+    retries: int = 2
+    quiet_wait_s: float = 60.0
+    progress: bool = True
+
+
+def method_order(names: Sequence[str], repeat: int) -> list[str]:
+    """`names` rotated left by `repeat` places: repeat 1 of [a, b, c] runs b, c, a."""
+    shift = repeat % len(names)
+    return list(names[shift:]) + list(names[:shift])
+
+
+def _timed(runner: Runner, ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    load = ForeignLoad()
+    load.start()
+    run = runner.run(ids, params)
+    run["foreign_cores"] = load.stop()
+    return run
+
+
+def run_interleaved(
+    runners: Sequence[Runner],
+    prompts: Sequence[tuple[BenchPrompt, list[int]]],
+    params: SamplingParams,
+    config: LoopConfig,
+    log: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run every runner on every (prompt, token ids); return (kept runs, discarded runs).
+
+    Each run dict is the runner's result plus method, prompt_id, category, repeat, attempt,
+    num_prompt_tokens, foreign_cores and disturbed.
+    """
+    by_name = {r.spec.name: r for r in runners}
+    warm = replace(params, max_tokens=min(params.max_tokens, WARMUP_TOKENS))
+    for runner in runners:  # warm-up: first-call costs (allocations, lazy init) are not timed
+        runner.run(prompts[0][1], warm)
+    total = config.repeats * len(prompts) * len(runners)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not config.progress)
+    kept: list[dict[str, Any]] = []
+    discarded: list[dict[str, Any]] = []
+    for repeat in range(config.repeats):
+        order = method_order(list(by_name), repeat)
+        for prompt, ids in prompts:
+            for attempt in range(config.retries + 1):
+                if config.quiet_wait_s > 0:
+                    wait_until_quiet(config.quiet_wait_s)
+                group = []
+                for name in order:
+                    run = _timed(by_name[name], ids, params)
+                    run.update(method=name, prompt_id=prompt.id, category=prompt.category)
+                    run.update(repeat=repeat, attempt=attempt, num_prompt_tokens=len(ids))
+                    run["disturbed"] = run["foreign_cores"] >= QUIET_CORES
+                    if log is not None:
+                        log(run)
+                    group.append(run)
+                if not any(r["disturbed"] for r in group) or attempt == config.retries:
+                    kept += group
+                    break
+                discarded += group
+            bar.update(len(order))
+    bar.close()
+    return kept, discarded

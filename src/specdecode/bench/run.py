@@ -1,0 +1,94 @@
+"""`run_bench`: load the model once, build every method, run them interleaved, summarize."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench.harness import LoopConfig, run_interleaved
+from specdecode.bench.machine import machine_facts
+from specdecode.bench.methods import parse_methods
+from specdecode.bench.prompts import load_prompts
+from specdecode.bench.report import markdown
+from specdecode.bench.runners import build_runners
+from specdecode.bench.stats import summarize
+from specdecode.llm import LLM
+from specdecode.types import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """One benchmark run.
+
+    model: the target (alias, folder or .gguf).
+    methods: comma-separated method specs (`specdecode.bench.methods`), e.g. "plain,ngram:k=8".
+    prompt_sets: the prompt sets to run, e.g. ("code", "chat").
+    per_set: prompts taken from the start of each set.
+    max_tokens: new tokens per request at most (EOS ends a request sooner unless ignore_eos).
+    temperature: 0 = greedy (exactness is reported only then); > 0 samples with `seed`.
+    """
+
+    model: str
+    methods: str = "plain,ngram:k=8"
+    prompt_sets: tuple[str, ...] = ("code", "chat", "summarize", "edit")
+    per_set: int = 3
+    max_tokens: int = 128
+    dtype: str = "bfloat16"
+    temperature: float = 0.0
+    seed: int = 0
+    ignore_eos: bool = False
+    device: str = "cpu"
+    loop: LoopConfig = field(default_factory=LoopConfig)
+
+
+def _log(run: dict[str, Any]) -> None:
+    """One line per run on stderr."""
+    spec = run["spec"]
+    accept = (
+        ""
+        if spec is None
+        else f" accept {spec['acceptance_rate']:.2f} tau {spec['mean_acceptance_length']:.2f}"
+    )
+    print(
+        f"  r{run['repeat']} {run['prompt_id']:<13} {run['method']:<28} {run['num_tokens']:4d} tok "
+        f"{run['num_tokens'] / run['wall_s']:6.2f} tok/s{accept} load {run['foreign_cores']:.2f}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
+    """Run the benchmark; return the report (config, machine, prompts, runs, summary)."""
+    specs = parse_methods(config.methods)
+    prompts = load_prompts(list(config.prompt_sets), config.per_set)
+    params = SamplingParams(
+        temperature=config.temperature,
+        max_tokens=config.max_tokens,
+        seed=config.seed if config.temperature > 0 else None,
+        ignore_eos=config.ignore_eos,
+    )
+    llm = LLM(config.model, dtype=config.dtype, device=config.device)
+    rendered = [(p, llm.chat_prompt(list(p.messages))["prompt_token_ids"]) for p in prompts]
+    runners = build_runners(specs, llm)
+    runs, discarded = run_interleaved(runners, rendered, params, config.loop, _log if log else None)
+    return {
+        "config": asdict(config),
+        "machine": machine_facts(),
+        "prompts": [
+            {"id": p.id, "category": p.category, "num_tokens": len(ids)} for p, ids in rendered
+        ],
+        "runs": runs,
+        "discarded": discarded,
+        "disturbed_kept": sum(r["disturbed"] for r in runs),
+        "summary": summarize(runs, specs, greedy=config.temperature == 0),
+    }
+
+
+def save(report: dict[str, Any], out: Path) -> None:
+    """Write `bench.json` (every raw measurement) and `bench.md` (the tables) into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+    (out / "bench.md").write_text(markdown(report))

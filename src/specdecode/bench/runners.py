@@ -1,0 +1,163 @@
+"""Runners: one method bound to loaded weights, timing one request at a time.
+
+Every runner's `run(ids, params)` returns a dict with the same keys, so ours and a peer's
+runs are measured and reported alike:
+    wall_s        seconds from the call to the last token (prefill included)
+    ttft_s        seconds to the first output token
+    num_tokens    new tokens generated
+    token_ids     the new tokens
+    spec          our speculative counters (`SpecCounters.as_dict()`), None for a peer
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from specdecode.bench.methods import MethodSpec
+from specdecode.llm import LLM
+from specdecode.model.registry import resolve_model
+from specdecode.types import SamplingParams
+
+HF_REQUIREMENT = "transformers>=4.45 accelerate>=0.34"
+
+
+class Runner(Protocol):
+    spec: MethodSpec
+
+    def run(self, ids: list[int], params: SamplingParams) -> dict[str, Any]: ...
+
+
+class OursRunner:
+    """Our engine with the method's speculative_config, streaming to time the first token."""
+
+    def __init__(self, spec: MethodSpec, llm: LLM) -> None:
+        self.spec = spec
+        self.llm = llm
+
+    def run(self, ids: list[int], params: SamplingParams) -> dict[str, Any]:
+        """One request; see the module docstring for the keys."""
+        first, out = None, None
+        t0 = time.perf_counter()
+        for event in self.llm.stream({"prompt_token_ids": ids}, params):
+            first = first or time.perf_counter()
+            out = event
+        wall = time.perf_counter() - t0
+        assert first is not None and out is not None  # the stream always yields the final output
+        ttft = first - t0
+        return {
+            "wall_s": wall,
+            "ttft_s": ttft,
+            "num_tokens": len(out.token_ids),
+            "token_ids": list(out.token_ids),
+            "spec": out.metrics.spec.as_dict(),
+        }
+
+
+class _FirstTokenTimer:
+    """A `generate(streamer=...)` hook noting when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.pushes = 0
+        self.first: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        """HF pushes the prompt first, then new tokens."""
+        self.pushes += 1
+        if self.pushes == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        """Called by HF at the end of generation."""
+
+
+class HFRunner:
+    """Hugging Face transformers' `generate()` on the same converted weights as ours.
+
+    hf-assisted runs with `num_assistant_tokens=K` and the "constant" schedule (K never changes,
+    as in ours; HF's default heuristic schedule carries state from one call to the next).
+    """
+
+    def __init__(self, spec: MethodSpec, model: Any, eos: list[int], assistant: Any = None):
+        self.spec = spec
+        self.model = model
+        self.assistant = assistant
+        self.eos = eos
+
+    def _kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"max_new_tokens": params.max_tokens}
+        kwargs["eos_token_id"] = None if params.ignore_eos else self.eos
+        if params.temperature > 0:
+            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p)
+            kwargs["top_k"] = params.top_k if params.top_k > 0 else None
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if self.spec.kind == "hf-lookup":
+            kwargs["prompt_lookup_num_tokens"] = self.spec.options["k"]
+            kwargs["max_matching_ngram_size"] = self.spec.options.get("max", 2)
+        if self.spec.kind == "hf-assisted":
+            config = self.assistant.generation_config
+            config.num_assistant_tokens = self.spec.options["k"]
+            config.num_assistant_tokens_schedule = "constant"
+            kwargs["assistant_model"] = self.assistant
+        return kwargs
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], params: SamplingParams) -> dict[str, Any]:
+        """One request; see the module docstring for the keys."""
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        input_ids = torch.tensor([ids], device=self.model.device)
+        timer = _FirstTokenTimer()
+        t0 = time.perf_counter()
+        out = self.model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            streamer=timer,
+            pad_token_id=self.eos[0] if self.eos else 0,
+            **self._kwargs(params),
+        )
+        wall = time.perf_counter() - t0
+        new = out[0, len(ids) :].tolist()
+        return {
+            "wall_s": wall,
+            "ttft_s": (timer.first or time.perf_counter()) - t0,
+            "num_tokens": len(new),
+            "token_ids": new,
+            "spec": None,
+        }
+
+
+def load_hf(path: Path, dtype: torch.dtype, device: str) -> Any:
+    """A model folder in HF transformers; ImportError naming the extra when it is missing."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as err:
+        raise ImportError(
+            f"the hf* methods need Hugging Face transformers: pip install {HF_REQUIREMENT}"
+        ) from err
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def build_runners(specs: list[MethodSpec], llm: LLM) -> list[Runner]:
+    """A runner per spec, every one of ours sharing `llm`'s weights, HF loading each model once."""
+    hf_models: dict[Path, Any] = {}
+
+    def hf(name: str | Path) -> Any:
+        path = resolve_model(str(name))
+        if path not in hf_models:
+            hf_models[path] = load_hf(path, llm.dtype, str(llm.model.device))
+        return hf_models[path]
+
+    eos = list(llm.tokenizer.eos_token_ids)
+    runners: list[Runner] = []
+    for spec in specs:
+        if not spec.is_peer:
+            runners.append(OursRunner(spec, llm.with_speculative_config(spec.speculative_config())))
+        else:
+            assistant = hf(spec.model) if spec.model is not None else None
+            runners.append(HFRunner(spec, hf(llm.model_path), eos, assistant))
+    return runners

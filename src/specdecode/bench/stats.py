@@ -1,0 +1,154 @@
+"""Statistics of benchmark runs: per method x category, paired against plain decoding.
+
+Definitions (DESIGN.md):
+- tokens/s of a run = new tokens / wall seconds (prefill included: end to end).
+- speedup of a run = its tokens/s / tokens/s of plain decoding on the same prompt in the same
+  repeat (the runs of one group ran back to back, so machine drift cancels in the ratio).
+- acceptance rate and tau come from our counters summed over the cell's runs (peers: None).
+- exact: for greedy runs, whether the first repeat's tokens equal plain decoding's, token for
+  token, with the first index where they differ otherwise.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import fields
+from typing import Any
+
+from specdecode.bench.methods import MethodSpec
+from specdecode.metrics import SpecCounters
+
+BASELINE = "plain"
+ALL = "all"  # the category name of the cell over every prompt
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    """{"median", "min", "max", "n"} of `values`; None when there are none."""
+    if not values:
+        return None
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def tokens_per_s(run: dict[str, Any]) -> float:
+    """New tokens per wall second of one run."""
+    return run["num_tokens"] / run["wall_s"]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token of `a` and `b` (a length difference counts), else None.
+
+    Example: [5, 6, 7] vs [5, 6, 9, 1] -> 2; [5, 6] vs [5, 6, 7] -> 2; [5] vs [5] -> None.
+    """
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _counters(runs: list[dict[str, Any]]) -> SpecCounters | None:
+    """Our counters of `runs` added together; None when the runs are a peer's."""
+    if not runs or runs[0]["spec"] is None:
+        return None
+    total = SpecCounters()
+    for run in runs:
+        total += SpecCounters(**{f.name: run["spec"][f.name] for f in fields(SpecCounters)})
+    return total
+
+
+def per_position(counters: SpecCounters) -> list[float]:
+    """[i] = share of drafts whose first i + 1 tokens were all accepted."""
+    drafts = max(counters.num_drafts, 1)
+    return [count / drafts for count in counters.accepted_per_position]
+
+
+def _ratios(runs: list[dict[str, Any]], base: dict[tuple[str, int], dict[str, Any]]) -> list[float]:
+    """tokens/s of each run over its paired baseline run's (same prompt and repeat)."""
+    return [
+        tokens_per_s(r) / tokens_per_s(base[(r["prompt_id"], r["repeat"])])
+        for r in runs
+        if (r["prompt_id"], r["repeat"]) in base
+    ]
+
+
+def _cell(
+    runs: list[dict[str, Any]], base: dict[tuple[str, int], dict[str, Any]]
+) -> dict[str, Any]:
+    """Statistics of one method's runs in one category."""
+    counters = _counters(runs)
+    drafted = counters is not None and counters.num_draft_tokens > 0
+    return {
+        "num_runs": len(runs),
+        "tokens_per_s": spread([tokens_per_s(r) for r in runs]),
+        "speedup": spread(_ratios(runs, base)),
+        "ttft_ms": spread([r["ttft_s"] * 1e3 for r in runs]),
+        "num_tokens": spread([float(r["num_tokens"]) for r in runs]),
+        "acceptance_rate": counters.acceptance_rate if drafted else None,
+        "tau": None if counters is None else counters.mean_acceptance_length,
+        "accepted_per_position": per_position(counters) if drafted else None,
+    }
+
+
+def _by(runs: list[dict[str, Any]], method: str) -> dict[tuple[str, int], dict[str, Any]]:
+    return {(r["prompt_id"], r["repeat"]): r for r in runs if r["method"] == method}
+
+
+def exactness(runs: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
+    """Greedy exactness of `method` vs plain on the first repeat (None without a plain run)."""
+    base, mine = _by(runs, BASELINE), _by(runs, method)
+    per_prompt = []
+    for (prompt_id, repeat), run in mine.items():
+        if repeat == 0 and (prompt_id, 0) in base:
+            at = first_divergence(run["token_ids"], base[(prompt_id, 0)]["token_ids"])
+            per_prompt.append(
+                {"prompt_id": prompt_id, "identical": at is None, "first_divergence": at}
+            )
+    if not per_prompt:
+        return None
+    share = sum(p["identical"] for p in per_prompt) / len(per_prompt)
+    return {"share_identical": share, "per_prompt": per_prompt}
+
+
+def summarize(runs: list[dict[str, Any]], specs: list[MethodSpec], greedy: bool) -> dict[str, Any]:
+    """Every method's cells (per category and ALL), exactness, and ours/peer ratios."""
+    categories = list(dict.fromkeys(r["category"] for r in runs))
+    base = _by(runs, BASELINE)
+    methods: dict[str, Any] = {}
+    for spec in specs:
+        mine = [r for r in runs if r["method"] == spec.name]
+        cells = {c: _cell([r for r in mine if r["category"] == c], base) for c in categories}
+        cells[ALL] = _cell(mine, base)
+        methods[spec.name] = {
+            "cells": cells,
+            "exactness": exactness(runs, spec.name) if greedy else None,
+        }
+    return {"categories": categories, "methods": methods, "peers": peer_ratios(runs, specs)}
+
+
+def peer_ratios(runs: list[dict[str, Any]], specs: list[MethodSpec]) -> list[dict[str, Any]]:
+    """For each HF method with a corresponding method of ours: ours/HF tokens/s per category."""
+    ours = [s for s in specs if not s.is_peer]
+    out = []
+    for peer in (s for s in specs if s.is_peer):
+        match = peer.peer_of(ours)
+        if match is None:
+            continue
+        theirs = _by(runs, peer.name)
+        mine = [r for r in runs if r["method"] == match.name]
+        per_category: dict[str, list[float]] = defaultdict(list)
+        for cat in [*dict.fromkeys(r["category"] for r in mine), ALL]:
+            subset = [r for r in mine if cat in (ALL, r["category"])]
+            per_category[cat] = _ratios(subset, theirs)
+        out.append(
+            {
+                "ours": match.name,
+                "peer": peer.name,
+                "ratio": {c: spread(v) for c, v in per_category.items()},
+            }
+        )
+    return out

