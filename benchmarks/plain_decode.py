@@ -32,11 +32,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import itertools
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -48,7 +45,8 @@ import torch.nn.functional as F
 from prompts import chat_prompts
 from torch import nn
 
-import specdecode
+from specdecode.bench.machine import QUIET_CORES, ForeignLoad, machine_facts, wait_until_quiet
+from specdecode.bench.runners import load_hf
 from specdecode.llm import LLM
 from specdecode.model.registry import ensure_pulled
 from specdecode.types import SamplingParams
@@ -56,8 +54,6 @@ from specdecode.types import SamplingParams
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 BANDWIDTH_BYTES = 1 << 30  # 1 GiB per bandwidth probe: far beyond any cache here
 BANDWIDTH_RUNS = 7
-QUIET_CORES = 0.2  # CPU (in cores) other processes may use while a run still counts as clean
-_CLK = os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,40 +72,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_tokens < 2 or args.repeats < 1 or args.prompts < 1:
         ap.error("need --max-tokens >= 2 (decode needs two tokens), --repeats >= 1, --prompts >= 1")
     return args
-
-
-def source_digest() -> str:
-    """sha256 (first 16 hex digits) of the specdecode sources measured, in path order.
-
-    The package changes quickly and has no commit yet; this names the code a result belongs to.
-    """
-    root = Path(specdecode.__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def machine_facts() -> dict[str, Any]:
-    """CPU model, core count, torch version and thread count of this run."""
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    import transformers
-
-    return {
-        "cpu": cpu,
-        "nproc": os.cpu_count(),
-        "avx512_bf16": "avx512_bf16" in Path("/proc/cpuinfo").read_text(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "specdecode_sources_sha256": source_digest(),
-    }
 
 
 def _timed_runs(fn, runs: int) -> list[float]:
@@ -169,49 +131,6 @@ def bytes_per_token(model: nn.Module) -> dict[str, int]:
     return {"weight_bytes_read": sum(reads.values()), "parameter_bytes": total_params}
 
 
-class ForeignLoad:
-    """CPU used by *other* processes, in cores, between `start()` and `stop()`.
-
-    This machine is shared: another process on one of the two cores slows a 2-thread OpenMP
-    decode by 10-20x (threads spin at barriers waiting for a descheduled partner), so every
-    run records this and a contaminated pair of runs is redone.
-    """
-
-    @staticmethod
-    def _sample() -> tuple[float, float, float]:
-        """(wall s, whole-machine busy s, this process's CPU s) now."""
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        busy = (sum(fields[:8]) - fields[3] - fields[4]) / _CLK  # minus idle and iowait
-        own = os.times()
-        return time.perf_counter(), busy, own.user + own.system
-
-    def start(self) -> None:
-        """Begin a window."""
-        self._t0 = self._sample()
-
-    def stop(self) -> float:
-        """End the window; return the other processes' mean load in cores."""
-        t1 = self._sample()
-        wall = max(t1[0] - self._t0[0], 1e-9)
-        return max(0.0, (t1[1] - self._t0[1]) - (t1[2] - self._t0[2])) / wall
-
-
-def wait_until_quiet(max_wait_s: float, window_s: float = 1.0) -> float:
-    """Sleep in `window_s` steps until other processes use < QUIET_CORES (or time runs out).
-
-    Returns the seconds waited.
-    """
-    load, waited = ForeignLoad(), 0.0
-    while waited < max_wait_s:
-        load.start()
-        time.sleep(window_s)
-        if load.stop() < QUIET_CORES:
-            break
-        waited += window_s
-    return waited
-
-
 class TimingStreamer:
     """A `generate(streamer=...)` hook that timestamps every push (first push: the prompt)."""
 
@@ -226,11 +145,9 @@ class TimingStreamer:
         """Called by HF at the end of generation."""
 
 
-def load_hf(path: Path, dtype: torch.dtype) -> nn.Module:
+def load_hf_no_eos(path: Path, dtype: torch.dtype) -> nn.Module:
     """The same converted folder in HF transformers, with EOS stopping switched off."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    hf = load_hf(path, dtype, "cpu")
     hf.generation_config.eos_token_id = None  # ignore EOS, like our ignore_eos=True
     hf.generation_config.pad_token_id = 0  # batch of one: padding never happens
     return hf
@@ -443,7 +360,7 @@ def bench_model(alias: str, args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=alias, dtype=args.dtype)
     load_ours = time.perf_counter() - t0
     t0 = time.perf_counter()
-    hf = load_hf(llm.model_path, DTYPES[args.dtype])
+    hf = load_hf_no_eos(llm.model_path, DTYPES[args.dtype])
     load_hf_s = time.perf_counter() - t0
     prompts = render_prompts(llm, args.prompts)
     weights = bytes_per_token(hf)  # ours may hold packed/quantized weights torch cannot size

@@ -14,14 +14,18 @@ from typing import Any, ClassVar
 import pytest
 
 from specdecode.bench import harness
+from specdecode.bench.costs import expected_tokens_per_step, forward_seconds, predicted_speedup
 from specdecode.bench.harness import LoopConfig, method_order, run_interleaved
 from specdecode.bench.methods import MethodSpec, parse_methods
+from specdecode.bench.plan import PlanConfig, plan_text, run_plan
+from specdecode.bench.plots import plot_all
 from specdecode.bench.prompts import BenchPrompt, available_sets, load_prompts
 from specdecode.bench.report import markdown
 from specdecode.bench.run import BenchConfig, run_bench, save
 from specdecode.bench.runners import load_hf
 from specdecode.bench.stats import ALL, first_divergence, summarize
 from specdecode.cli import main
+from specdecode.model.loading import load_model
 from specdecode.types import SamplingParams
 
 SHIPPED = ["chat", "translation", "summarize", "qa", "math", "rag", "edit"]
@@ -317,7 +321,9 @@ def tiny_prompts(tmp_path: Path) -> Path:
     return path
 
 
-def test_bench_end_to_end_on_a_tiny_model(tiny_model_dir: Path, tiny_prompts: Path) -> None:
+def test_bench_end_to_end_on_a_tiny_model(
+    tiny_model_dir: Path, tiny_prompts: Path, tmp_path: Path
+) -> None:
     model = str(tiny_model_dir)
     methods = f"plain,ngram:k=3,draft:{model}:k=2,hf,hf-lookup:k=3,hf-assisted:{model}:k=2"
     config = BenchConfig(
@@ -345,8 +351,17 @@ def test_bench_end_to_end_on_a_tiny_model(tiny_model_dir: Path, tiny_prompts: Pa
         ("ngram:k=3", "hf-lookup:k=3"),
         (f"draft:{model}:k=2", f"hf-assisted:{model}:k=2"),
     ]
+    costs = report["costs"]  # target passes over 1..4 tokens (K up to 3), one draft model
+    assert len(costs["target_ms"]) == 4 and list(costs["draft_ms"]) == [model]
+    predicted = {n: m["predicted_speedup"] for n, m in summary["methods"].items()}
+    assert predicted["plain"] is None and predicted["hf"] is None
+    assert predicted["ngram:k=3"] > 0 and predicted[f"draft:{model}:k=2"] > 0
     text = markdown(report)
     assert "| ngram:k=3 | " in text and "Ours / peer library" in text
+    assert "Cost model (see `specdecode plan`) vs measured" in text
+    paths = plot_all(report, tmp_path / "plots")
+    assert [p.name for p in paths] == ["speedup.png", "acceptance.png", "speedup_vs_k.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in paths)
 
 
 def test_cli_bench_writes_json_and_reprints_it(
@@ -361,7 +376,15 @@ def test_cli_bench_writes_json_and_reprints_it(
     assert "Speedup vs plain decoding" in printed
     assert (out / "bench.md").read_text() == printed
     assert main(["bench", "--report", str(out / "bench.json")]) == 0
-    assert capsys.readouterr().out == printed
+    captured = capsys.readouterr()
+    assert captured.out == printed
+    assert f"plots: {out / 'speedup.png'}" in captured.err
+
+
+def test_plots_without_matplotlib_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="plots need matplotlib: pip install matplotlib"):
+        plot_all({"summary": {}}, Path("unused"))
 
 
 @pytest.mark.parametrize(
@@ -397,3 +420,78 @@ def test_save_writes_both_files(tmp_path: Path) -> None:
     save(report, tmp_path / "o")
     assert json.loads((tmp_path / "o" / "bench.json").read_text()) == report
     assert (tmp_path / "o" / "bench.md").read_text().startswith("model m, float32")
+
+
+# --- cost model -----------------------------------------------------------------------------
+
+
+def test_expected_tokens_per_step_is_the_geometric_series() -> None:
+    assert expected_tokens_per_step(0.0, 4) == 1.0  # only the recovered token
+    assert expected_tokens_per_step(1.0, 4) == 5.0  # every draft token plus the bonus
+    assert expected_tokens_per_step(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens_per_step(0.8, 0) == 1.0
+    with pytest.raises(ValueError, match="0 <= acceptance <= 1"):
+        expected_tokens_per_step(1.5, 2)
+
+
+def test_predicted_speedup_matches_the_worked_example() -> None:
+    speedup = predicted_speedup(0.8, 4, {1: 0.170, 5: 0.200}, draft_s=0.060)
+    assert speedup == pytest.approx(3.3616 * 0.170 / 0.440)
+    assert predicted_speedup(0.0, 3, {1: 1.0, 4: 1.0}) == 1.0  # free drafts that always miss
+
+
+def test_forward_seconds_times_each_width_on_the_same_context(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir, dtype="float32")
+    costs = forward_seconds(model, context=16, widths=[1, 4], repeats=2)
+    assert set(costs) == {1, 4} and all(c > 0 for c in costs.values())
+    with pytest.raises(ValueError, match="context >= 1"):
+        forward_seconds(model, context=0, widths=[1])
+
+
+def test_plan_measures_acceptance_and_predicts_each_k(
+    tiny_model_dir: Path, tiny_prompts: Path
+) -> None:
+    model = str(tiny_model_dir)
+    config = PlanConfig(
+        model=model,
+        speculative_config={"model": model, "num_speculative_tokens": 2},
+        context=16,
+        max_k=3,
+        dtype="float32",
+        prompt_sets=(str(tiny_prompts),),
+        max_tokens=8,
+        repeats=1,
+    )
+    plan = run_plan(config)
+    assert plan["acceptance_source"] == "measured"
+    assert plan["acceptance"] == 1.0  # the draft model is the target itself
+    assert plan["draft_ms"] > 0 and set(plan["target_ms"]) == {1, 2, 3, 4}
+    assert [r["k"] for r in plan["rows"]] == [1, 2, 3]
+    assert [r["expected_tokens_per_step"] for r in plan["rows"]] == [2.0, 3.0, 4.0]
+    assert plan["best_k"] == max(plan["rows"], key=lambda r: r["predicted_speedup"])["k"]
+    assert "| K | E[tokens/step] |" in plan_text(plan)
+
+
+def test_plan_with_given_acceptance_and_a_free_drafter(tiny_model_dir: Path) -> None:
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    config = PlanConfig(str(tiny_model_dir), ngram, 0.5, context=8, max_k=2, dtype="float32")
+    plan = run_plan(config)
+    assert plan["draft_ms"] == 0.0 and plan["acceptance_source"] == "given"
+    row = plan["rows"][1]
+    assert row["predicted_speedup"] == pytest.approx(
+        1.75 * plan["target_ms"][1] / plan["target_ms"][3]
+    )
+    with pytest.raises(ValueError, match=r"--acceptance must be in \[0, 1\]"):
+        run_plan(PlanConfig(str(tiny_model_dir), ngram, 1.5))
+
+
+def test_cli_plan_prints_json(tiny_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    args = ["plan", "--model", str(tiny_model_dir), "--dtype", "float32", "--json"]
+    args += ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    args += ["--acceptance", "0.7", "--context", "8", "--max-k", "2"]
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["acceptance"] == 0.7 and len(plan["rows"]) == 2
+    args[-1] = "-1"  # --max-k -1
+    assert main(args) == 2
+    assert "--max-k must be in 1..64" in capsys.readouterr().err

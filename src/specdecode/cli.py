@@ -1,4 +1,4 @@
-"""`specdecode` command line: models, pull, generate, bench."""
+"""`specdecode` command line: models, pull, generate, bench, plan."""
 
 from __future__ import annotations
 
@@ -75,8 +75,27 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--retries", type=int, default=2, help="redo a group disturbed by others")
     p.add_argument("--quiet-wait", type=float, default=60.0, help="max s to wait for quiet")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for JSON + md")
-    p.add_argument("--report", type=Path, help="only print the tables of a saved bench.json")
+    p.add_argument(
+        "--report", type=Path, help="re-print the tables of a saved bench.json, redraw its plots"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar or run lines")
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="measure step costs and predict the speedup of each draft length K",
+        description="Speedup = E[tokens/step] * target(1) / (K * draft(1) + target(K + 1)), "
+        "E = (1 - a^(K+1)) / (1 - a), with the pass costs measured on this machine.",
+    )
+    p.add_argument("--model", required=True, help="target: alias, Hugging Face folder or .gguf")
+    p.add_argument("--speculative-config", type=_json_object, required=True)
+    p.add_argument("--acceptance", type=float, default=None, help="default: measure it")
+    p.add_argument("--context", type=int, default=256, help="cached tokens before each pass")
+    p.add_argument("--max-k", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="pull again even if already pulled")
     _add_generate(sub)
     _add_bench(sub)
+    _add_plan(sub)
     return parser
 
 
@@ -160,7 +180,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.run import BenchConfig, run_bench, save
 
     if args.report is not None:
-        print(markdown(json.loads(args.report.read_text())), end="")
+        report = json.loads(args.report.read_text())
+        print(markdown(report), end="")
+        _plots(report, args.report.parent)
         return 0
     if not args.model:
         raise ValueError("bench needs --model (or --report FILE to re-print a saved run)")
@@ -184,6 +206,37 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     save(report, args.out)
     print(markdown(report), end="")
     print(f"raw runs: {args.out / 'bench.json'}", file=sys.stderr)
+    _plots(report, args.out)
+    return 0
+
+
+def _plots(report: dict[str, object], out: Path) -> None:
+    """Draw the report's plots into `out`, or say why they were skipped (no matplotlib)."""
+    from specdecode.bench.plots import plot_all
+
+    try:
+        paths = plot_all(report, out)
+    except ImportError as err:
+        print(f"plots skipped: {err}", file=sys.stderr)
+        return
+    print(f"plots: {', '.join(str(p) for p in paths)}", file=sys.stderr)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from specdecode.bench.plan import PlanConfig, plan_text, run_plan
+
+    plan = run_plan(
+        PlanConfig(
+            model=args.model,
+            speculative_config=args.speculative_config,
+            acceptance=args.acceptance,
+            context=args.context,
+            max_k=args.max_k,
+            dtype=args.dtype,
+            device=args.device,
+        )
+    )
+    print(json.dumps(plan) if args.json else plan_text(plan), end="\n" if args.json else "")
     return 0
 
 
@@ -198,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "bench":
             return _cmd_bench(args)
+        if args.command == "plan":
+            return _cmd_plan(args)
         return _cmd_generate(args)
     except (ValueError, FileNotFoundError, TypeError, ImportError, PullError) as err:
         print(f"specdecode: error: {err}", file=sys.stderr)

@@ -97,6 +97,13 @@ class LLM:
         other._ids = itertools.count()
         return other
 
+    @property
+    def draft_model(self) -> Transformer | None:
+        """The draft model this LLM speculates with; None for plain decoding and n-gram lookup."""
+        if self.spec_config is None or self.spec_config.model is None:
+            return None
+        return self._draft_models[resolve_model(self.spec_config.model)]
+
     def _drafter(self) -> Drafter | None:
         """The drafter `speculative_config` asks for (None = plain decoding)."""
         spec = self.spec_config

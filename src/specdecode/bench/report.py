@@ -60,6 +60,30 @@ def exactness_table(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def prediction_table(report: dict[str, Any]) -> list[str]:
+    """Cost model vs measurement for each speculative method of ours (all prompts)."""
+    costs, methods = report.get("costs"), report["summary"]["methods"]
+    rows = [(n, m) for n, m in methods.items() if m.get("predicted_speedup") is not None]
+    if costs is None or not rows:
+        return []
+    target = ", ".join(f"{ms:.0f}" for ms in costs["target_ms"])
+    drafts = ", ".join(f"{name} {ms:.0f}" for name, ms in costs["draft_ms"].items()) or "none"
+    lines = [
+        f"Pass costs at {costs['context']} cached tokens, ms: target over T = 1, 2, ... tokens: "
+        f"{target}; draft model, one token: {drafts}.",
+        "",
+        "| method | acceptance | tau | predicted speedup | measured speedup |",
+        "|---|---|---|---|---|",
+    ]
+    for name, method in rows:
+        cell = method["cells"][ALL]
+        lines.append(
+            f"| {name} | {_num(cell['acceptance_rate'])} | {_num(cell['tau'])} "
+            f"| {method['predicted_speedup']:.2f}x | {fmt(cell['speedup'], unit='x')} |"
+        )
+    return lines
+
+
 def peer_table(summary: dict[str, Any]) -> list[str]:
     """Ours / peer tokens/s for each peer method with a corresponding method of ours."""
     if not summary["peers"]:
@@ -87,6 +111,10 @@ def markdown(report: dict[str, Any]) -> str:
     if summary["peers"]:
         parts += ["", "Ours / peer library, tokens/s, same prompts and run:", ""]
         parts += peer_table(summary)
+    predicted = prediction_table(report)
+    if predicted:
+        parts += ["", "Cost model (see `specdecode plan`) vs measured, all prompts:", ""]
+        parts += predicted
     parts += ["", "Per method and category:", "", *detail_table(summary)]
     exact = exactness_table(summary)
     if len(exact) > 2:

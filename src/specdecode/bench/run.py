@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdecode.bench.costs import bench_costs
 from specdecode.bench.harness import LoopConfig, run_interleaved
-from specdecode.bench.machine import machine_facts
+from specdecode.bench.machine import machine_facts, wait_until_quiet
 from specdecode.bench.methods import parse_methods
 from specdecode.bench.prompts import load_prompts
 from specdecode.bench.report import markdown
-from specdecode.bench.runners import build_runners
+from specdecode.bench.runners import OursRunner, Runner, build_runners
 from specdecode.bench.stats import summarize
 from specdecode.llm import LLM
 from specdecode.types import SamplingParams
@@ -74,6 +76,8 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
     rendered = [(p, llm.chat_prompt(list(p.messages))["prompt_token_ids"]) for p in prompts]
     runners = build_runners(specs, llm)
     runs, discarded = run_interleaved(runners, rendered, params, config.loop, _log if log else None)
+    context = int(statistics.median(len(ids) for _, ids in rendered)) + config.max_tokens // 2
+    costs = measure_costs(runners, llm, context, config.loop.quiet_wait_s)
     return {
         "config": asdict(config),
         "machine": machine_facts(),
@@ -83,8 +87,24 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
         "runs": runs,
         "discarded": discarded,
         "disturbed_kept": sum(r["disturbed"] for r in runs),
-        "summary": summarize(runs, specs, greedy=config.temperature == 0),
+        "costs": costs,
+        "summary": summarize(runs, specs, greedy=config.temperature == 0, costs=costs),
     }
+
+
+def measure_costs(
+    runners: list[Runner], llm: LLM, context: int, quiet_wait_s: float
+) -> dict[str, Any] | None:
+    """Pass costs of the target and every draft model (`bench_costs`) at `context` cached
+    tokens, for the cost model; None when no speculative method of ours ran."""
+    ours = [r for r in runners if isinstance(r, OursRunner) and r.spec.kind in ("draft", "ngram")]
+    if not ours:
+        return None
+    drafts = {r.spec.model: r.llm.draft_model for r in ours if r.spec.model is not None}
+    if quiet_wait_s > 0:
+        wait_until_quiet(quiet_wait_s)
+    max_k = max(r.spec.options["k"] for r in ours)
+    return bench_costs(llm.model, drafts, max_k, context)
 
 
 def save(report: dict[str, Any], out: Path) -> None:

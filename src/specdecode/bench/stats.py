@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import fields
 from typing import Any
 
+from specdecode.bench.costs import predicted_from_costs
 from specdecode.bench.methods import MethodSpec
 from specdecode.metrics import SpecCounters
 
@@ -114,8 +115,17 @@ def exactness(runs: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
     return {"share_identical": share, "per_prompt": per_prompt}
 
 
-def summarize(runs: list[dict[str, Any]], specs: list[MethodSpec], greedy: bool) -> dict[str, Any]:
-    """Every method's cells (per category and ALL), exactness, and ours/peer ratios."""
+def summarize(
+    runs: list[dict[str, Any]],
+    specs: list[MethodSpec],
+    greedy: bool,
+    costs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Every method's cells (per category and ALL), exactness, and ours/peer ratios.
+
+    With `costs` (`costs.bench_costs`), each speculative method of ours also gets the cost
+    model's "predicted_speedup" at its measured acceptance over all prompts.
+    """
     categories = list(dict.fromkeys(r["category"] for r in runs))
     base = _by(runs, BASELINE)
     methods: dict[str, Any] = {}
@@ -123,9 +133,14 @@ def summarize(runs: list[dict[str, Any]], specs: list[MethodSpec], greedy: bool)
         mine = [r for r in runs if r["method"] == spec.name]
         cells = {c: _cell([r for r in mine if r["category"] == c], base) for c in categories}
         cells[ALL] = _cell(mine, base)
+        acceptance = cells[ALL]["acceptance_rate"]
+        predicted = None
+        if costs is not None and acceptance is not None and spec.kind in ("draft", "ngram"):
+            predicted = predicted_from_costs(acceptance, spec.options["k"], costs, spec.model)
         methods[spec.name] = {
             "cells": cells,
             "exactness": exactness(runs, spec.name) if greedy else None,
+            "predicted_speedup": predicted,
         }
     return {"categories": categories, "methods": methods, "peers": peer_ratios(runs, specs)}
 

@@ -1,0 +1,105 @@
+"""Step costs and the speculative cost model: what a method should gain on this machine.
+
+With acceptance rate a (each draft token accepted independently with probability a) and K draft
+tokens, a step emits E = (1 - a^(K+1)) / (1 - a) tokens on average (Leviathan et al. 2023;
+E = K + 1 when a = 1). A step costs K draft passes of one token plus one target pass over K + 1
+tokens, so
+
+    speedup = E * target(1) / (K * draft(1) + target(K + 1))
+
+where target(T) and draft(T) are the measured seconds of a forward pass over T new tokens.
+Worked example: a = 0.8, K = 4, target(1) = 170 ms, target(5) = 200 ms, draft(1) = 60 ms:
+E = (1 - 0.8^5) / 0.2 = 3.36; speedup = 3.36 * 170 / (4 * 60 + 200) = 1.30.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from specdecode.model.transformer import Transformer
+
+
+def expected_tokens_per_step(acceptance: float, k: int) -> float:
+    """E[tokens per step] = (1 - a^(K+1)) / (1 - a) for acceptance a in [0, 1] and K >= 0."""
+    if not 0.0 <= acceptance <= 1.0 or k < 0:
+        raise ValueError(f"need 0 <= acceptance <= 1 and K >= 0, got {acceptance} and {k}")
+    if acceptance == 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def predicted_speedup(
+    acceptance: float, k: int, target_s: dict[int, float], draft_s: float = 0.0
+) -> float:
+    """The module docstring's speedup; `target_s[T]` = seconds of a target pass over T tokens
+    (needs T = 1 and T = K + 1), `draft_s` = seconds of one draft token (0 for lookup drafters)."""
+    step = k * draft_s + target_s[k + 1]
+    return expected_tokens_per_step(acceptance, k) * target_s[1] / step
+
+
+@torch.inference_mode()
+def forward_seconds(
+    model: Transformer, context: int, widths: Sequence[int], repeats: int = 5, seed: int = 0
+) -> dict[int, float]:
+    """Median seconds of one forward pass of `width` new tokens after `context` cached tokens.
+
+    The cache is filled once with `context` random tokens; each timed pass appends `width`
+    tokens and is rolled back, so every pass sees the same context. One untimed pass per width
+    comes first.
+    """
+    if context < 1 or repeats < 1 or not widths or min(widths) < 1:
+        raise ValueError("need context >= 1, repeats >= 1 and widths >= 1")
+    device = model.device
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    cache = model.new_cache(1, context + max(widths))
+    prompt = torch.randint(vocab, (1, context), generator=gen)
+    model(prompt.to(device), torch.arange(context)[None].to(device), cache)
+    out = {}
+    for width in widths:
+        tokens = torch.randint(vocab, (1, width), generator=gen).to(device)
+        positions = torch.arange(context, context + width)[None].to(device)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            model(tokens, positions, cache)  # logits for every token, as verification needs
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+            cache.truncate(context)
+        out[width] = statistics.median(times[1:])
+    return out
+
+
+def bench_costs(
+    target: Transformer,
+    drafts: Mapping[str, Transformer],
+    max_k: int,
+    context: int,
+    repeats: int = 5,
+) -> dict[str, Any]:
+    """Pass costs for the cost model, in ms: the target over T = 1..max_k + 1 new tokens
+    ("target_ms"[T - 1]) and each named draft model over one token ("draft_ms"[name])."""
+    target_s = forward_seconds(target, context, range(1, max_k + 2), repeats)
+    return {
+        "context": context,
+        "target_ms": [target_s[t] * 1e3 for t in sorted(target_s)],
+        "draft_ms": {
+            name: forward_seconds(model, context, [1], repeats)[1] * 1e3
+            for name, model in drafts.items()
+        },
+    }
+
+
+def predicted_from_costs(
+    acceptance: float, k: int, costs: Mapping[str, Any], draft: str | None
+) -> float:
+    """`predicted_speedup` with the pass costs of `bench_costs` (draft None: a free drafter)."""
+    target = {t + 1: ms for t, ms in enumerate(costs["target_ms"])}
+    draft_ms = 0.0 if draft is None else costs["draft_ms"][draft]
+    return predicted_speedup(acceptance, k, target, draft_ms)

@@ -1,0 +1,101 @@
+"""`specdecode plan`: measure step costs here and predict each K's speedup (see `costs.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from specdecode.bench.costs import expected_tokens_per_step, forward_seconds, predicted_speedup
+from specdecode.bench.prompts import load_prompts
+from specdecode.llm import LLM
+from specdecode.types import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class PlanConfig:
+    """What to plan for.
+
+    model: the target (alias, folder or .gguf).
+    speculative_config: the method, in `LLM`'s form; its K is where acceptance is measured.
+    acceptance: the acceptance rate to plan with; None = measure it by generating greedily on
+        `per_set` prompts of each of `prompt_sets` (`max_tokens` each).
+    context: cached tokens before each timed pass (step costs grow with the context).
+    max_k: plan for K = 1..max_k.
+    """
+
+    model: str
+    speculative_config: Mapping[str, Any]
+    acceptance: float | None = None
+    context: int = 256
+    max_k: int = 8
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    prompt_sets: tuple[str, ...] = ("code", "chat")
+    per_set: int = 1
+    max_tokens: int = 64
+    repeats: int = 5
+
+
+def measured_acceptance(llm: LLM, config: PlanConfig) -> float:
+    """Acceptance rate of `llm`'s drafter over greedy generations on the configured prompts."""
+    prompts = load_prompts(list(config.prompt_sets), config.per_set)
+    params = SamplingParams(temperature=0.0, max_tokens=config.max_tokens)
+    llm.generate([llm.chat_prompt(list(p.messages)) for p in prompts], params)
+    return llm.spec_metrics.acceptance_rate
+
+
+def run_plan(config: PlanConfig) -> dict[str, Any]:
+    """Step costs, the acceptance used, and per K the expected tokens/step and speedup."""
+    if config.acceptance is not None and not 0.0 <= config.acceptance <= 1.0:
+        raise ValueError(f"--acceptance must be in [0, 1], got {config.acceptance}")
+    if not 1 <= config.max_k <= 64:
+        raise ValueError(f"--max-k must be in 1..64, got {config.max_k}")
+    target = LLM(config.model, dtype=config.dtype, device=config.device)
+    llm = target.with_speculative_config(config.speculative_config)
+    widths = range(1, config.max_k + 2)
+    target_s = forward_seconds(target.model, config.context, widths, config.repeats)
+    draft = llm.draft_model
+    draft_s = (
+        0.0 if draft is None else forward_seconds(draft, config.context, [1], config.repeats)[1]
+    )
+    acceptance = config.acceptance
+    source = "given"
+    if acceptance is None:
+        acceptance, source = measured_acceptance(llm, config), "measured"
+    rows = [
+        {
+            "k": k,
+            "expected_tokens_per_step": expected_tokens_per_step(acceptance, k),
+            "step_ms": (k * draft_s + target_s[k + 1]) * 1e3,
+            "predicted_speedup": predicted_speedup(acceptance, k, target_s, draft_s),
+        }
+        for k in range(1, config.max_k + 1)
+    ]
+    return {
+        "target_ms": {t: s * 1e3 for t, s in target_s.items()},
+        "draft_ms": draft_s * 1e3,
+        "acceptance": acceptance,
+        "acceptance_source": source,
+        "rows": rows,
+        "best_k": max(rows, key=lambda r: r["predicted_speedup"])["k"],
+    }
+
+
+def plan_text(plan: dict[str, Any]) -> str:
+    """The plan as a short markdown report."""
+    target = ", ".join(f"T={t}: {ms:.1f}" for t, ms in plan["target_ms"].items())
+    lines = [
+        f"target pass ms ({target}); draft token ms: {plan['draft_ms']:.1f}",
+        f"acceptance {plan['acceptance']:.3f} ({plan['acceptance_source']})",
+        "",
+        "| K | E[tokens/step] | step ms | predicted speedup |",
+        "|---|---|---|---|",
+    ]
+    for row in plan["rows"]:
+        best = " (best)" if row["k"] == plan["best_k"] else ""
+        lines.append(
+            f"| {row['k']}{best} | {row['expected_tokens_per_step']:.2f} | {row['step_ms']:.1f} "
+            f"| {row['predicted_speedup']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
