@@ -16,6 +16,7 @@ import pytest
 from specdecode.bench import harness
 from specdecode.bench.costs import expected_tokens_per_step, forward_seconds, predicted_speedup
 from specdecode.bench.harness import LoopConfig, method_order, run_interleaved
+from specdecode.bench.llamacpp import gguf_of
 from specdecode.bench.methods import MethodSpec, parse_methods
 from specdecode.bench.plan import PlanConfig, plan_text, run_plan
 from specdecode.bench.plots import plot_all
@@ -495,3 +496,68 @@ def test_cli_plan_prints_json(tiny_model_dir: Path, capsys: pytest.CaptureFixtur
     args[-1] = "-1"  # --max-k -1
     assert main(args) == 2
     assert "--max-k must be in 1..64" in capsys.readouterr().err
+
+
+# --- peers: skipped when missing, llama.cpp when installed ----------------------------------
+
+
+def test_llamacpp_specs_pair_with_plain_and_ngram() -> None:
+    ours = parse_methods("plain,ngram:k=8")
+    assert MethodSpec.parse("llamacpp").is_peer
+    assert MethodSpec.parse("llamacpp").peer_of(ours).name == "plain"
+    assert MethodSpec.parse("llamacpp-lookup:k=8:max=3").peer_of(ours).name == "ngram:k=8"
+    with pytest.raises(ValueError, match="needs k=N"):
+        MethodSpec.parse("llamacpp-lookup")
+
+
+def test_missing_peer_libraries_are_skipped_with_what_to_install(
+    tiny_model_dir: Path, tiny_prompts: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    config = BenchConfig(
+        model=str(tiny_model_dir),
+        methods="plain,hf,llamacpp-lookup:k=4",
+        prompt_sets=(str(tiny_prompts),),
+        per_set=1,
+        max_tokens=4,
+        dtype="float32",
+        loop=LoopConfig(repeats=1, retries=0, quiet_wait_s=0, progress=False),
+    )
+    report = run_bench(config, log=False)
+    assert {r["method"] for r in report["runs"]} == {"plain"}
+    reasons = {s["method"]: s["reason"] for s in report["skipped"]}
+    assert "pip install transformers" in reasons["hf"]
+    assert "pip install llama-cpp-python==0.3.36" in reasons["llamacpp-lookup:k=4"]
+    assert "- skipped hf: " in markdown(report)
+
+
+def test_gguf_of_finds_the_file_or_says_what_is_needed(tmp_path: Path) -> None:
+    own = tmp_path / "m.gguf"
+    own.write_bytes(b"GGUF")
+    assert gguf_of(str(own), tmp_path / "converted") == own
+    (tmp_path / "pulled").mkdir()
+    (tmp_path / "pulled" / "model.gguf").write_bytes(b"GGUF")
+    assert gguf_of("alias", tmp_path / "pulled") == tmp_path / "pulled" / "model.gguf"
+    with pytest.raises(FileNotFoundError, match=r"has no model\.gguf; pass a model alias"):
+        gguf_of(str(tmp_path), tmp_path)
+
+
+@pytest.mark.real_model
+def test_llamacpp_peers_run_on_the_real_gguf(smollm2_dir: Path) -> None:
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional peer")
+    config = BenchConfig(
+        model="smollm2-135m",
+        methods="plain,llamacpp,llamacpp-lookup:k=4",
+        prompt_sets=("qa",),
+        per_set=1,
+        max_tokens=16,
+        ignore_eos=True,
+        loop=LoopConfig(repeats=1, retries=0, quiet_wait_s=0, progress=False),
+    )
+    report = run_bench(config, log=False)
+    assert report["skipped"] == []
+    runs = {r["method"]: r for r in report["runs"]}
+    assert {r["num_tokens"] for r in runs.values()} == {16}
+    assert all(0 <= t < 49152 for r in runs.values() for t in r["token_ids"])
+    assert [p["peer"] for p in report["summary"]["peers"]] == ["llamacpp"]  # no ngram:k=4 here

@@ -57,9 +57,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmark methods side by side, interleaved, vs plain decoding",
-        description="Methods: plain, ngram:k=8[:max=4][:min=2], draft:MODEL:k=4, hf, "
-        "hf-assisted:MODEL:k=4, hf-lookup:k=8[:max=2]. Prompt sets: code (HumanEval), chat, "
-        "translation, summarize, qa, math, rag, edit.",
+        description="Methods: plain, ngram:k=8[:max=4][:min=2], draft:MODEL:k=4; peers: hf, "
+        "hf-assisted:MODEL:k=4, hf-lookup:k=8[:max=2], llamacpp, llamacpp-lookup:k=10[:max=2] "
+        "(a peer whose library is missing is skipped). Prompt sets: code (HumanEval), chat, "
+        "translation, summarize, qa, math, rag, edit, or a .jsonl file.",
     )
     p.add_argument("--model", help="target: alias, Hugging Face folder or .gguf file")
     p.add_argument("--methods", default="plain,ngram:k=8", help="comma-separated method specs")

@@ -68,6 +68,7 @@ class LLM:
             None if speculative_config is None else SpecConfig.from_dict(speculative_config)
         )
         path = resolve_model(model)
+        self.model_name = model  # as given: an alias, a folder or a .gguf file
         self.model_path = path
         self.model = load_model(path, dtype=dtype, device=device)
         self.tokenizer = Tokenizer.from_folder(path)

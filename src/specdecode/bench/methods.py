@@ -6,6 +6,8 @@
     hf                             Hugging Face transformers `generate()` on the same weights
     hf-assisted:MODEL:k=4          HF assisted generation (`assistant_model=`, K draft tokens)
     hf-lookup:k=8[:max=4]          HF prompt lookup (`prompt_lookup_num_tokens=`)
+    llamacpp                       llama.cpp (llama-cpp-python) on the model's GGUF file
+    llamacpp-lookup:k=10[:max=2]   llama.cpp with its prompt-lookup drafting
 
 Example: `MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=4").speculative_config()` is
 `{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}`.
@@ -24,9 +26,17 @@ KINDS: dict[str, tuple[bool, frozenset[str], frozenset[str]]] = {
     "hf": (False, frozenset(), frozenset()),
     "hf-assisted": (True, frozenset({"k"}), frozenset({"k"})),
     "hf-lookup": (False, frozenset({"k", "max"}), frozenset({"k"})),
+    "llamacpp": (False, frozenset(), frozenset()),
+    "llamacpp-lookup": (False, frozenset({"k", "max"}), frozenset({"k"})),
 }
 # Our method that an HF peer method corresponds to (for "ours / HF" ratios).
-PEER_OF = {"hf": "plain", "hf-assisted": "draft", "hf-lookup": "ngram"}
+PEER_OF = {
+    "hf": "plain",
+    "hf-assisted": "draft",
+    "hf-lookup": "ngram",
+    "llamacpp": "plain",
+    "llamacpp-lookup": "ngram",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +83,7 @@ class MethodSpec:
     @property
     def is_peer(self) -> bool:
         """True for another library's method (reported beside ours, never as ours)."""
-        return self.kind.startswith("hf")
+        return self.kind in PEER_OF
 
     def speculative_config(self) -> dict[str, Any] | None:
         """Our `speculative_config` for this method (None for plain; ValueError for a peer)."""
@@ -94,7 +104,7 @@ class MethodSpec:
         raise ValueError(f"{self.name!r} is a peer library's method, not a speculative_config")
 
     def peer_of(self, ours: list[MethodSpec]) -> MethodSpec | None:
-        """For an HF method, our corresponding method among `ours` (same kind, model and K)."""
+        """For a peer's method, our corresponding method among `ours` (same kind, model, K)."""
         kind = PEER_OF.get(self.kind)
         matches = [
             m

@@ -106,7 +106,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['machine']['torch_threads']} threads; "
         f"disturbed runs kept / redone: {report['disturbed_kept']} / {len(report['discarded'])}"
     )
-    parts = [head, "", "Speedup vs plain decoding (tokens/s ratio per prompt and repeat):", ""]
+    parts = [head]
+    parts += [f"- skipped {s['method']}: {s['reason']}" for s in report.get("skipped", [])]
+    parts += ["", "Speedup vs plain decoding (tokens/s ratio per prompt and repeat):", ""]
     parts += speedup_table(summary)
     if summary["peers"]:
         parts += ["", "Ours / peer library, tokens/s, same prompts and run:", ""]

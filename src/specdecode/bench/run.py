@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.costs import bench_costs
-from specdecode.bench.harness import LoopConfig, run_interleaved
+from specdecode.bench.harness import WARMUP_TOKENS, LoopConfig, run_interleaved
 from specdecode.bench.machine import machine_facts, wait_until_quiet
 from specdecode.bench.methods import parse_methods
 from specdecode.bench.prompts import load_prompts
@@ -74,7 +74,11 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
     )
     llm = LLM(config.model, dtype=config.dtype, device=config.device)
     rendered = [(p, llm.chat_prompt(list(p.messages))["prompt_token_ids"]) for p in prompts]
-    runners = build_runners(specs, llm)
+    n_ctx = max(len(ids) for _, ids in rendered) + config.max_tokens + WARMUP_TOKENS
+    runners, skipped = build_runners(specs, llm, n_ctx)
+    for skip in skipped:
+        print(f"skipped {skip['method']}: {skip['reason']}", file=sys.stderr)
+    specs = [r.spec for r in runners]
     runs, discarded = run_interleaved(runners, rendered, params, config.loop, _log if log else None)
     context = int(statistics.median(len(ids) for _, ids in rendered)) + config.max_tokens // 2
     costs = measure_costs(runners, llm, context, config.loop.quiet_wait_s)
@@ -84,6 +88,7 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
         "prompts": [
             {"id": p.id, "category": p.category, "num_tokens": len(ids)} for p, ids in rendered
         ],
+        "skipped": skipped,
         "runs": runs,
         "discarded": discarded,
         "disturbed_kept": sum(r["disturbed"] for r in runs),

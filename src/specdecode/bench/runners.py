@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from specdecode.bench.llamacpp import LlamaCppRunner
 from specdecode.bench.methods import MethodSpec
 from specdecode.llm import LLM
 from specdecode.model.registry import resolve_model
@@ -142,8 +143,15 @@ def load_hf(path: Path, dtype: torch.dtype, device: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def build_runners(specs: list[MethodSpec], llm: LLM) -> list[Runner]:
-    """A runner per spec, every one of ours sharing `llm`'s weights, HF loading each model once."""
+def build_runners(
+    specs: list[MethodSpec], llm: LLM, n_ctx: int
+) -> tuple[list[Runner], list[dict[str, str]]]:
+    """A runner per spec; returns (runners, skipped peers with the reason).
+
+    Every method of ours shares `llm`'s weights; HF loads each model folder once. A peer whose
+    library is not installed is skipped (ImportError's message says what to install), so the
+    rest of the run goes on. `n_ctx`: the longest prompt plus new tokens a run needs.
+    """
     hf_models: dict[Path, Any] = {}
 
     def hf(name: str | Path) -> Any:
@@ -154,10 +162,21 @@ def build_runners(specs: list[MethodSpec], llm: LLM) -> list[Runner]:
 
     eos = list(llm.tokenizer.eos_token_ids)
     runners: list[Runner] = []
+    skipped: list[dict[str, str]] = []
     for spec in specs:
-        if not spec.is_peer:
-            runners.append(OursRunner(spec, llm.with_speculative_config(spec.speculative_config())))
-        else:
-            assistant = hf(spec.model) if spec.model is not None else None
-            runners.append(HFRunner(spec, hf(llm.model_path), eos, assistant))
-    return runners
+        try:
+            runners.append(_runner(spec, llm, hf, eos, n_ctx))
+        except ImportError as err:
+            if not spec.is_peer:
+                raise
+            skipped.append({"method": spec.name, "reason": str(err)})
+    return runners, skipped
+
+
+def _runner(spec: MethodSpec, llm: LLM, hf: Any, eos: list[int], n_ctx: int) -> Runner:
+    if not spec.is_peer:
+        return OursRunner(spec, llm.with_speculative_config(spec.speculative_config()))
+    if spec.kind.startswith("llamacpp"):
+        return LlamaCppRunner(spec, llm.model_name, llm.model_path, n_ctx, eos)
+    assistant = hf(spec.model) if spec.model is not None else None
+    return HFRunner(spec, hf(llm.model_path), eos, assistant)
