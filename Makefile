@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 MODEL ?= smollm2-135m
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test lint bench bench-docs
 
 install: $(VENV)/.installed
 
@@ -29,3 +29,17 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/plain_decode.py --models smollm2-135m,qwen2.5-coder-1.5b
+
+# The run behind docs/benchmarks.md (~30 min here): every method and peer, every prompt set.
+SETS := code,chat,translation,summarize,qa,math,rag,edit
+DRAFT := qwen2.5-coder-0.5b
+BENCH := $(VENV)/bin/specdecode bench --prompts $(SETS) --per-set 2 --max-tokens 64 --repeats 1
+bench-docs: install
+	$(VENV)/bin/specdecode pull qwen2.5-coder-1.5b
+	$(VENV)/bin/specdecode pull $(DRAFT)
+	$(VENV)/bin/specdecode pull smollm2-135m
+	$(PY) -m pip install --quiet llama-cpp-python==0.3.36
+	$(BENCH) --model qwen2.5-coder-1.5b --out bench_out/docs/qwen2.5-coder-1.5b \
+	    --methods plain,draft:$(DRAFT):k=3,ngram:k=8,hf,hf-assisted:$(DRAFT):k=3,hf-lookup:k=8,llamacpp,llamacpp-lookup:k=8
+	$(BENCH) --model smollm2-135m --out bench_out/docs/smollm2-135m \
+	    --methods plain,ngram:k=8,hf,hf-lookup:k=8,llamacpp,llamacpp-lookup:k=8

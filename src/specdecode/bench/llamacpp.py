@@ -45,8 +45,9 @@ class LlamaCppRunner:
     ) -> None:
         """Load the GGUF behind `model` (see `gguf_of`) with room for `n_ctx` tokens."""
         try:
-            from llama_cpp import Llama, LlamaPromptLookupDecoding
-        except ImportError as err:
+            from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        except ModuleNotFoundError as err:
             raise ImportError(
                 f"the llamacpp* methods need llama-cpp-python: pip install {LLAMACPP_REQUIREMENT} "
                 "(it builds llama.cpp from source, about 7 minutes on 2 cores)"
