@@ -206,7 +206,7 @@ def _prompts(n: int) -> list[tuple[BenchPrompt, list[int]]]:
     ]
 
 
-def test_interleaved_loop_warms_up_then_rotates_methods_per_repeat(
+def test_interleaved_loop_warms_up_then_rotates_methods_per_group(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(harness, "ForeignLoad", ScriptedLoad)
@@ -219,8 +219,8 @@ def test_interleaved_loop_warms_up_then_rotates_methods_per_repeat(
     assert calls[:2] == [("plain", harness.WARMUP_TOKENS), ("ngram:k=2", harness.WARMUP_TOKENS)]
     order = [(r["repeat"], r["prompt_id"], r["method"]) for r in kept]
     assert order == [
-        (0, "p0", "plain"), (0, "p0", "ngram:k=2"), (0, "p1", "plain"), (0, "p1", "ngram:k=2"),
-        (1, "p0", "ngram:k=2"), (1, "p0", "plain"), (1, "p1", "ngram:k=2"), (1, "p1", "plain"),
+        (0, "p0", "plain"), (0, "p0", "ngram:k=2"), (0, "p1", "ngram:k=2"), (0, "p1", "plain"),
+        (1, "p0", "ngram:k=2"), (1, "p0", "plain"), (1, "p1", "plain"), (1, "p1", "ngram:k=2"),
     ]  # fmt: skip
     assert discarded == [] and not any(r["disturbed"] for r in kept)
     assert all(n == 64 for _, n in calls[2:])

@@ -1,11 +1,12 @@
 """The benchmark loop: every method on every prompt, interleaved, each group redone if disturbed.
 
-Order: for each repeat, for each prompt, every method once (a "group"), the method order rotated
-by one place each repeat so no method always runs first (a warm or cold cache, a machine
-slowing down) and machine noise hits all methods alike. One short untimed warm-up run per
-method comes first. A group during which other processes used >= `QUIET_CORES` of CPU is set
-aside and run again (at most `retries` times; the last attempt is kept whatever its load, and
-marked "disturbed").
+Order: for each repeat, for each prompt, every method once (a "group"). The method order of
+the group of repeat r and prompt i is rotated by r + i places, so no method always runs first
+or right after the same other method (a warm or cold cache, the previous engine's threads still
+winding down), even with one repeat, and every prompt sees several orders over the repeats.
+One short untimed warm-up run per method comes first. A group during which other processes
+used >= `QUIET_CORES` of CPU is set aside and run again (at most `retries` times; the last
+attempt is kept whatever its load, and marked "disturbed").
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ class LoopConfig:
     progress: bool = True
 
 
-def method_order(names: Sequence[str], repeat: int) -> list[str]:
-    """`names` rotated left by `repeat` places: repeat 1 of [a, b, c] runs b, c, a."""
-    shift = repeat % len(names)
+def method_order(names: Sequence[str], shift: int) -> list[str]:
+    """`names` rotated left by `shift` places: shift 1 of [a, b, c] gives b, c, a."""
+    shift = shift % len(names)
     return list(names[shift:]) + list(names[:shift])
 
 
@@ -75,8 +76,8 @@ def run_interleaved(
     kept: list[dict[str, Any]] = []
     discarded: list[dict[str, Any]] = []
     for repeat in range(config.repeats):
-        order = method_order(list(by_name), repeat)
-        for prompt, ids in prompts:
+        for index, (prompt, ids) in enumerate(prompts):
+            order = method_order(list(by_name), repeat + index)
             for attempt in range(config.retries + 1):
                 if config.quiet_wait_s > 0:
                     wait_until_quiet(config.quiet_wait_s)
