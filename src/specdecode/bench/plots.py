@@ -39,7 +39,8 @@ def speedup_plot(report: dict[str, Any], path: Path) -> Path:
     summary = report["summary"]
     cats = [*summary["categories"], ALL]
     names = [n for n in summary["methods"] if n != "plain"]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(cats) * max(1, len(names)) / 3), 4.5))
+    width_in = min(14.0, max(6.0, 0.22 * len(cats) * max(1, len(names))))
+    fig, ax = plt.subplots(figsize=(width_in, 5.0))
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
         cells = [summary["methods"][name]["cells"][c]["speedup"] for c in cats]
