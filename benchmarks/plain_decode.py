@@ -37,6 +37,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,13 @@ import torch.nn.functional as F
 from prompts import chat_prompts
 from torch import nn
 
-from specdecode.bench.machine import QUIET_CORES, ForeignLoad, machine_facts, wait_until_quiet
+from specdecode.bench.machine import (
+    QUIET_CORES,
+    ForeignLoad,
+    machine_facts,
+    wait_until_quiet,
+    with_foreign_load,
+)
 from specdecode.bench.runners import load_hf
 from specdecode.llm import LLM
 from specdecode.model.registry import ensure_pulled
@@ -214,15 +221,6 @@ def run_hf(hf: nn.Module, ids: list[int], max_tokens: int) -> dict[str, Any]:
     }
 
 
-def _measured(fn, ids: list[int]) -> dict[str, Any]:
-    """Run `fn(ids)` and attach the other processes' CPU load during the run."""
-    load = ForeignLoad()
-    load.start()
-    run = fn(ids)
-    run["foreign_cores"] = load.stop()
-    return run
-
-
 def _log(run: dict[str, Any]) -> None:
     """One progress line per run on stderr."""
     print(
@@ -256,7 +254,7 @@ def interleaved_runs(
                 waited = wait_until_quiet(args.quiet_wait)
                 pair = []
                 for engine in order:
-                    run = _measured(engines[engine], ids)
+                    run = with_foreign_load(partial(engines[engine], ids))
                     run.update(engine=engine, repeat=rep, prompt=index, prompt_name=name)
                     run.update(num_prompt_tokens=len(ids), attempt=attempt, waited_s=waited)
                     _log(run)

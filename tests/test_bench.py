@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from specdecode.bench import harness
+from specdecode.bench import harness, machine
 from specdecode.bench.costs import expected_tokens_per_step, forward_seconds, predicted_speedup
 from specdecode.bench.harness import LoopConfig, method_order, run_interleaved
 from specdecode.bench.llamacpp import gguf_of
@@ -209,7 +209,7 @@ def _prompts(n: int) -> list[tuple[BenchPrompt, list[int]]]:
 def test_interleaved_loop_warms_up_then_rotates_methods_per_group(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(harness, "ForeignLoad", ScriptedLoad)
+    monkeypatch.setattr(machine, "ForeignLoad", ScriptedLoad)
     ScriptedLoad.LOADS = [0.0] * 8
     calls: list[tuple[str, int]] = []
     runners = [FakeRunner("plain", calls), FakeRunner("ngram:k=2", calls)]
@@ -229,7 +229,7 @@ def test_interleaved_loop_warms_up_then_rotates_methods_per_group(
 def test_a_disturbed_group_is_redone_and_the_last_attempt_kept(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(harness, "ForeignLoad", ScriptedLoad)
+    monkeypatch.setattr(machine, "ForeignLoad", ScriptedLoad)
     # p0: attempt 0 disturbed (second run), attempt 1 clean. p1: disturbed on every attempt.
     ScriptedLoad.LOADS = [0.0, 0.9, 0.0, 0.0, 0.5, 0.0, 0.0, 0.7]
     calls: list[tuple[str, int]] = []

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from tqdm import tqdm
 
-from specdecode.bench.machine import QUIET_CORES, ForeignLoad, wait_until_quiet
+from specdecode.bench.machine import QUIET_CORES, wait_until_quiet, with_foreign_load
 from specdecode.bench.prompts import BenchPrompt
 from specdecode.bench.runners import Runner
 from specdecode.types import SamplingParams
@@ -45,14 +46,6 @@ def method_order(names: Sequence[str], shift: int) -> list[str]:
     """`names` rotated left by `shift` places: shift 1 of [a, b, c] gives b, c, a."""
     shift = shift % len(names)
     return list(names[shift:]) + list(names[:shift])
-
-
-def _timed(runner: Runner, ids: list[int], params: SamplingParams) -> dict[str, Any]:
-    load = ForeignLoad()
-    load.start()
-    run = runner.run(ids, params)
-    run["foreign_cores"] = load.stop()
-    return run
 
 
 def run_interleaved(
@@ -83,7 +76,7 @@ def run_interleaved(
                     wait_until_quiet(config.quiet_wait_s)
                 group = []
                 for name in order:
-                    run = _timed(by_name[name], ids, params)
+                    run = with_foreign_load(partial(by_name[name].run, ids, params))
                     run.update(method=name, prompt_id=prompt.id, category=prompt.category)
                     run.update(repeat=repeat, attempt=attempt, num_prompt_tokens=len(ids))
                     run["disturbed"] = run["foreign_cores"] >= QUIET_CORES

@@ -11,6 +11,7 @@ import hashlib
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,16 @@ class ForeignLoad:
         t1 = self._sample()
         wall = max(t1[0] - self._t0[0], 1e-9)
         return max(0.0, (t1[1] - self._t0[1]) - (t1[2] - self._t0[2])) / wall
+
+
+def with_foreign_load(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Call `run()` and add to its result "foreign_cores": the other processes' mean CPU load,
+    in cores, while it ran."""
+    load = ForeignLoad()
+    load.start()
+    result = run()
+    result["foreign_cores"] = load.stop()
+    return result
 
 
 def wait_until_quiet(max_wait_s: float, window_s: float = 1.0) -> float:

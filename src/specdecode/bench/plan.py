@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.bench.costs import expected_tokens_per_step, forward_seconds, predicted_speedup
+from specdecode.bench.costs import bench_costs, expected_tokens_per_step, predicted_from_costs
 from specdecode.bench.prompts import load_prompts
 from specdecode.llm import LLM
 from specdecode.types import SamplingParams
@@ -53,28 +53,27 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
         raise ValueError(f"--max-k must be in 1..64, got {config.max_k}")
     target = LLM(config.model, dtype=config.dtype, device=config.device)
     llm = target.with_speculative_config(config.speculative_config)
-    widths = range(1, config.max_k + 2)
-    target_s = forward_seconds(target.model, config.context, widths, config.repeats)
     draft = llm.draft_model
-    draft_s = (
-        0.0 if draft is None else forward_seconds(draft, config.context, [1], config.repeats)[1]
-    )
+    drafts = {} if draft is None else {"draft": draft}
+    costs = bench_costs(target.model, drafts, config.max_k, config.context, config.repeats)
+    draft_ms = costs["draft_ms"].get("draft", 0.0)
     acceptance = config.acceptance
     source = "given"
     if acceptance is None:
         acceptance, source = measured_acceptance(llm, config), "measured"
+    name = None if draft is None else "draft"
     rows = [
         {
             "k": k,
             "expected_tokens_per_step": expected_tokens_per_step(acceptance, k),
-            "step_ms": (k * draft_s + target_s[k + 1]) * 1e3,
-            "predicted_speedup": predicted_speedup(acceptance, k, target_s, draft_s),
+            "step_ms": k * draft_ms + costs["target_ms"][k],
+            "predicted_speedup": predicted_from_costs(acceptance, k, costs, name),
         }
         for k in range(1, config.max_k + 1)
     ]
     return {
-        "target_ms": {t: s * 1e3 for t, s in target_s.items()},
-        "draft_ms": draft_s * 1e3,
+        "target_ms": {t + 1: ms for t, ms in enumerate(costs["target_ms"])},
+        "draft_ms": draft_ms,
         "acceptance": acceptance,
         "acceptance_source": source,
         "rows": rows,

@@ -12,7 +12,6 @@ Definitions (DESIGN.md):
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 from dataclasses import fields
 from typing import Any
 
@@ -146,7 +145,8 @@ def summarize(
 
 
 def peer_ratios(runs: list[dict[str, Any]], specs: list[MethodSpec]) -> list[dict[str, Any]]:
-    """For each HF method with a corresponding method of ours: ours/HF tokens/s per category."""
+    """For each peer method with a corresponding method of ours: ours/peer tokens/s per
+    category (and ALL)."""
     ours = [s for s in specs if not s.is_peer]
     out = []
     for peer in (s for s in specs if s.is_peer):
@@ -155,15 +155,10 @@ def peer_ratios(runs: list[dict[str, Any]], specs: list[MethodSpec]) -> list[dic
             continue
         theirs = _by(runs, peer.name)
         mine = [r for r in runs if r["method"] == match.name]
-        per_category: dict[str, list[float]] = defaultdict(list)
-        for cat in [*dict.fromkeys(r["category"] for r in mine), ALL]:
-            subset = [r for r in mine if cat in (ALL, r["category"])]
-            per_category[cat] = _ratios(subset, theirs)
-        out.append(
-            {
-                "ours": match.name,
-                "peer": peer.name,
-                "ratio": {c: spread(v) for c, v in per_category.items()},
-            }
-        )
+        cats = [*dict.fromkeys(r["category"] for r in mine), ALL]
+        ratio = {
+            cat: spread(_ratios([r for r in mine if cat in (ALL, r["category"])], theirs))
+            for cat in cats
+        }
+        out.append({"ours": match.name, "peer": peer.name, "ratio": ratio})
     return out
