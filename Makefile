@@ -30,10 +30,10 @@ lint: install
 bench: install
 	$(PY) benchmarks/plain_decode.py --models smollm2-135m,qwen2.5-coder-1.5b
 
-# The run behind docs/benchmarks.md (~30 min here): every method and peer, every prompt set.
+# The run behind docs/benchmarks.md (~60 min here): every method and peer, every prompt set.
 SETS := code,chat,translation,summarize,qa,math,rag,edit
 DRAFT := qwen2.5-coder-0.5b
-BENCH := $(VENV)/bin/specdecode bench --prompts $(SETS) --per-set 2 --max-tokens 64 --repeats 1
+BENCH := $(VENV)/bin/specdecode bench --prompts $(SETS) --per-set 2 --max-tokens 64 --repeats 2
 bench-docs: install
 	$(VENV)/bin/specdecode pull qwen2.5-coder-1.5b
 	$(VENV)/bin/specdecode pull $(DRAFT)

@@ -14,7 +14,12 @@ from typing import Any, ClassVar
 import pytest
 
 from specdecode.bench import harness, machine
-from specdecode.bench.costs import expected_tokens_per_step, forward_seconds, predicted_speedup
+from specdecode.bench.costs import (
+    expected_tokens_per_step,
+    forward_seconds,
+    predicted_from_counters,
+    predicted_speedup,
+)
 from specdecode.bench.harness import LoopConfig, method_order, run_interleaved
 from specdecode.bench.llamacpp import gguf_of
 from specdecode.bench.methods import MethodSpec, parse_methods
@@ -26,6 +31,7 @@ from specdecode.bench.run import BenchConfig, run_bench, save
 from specdecode.bench.runners import load_hf
 from specdecode.bench.stats import ALL, first_divergence, summarize
 from specdecode.cli import main
+from specdecode.metrics import SpecCounters
 from specdecode.model.loading import load_model
 from specdecode.types import SamplingParams
 
@@ -286,6 +292,8 @@ def test_summary_pairs_each_run_with_plain_of_the_same_prompt_and_repeat() -> No
     ngram = summary["methods"]["ngram:k=2"]
     code = ngram["cells"]["code"]
     assert code["speedup"] == {"median": 2.0, "min": 2.0, "max": 2.0, "n": 2}
+    # decode phase: 3 tokens after the first over wall - TTFT (0.1 s): (3 / 0.9) / (3 / 1.9)
+    assert code["decode_speedup"]["max"] == pytest.approx(1.9 / 0.9)
     assert code["tokens_per_s"]["median"] == pytest.approx(3.0)  # 4 tok / 1 s and / 2 s
     assert code["acceptance_rate"] == pytest.approx(0.5) and code["tau"] == pytest.approx(2.0)
     assert code["accepted_per_position"] == [1.0]  # both drafts kept their first token
@@ -356,7 +364,8 @@ def test_bench_end_to_end_on_a_tiny_model(
     assert len(costs["target_ms"]) == 4 and list(costs["draft_ms"]) == [model]
     predicted = {n: m["predicted_speedup"] for n, m in summary["methods"].items()}
     assert predicted["plain"] is None and predicted["hf"] is None
-    assert predicted["ngram:k=3"] > 0 and predicted[f"draft:{model}:k=2"] > 0
+    for name in ("ngram:k=3", f"draft:{model}:k=2"):  # one prediction per run of the method
+        assert predicted[name]["n"] == 4 * 2 and predicted[name]["min"] > 0
     text = markdown(report)
     assert "| ngram:k=3 | " in text and "Ours / peer library" in text
     assert "Cost model (see `specdecode plan`) vs measured" in text
@@ -439,6 +448,20 @@ def test_predicted_speedup_matches_the_worked_example() -> None:
     speedup = predicted_speedup(0.8, 4, {1: 0.170, 5: 0.200}, draft_s=0.060)
     assert speedup == pytest.approx(3.3616 * 0.170 / 0.440)
     assert predicted_speedup(0.0, 3, {1: 1.0, 4: 1.0}) == 1.0  # free drafts that always miss
+
+
+def test_predicted_from_counters_matches_the_worked_example() -> None:
+    costs = {"target_ms": [100.0, 105.0, 110.0, 115.0, 120.0], "draft_ms": {"d": 10.0}}
+    # one request: prefill's step + 10 decode steps emitting 25 tokens, 5 drafts of 4 tokens
+    counters = SpecCounters(num_steps=11, num_drafts=5, num_draft_tokens=20, num_output_tokens=26)
+    assert predicted_from_counters(counters, 1, costs, None) == pytest.approx(2500 / 1100)
+    drafted = 2500 / (5 * (4 * 10 + 120) + 5 * 100)  # a draft model spends 4 passes per draft
+    assert predicted_from_counters(counters, 1, costs, "d") == pytest.approx(drafted)
+    # drafts of 2.5 tokens on average: a pass over 3.5 tokens costs 112.5 ms
+    half = SpecCounters(num_steps=3, num_drafts=2, num_draft_tokens=5, num_output_tokens=6)
+    assert predicted_from_counters(half, 1, costs, None) == pytest.approx(500 / 225)
+    only_prefill = SpecCounters(num_steps=2, num_output_tokens=2)
+    assert predicted_from_counters(only_prefill, 2, costs, None) is None
 
 
 def test_forward_seconds_times_each_width_on_the_same_context(tiny_model_dir: Path) -> None:

@@ -77,7 +77,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet-wait", type=float, default=60.0, help="max s to wait for quiet")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for JSON + md")
     p.add_argument(
-        "--report", type=Path, help="re-print the tables of a saved bench.json, redraw its plots"
+        "--report",
+        type=Path,
+        help="re-read a saved bench.json: recompute its statistics, re-print, redraw its plots",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar or run lines")
 
@@ -178,10 +180,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.harness import LoopConfig
     from specdecode.bench.report import markdown
-    from specdecode.bench.run import BenchConfig, run_bench, save
+    from specdecode.bench.run import BenchConfig, resummarize, run_bench, save
 
     if args.report is not None:
-        report = json.loads(args.report.read_text())
+        report = resummarize(json.loads(args.report.read_text()))
         print(markdown(report), end="")
         _plots(report, args.report.parent)
         return 0

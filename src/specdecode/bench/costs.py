@@ -10,6 +10,12 @@ tokens, so
 where target(T) and draft(T) are the measured seconds of a forward pass over T new tokens.
 Worked example: a = 0.8, K = 4, target(1) = 170 ms, target(5) = 200 ms, draft(1) = 60 ms:
 E = (1 - 0.8^5) / 0.2 = 3.36; speedup = 3.36 * 170 / (4 * 60 + 200) = 1.30.
+
+That formula is for planning (`specdecode plan`, a given acceptance). A finished run is checked
+with `predicted_from_counters`, which replaces the independence assumption by what the counters
+saw: how many decode steps carried a draft, how long the drafts were, and how many tokens the
+steps emitted. Prompt lookup needs this: its drafts come in bursts (a copied span is accepted
+whole, then lookups miss and steps decode one token), which a single rate a does not describe.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 
 import torch
 
+from specdecode.metrics import SpecCounters
 from specdecode.model.transformer import Transformer
 
 
@@ -103,3 +110,38 @@ def predicted_from_costs(
     target = {t + 1: ms for t, ms in enumerate(costs["target_ms"])}
     draft_ms = 0.0 if draft is None else costs["draft_ms"][draft]
     return predicted_speedup(acceptance, k, target, draft_ms)
+
+
+def _target_ms(costs: Mapping[str, Any], width: float) -> float:
+    """A target pass over `width` new tokens (fractional: linear between measured widths)."""
+    table = costs["target_ms"]  # [T - 1] = ms of a pass over T tokens
+    low = min(max(int(width), 1), len(table))
+    high = min(low + 1, len(table))
+    return table[low - 1] + (table[high - 1] - table[low - 1]) * (width - low)
+
+
+def predicted_from_counters(
+    counters: SpecCounters, num_requests: int, costs: Mapping[str, Any], draft: str | None
+) -> float | None:
+    """Decode-phase speedup the pass costs predict for the steps a run actually took.
+
+    `counters` are summed over `num_requests` requests; each request's first step (prefill's
+    token) is left out. The remaining S steps emitted N tokens; D of them carried drafts of
+    L tokens on average. Plain decoding spends N * target(1); the run spent
+    D * (L * draft(1) + target(L + 1)) + (S - D) * target(1). None when no decode step ran.
+
+    Example: S = 10, N = 25, D = 5, L = 4, free drafts, target(1) = 100 ms, target(5) = 120 ms:
+    25 * 100 / (5 * 120 + 5 * 100) = 2.27.
+    """
+    steps = counters.num_steps - num_requests
+    emitted = counters.num_output_tokens - num_requests
+    if steps <= 0 or emitted <= 0:
+        return None
+    one = _target_ms(costs, 1)
+    draft_ms = 0.0 if draft is None else costs["draft_ms"][draft]
+    drafting = counters.num_drafts
+    spent = (steps - drafting) * one
+    if drafting:
+        length = counters.num_draft_tokens / drafting
+        spent += drafting * (length * draft_ms + _target_ms(costs, length + 1))
+    return emitted * one / spent

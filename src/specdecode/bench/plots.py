@@ -4,9 +4,11 @@
   method (median, with the min-max range as an error bar);
 - acceptance.png: per draft position i, the share of drafts whose first i + 1 tokens were
   accepted, one line per speculative method of ours;
-- speedup_vs_k.png: per drafter family (a draft model, or n-gram lookup), measured speedup
-  against K, next to the cost model's prediction and E[tokens/step] = (1 - a^(K+1)) / (1 - a)
-  (what the speedup would be if drafting and verifying K tokens cost no more than one token).
+- speedup_vs_k.png: per drafter family (a draft model, or n-gram lookup), the measured speedup
+  of the decode phase against K, next to the cost model's prediction for the same steps
+  (`costs.predicted_from_counters`) and E[tokens/step] = (1 - a^(K+1)) / (1 - a) at the measured
+  acceptance a (what the speedup would be if drafting and verifying K tokens cost no more than
+  one token and acceptances were independent).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.costs import expected_tokens_per_step, predicted_from_costs
+from specdecode.bench.costs import expected_tokens_per_step
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.stats import ALL
 
@@ -94,20 +96,20 @@ def _families(report: dict[str, Any]) -> dict[tuple[str, str | None], list[tuple
 
 
 def speedup_vs_k_plot(report: dict[str, Any], path: Path) -> Path:
-    """Measured speedup vs K per drafter family, with the cost model and E[tokens/step]."""
+    """Measured decode speedup vs K per drafter family, with the cost model and E[tokens/step]."""
     plt = _pyplot()
-    methods, costs = report["summary"]["methods"], report.get("costs")
+    methods = report["summary"]["methods"]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for (kind, model), members in _families(report).items():
         label = model if kind == "draft" else "ngram"
         ks = [k for k, _ in members]
         cells = [methods[name]["cells"][ALL] for _, name in members]
-        if any(c["speedup"] is None for c in cells):  # no plain decoding to compare with
+        if any(c["decode_speedup"] is None for c in cells):  # no plain decoding to compare with
             continue
-        med = [c["speedup"]["median"] for c in cells]
+        med = [c["decode_speedup"]["median"] for c in cells]
         err = [
-            [c["speedup"]["median"] - c["speedup"]["min"] for c in cells],
-            [c["speedup"]["max"] - c["speedup"]["median"] for c in cells],
+            [c["decode_speedup"]["median"] - c["decode_speedup"]["min"] for c in cells],
+            [c["decode_speedup"]["max"] - c["decode_speedup"]["median"] for c in cells],
         ]
         line = ax.errorbar(ks, med, yerr=err, marker="o", capsize=3, label=f"{label}: measured")
         color = line[0].get_color()
@@ -119,14 +121,18 @@ def speedup_vs_k_plot(report: dict[str, Any], path: Path) -> Path:
             color=color,
             label=f"{label}: E[tokens/step]",
         )
-        if costs is not None:
-            predicted = [
-                predicted_from_costs(a, k, costs, model) for a, k in zip(accept, ks, strict=True)
-            ]
-            ax.plot(ks, predicted, linestyle="--", color=color, label=f"{label}: cost model")
+        predicted = [methods[name]["predicted_speedup"] for _, name in members]
+        if None not in predicted:
+            ax.plot(
+                ks,
+                [p["median"] for p in predicted],
+                linestyle="--",
+                color=color,
+                label=f"{label}: cost model",
+            )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("K (draft tokens per step)")
-    ax.set_ylabel("speedup vs plain decoding")
+    ax.set_ylabel("decode-phase speedup vs plain decoding")
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

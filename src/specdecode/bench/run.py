@@ -112,6 +112,16 @@ def measure_costs(
     return bench_costs(llm.model, drafts, max_k, context)
 
 
+def resummarize(report: dict[str, Any]) -> dict[str, Any]:
+    """`report` with its summary recomputed from its raw runs and pass costs (a saved run is
+    re-read with this version's statistics)."""
+    ran = {r["method"] for r in report["runs"]}
+    specs = [s for s in parse_methods(report["config"]["methods"]) if s.name in ran]
+    greedy = report["config"]["temperature"] == 0
+    summary = summarize(report["runs"], specs, greedy=greedy, costs=report.get("costs"))
+    return {**report, "summary": summary}
+
+
 def save(report: dict[str, Any], out: Path) -> None:
     """Write `bench.json` (every raw measurement) and `bench.md` (the tables) into `out`."""
     out.mkdir(parents=True, exist_ok=True)

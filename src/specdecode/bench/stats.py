@@ -4,6 +4,8 @@ Definitions (DESIGN.md):
 - tokens/s of a run = new tokens / wall seconds (prefill included: end to end).
 - speedup of a run = its tokens/s / tokens/s of plain decoding on the same prompt in the same
   repeat (the runs of one group ran back to back, so machine drift cancels in the ratio).
+- decode speedup: the same ratio for the decode phase alone, (new tokens - 1) / (wall - TTFT),
+  which is what the cost model predicts (it leaves prefill out).
 - acceptance rate and tau come from our counters summed over the cell's runs (peers: None).
 - exact: for greedy runs, whether the first repeat's tokens equal plain decoding's, token for
   token, with the first index where they differ otherwise.
@@ -12,10 +14,11 @@ Definitions (DESIGN.md):
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from specdecode.bench.costs import predicted_from_costs
+from specdecode.bench.costs import predicted_from_counters
 from specdecode.bench.methods import MethodSpec
 from specdecode.metrics import SpecCounters
 
@@ -38,6 +41,12 @@ def spread(values: list[float]) -> dict[str, float] | None:
 def tokens_per_s(run: dict[str, Any]) -> float:
     """New tokens per wall second of one run."""
     return run["num_tokens"] / run["wall_s"]
+
+
+def decode_tokens_per_s(run: dict[str, Any]) -> float | None:
+    """Tokens after the first per second after the first; None for a run of one token."""
+    decode_s = run["wall_s"] - run["ttft_s"]
+    return (run["num_tokens"] - 1) / decode_s if run["num_tokens"] > 1 and decode_s > 0 else None
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -67,13 +76,18 @@ def per_position(counters: SpecCounters) -> list[float]:
     return [count / drafts for count in counters.accepted_per_position]
 
 
-def _ratios(runs: list[dict[str, Any]], base: dict[tuple[str, int], dict[str, Any]]) -> list[float]:
-    """tokens/s of each run over its paired baseline run's (same prompt and repeat)."""
-    return [
-        tokens_per_s(r) / tokens_per_s(base[(r["prompt_id"], r["repeat"])])
-        for r in runs
-        if (r["prompt_id"], r["repeat"]) in base
-    ]
+def _ratios(
+    runs: list[dict[str, Any]],
+    base: dict[tuple[str, int], dict[str, Any]],
+    rate: Callable[[dict[str, Any]], float | None] = tokens_per_s,
+) -> list[float]:
+    """`rate` of each run over its paired baseline run's (same prompt and repeat)."""
+    pairs = [(rate(r), rate(base[_key(r)])) for r in runs if _key(r) in base]
+    return [mine / theirs for mine, theirs in pairs if mine is not None and theirs]
+
+
+def _key(run: dict[str, Any]) -> tuple[str, int]:
+    return run["prompt_id"], run["repeat"]
 
 
 def _cell(
@@ -86,6 +100,7 @@ def _cell(
         "num_runs": len(runs),
         "tokens_per_s": spread([tokens_per_s(r) for r in runs]),
         "speedup": spread(_ratios(runs, base)),
+        "decode_speedup": spread(_ratios(runs, base, decode_tokens_per_s)),
         "ttft_ms": spread([r["ttft_s"] * 1e3 for r in runs]),
         "num_tokens": spread([float(r["num_tokens"]) for r in runs]),
         "acceptance_rate": counters.acceptance_rate if drafted else None,
@@ -94,8 +109,14 @@ def _cell(
     }
 
 
+def _predicted(run: dict[str, Any], costs: dict[str, Any], spec: MethodSpec) -> float | None:
+    """The cost model's decode speedup for the steps of one run of ours."""
+    counters = _counters([run])
+    return None if counters is None else predicted_from_counters(counters, 1, costs, spec.model)
+
+
 def _by(runs: list[dict[str, Any]], method: str) -> dict[tuple[str, int], dict[str, Any]]:
-    return {(r["prompt_id"], r["repeat"]): r for r in runs if r["method"] == method}
+    return {_key(r): r for r in runs if r["method"] == method}
 
 
 def exactness(runs: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
@@ -123,7 +144,8 @@ def summarize(
     """Every method's cells (per category and ALL), exactness, and ours/peer ratios.
 
     With `costs` (`costs.bench_costs`), each speculative method of ours also gets the cost
-    model's "predicted_speedup" at its measured acceptance over all prompts.
+    model's "predicted_speedup" of its decode phase: the spread over its runs of each run's
+    prediction from its own counters, comparable with the cell's "decode_speedup".
     """
     categories = list(dict.fromkeys(r["category"] for r in runs))
     base = _by(runs, BASELINE)
@@ -132,10 +154,9 @@ def summarize(
         mine = [r for r in runs if r["method"] == spec.name]
         cells = {c: _cell([r for r in mine if r["category"] == c], base) for c in categories}
         cells[ALL] = _cell(mine, base)
-        acceptance = cells[ALL]["acceptance_rate"]
         predicted = None
-        if costs is not None and acceptance is not None and spec.kind in ("draft", "ngram"):
-            predicted = predicted_from_costs(acceptance, spec.options["k"], costs, spec.model)
+        if costs is not None and spec.kind in ("draft", "ngram"):
+            predicted = spread([p for r in mine if (p := _predicted(r, costs, spec)) is not None])
         methods[spec.name] = {
             "cells": cells,
             "exactness": exactness(runs, spec.name) if greedy else None,
