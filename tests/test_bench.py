@@ -26,7 +26,7 @@ from specdecode.bench.methods import MethodSpec, parse_methods
 from specdecode.bench.plan import PlanConfig, plan_text, run_plan
 from specdecode.bench.plots import plot_all
 from specdecode.bench.prompts import BenchPrompt, available_sets, load_prompts
-from specdecode.bench.report import markdown
+from specdecode.bench.report import best_table, markdown
 from specdecode.bench.run import BenchConfig, run_bench, save
 from specdecode.bench.runners import load_hf
 from specdecode.bench.stats import ALL, first_divergence, summarize
@@ -78,11 +78,31 @@ def test_method_specs_parse_into_speculative_configs() -> None:
         ("draft", "needs a model"),
         ("hf:k=4", "no options"),
         ("hf-lookup:k=x", "bad option"),
+        ("ngram:k=8:q=int3", "bad q='int3' in 'ngram:k=8:q=int3'; allowed: none, int8, int4"),
+        ("llamacpp:q=int8", "takes no options"),
     ],
 )
 def test_bad_method_specs_say_what_is_allowed(text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         MethodSpec.parse(text)
+
+
+def test_our_methods_take_a_weight_format() -> None:
+    spec = MethodSpec.parse("ngram:k=8:q=int4")
+    assert spec.quantization == "int4" and spec.options == {"k": 8}
+    assert spec.weight_format("none") == "int4"
+    assert MethodSpec.parse("plain").weight_format("int8") == "int8"  # the run's format
+    assert MethodSpec.parse("draft:m:k=3:q=none").speculative_config() == {
+        "model": "m",
+        "num_speculative_tokens": 3,
+    }
+    assert MethodSpec.parse("draft:m:k=3:q=int8:dq=int4").speculative_config() == {
+        "model": "m",
+        "num_speculative_tokens": 3,
+        "quantization": "int4",
+    }
+    with pytest.raises(ValueError, match="bad option 'dq=int4'"):
+        MethodSpec.parse("ngram:k=8:dq=int4")
 
 
 def test_method_lists_refuse_repeats_and_empty() -> None:
@@ -314,6 +334,30 @@ def test_summary_pairs_each_run_with_plain_of_the_same_prompt_and_repeat() -> No
     assert summarize(runs, specs, greedy=False)["methods"]["ngram:k=2"]["exactness"] is None
 
 
+def test_methods_in_another_format_are_exact_against_plain_in_that_format() -> None:
+    plain = _spec(4, 0, 0, 0, 4, [])
+    runs = [
+        _run("plain", "a", "code", 0, 4.0, [1, 2, 3, 4], plain),
+        _run("plain:q=int4", "a", "code", 0, 2.0, [1, 2, 7, 7], plain),  # int4 differs from bf16
+        _run("ngram:k=2:q=int4", "a", "code", 0, 1.0, [1, 2, 7, 7], _spec(2, 2, 4, 2, 4, [2])),
+        _run("llamacpp", "a", "code", 0, 0.5, [1, 2, 3, 9]),
+    ]
+    specs = parse_methods("plain,plain:q=int4,ngram:k=2:q=int4,llamacpp")
+    summary = summarize(runs, specs, greedy=True, default_format="none")
+    methods = summary["methods"]
+    assert methods["ngram:k=2:q=int4"]["exactness"]["versus"] == "plain:q=int4"
+    assert methods["ngram:k=2:q=int4"]["exactness"]["share_identical"] == 1.0
+    assert methods["plain:q=int4"]["exactness"]["versus"] == "plain"  # the format's own change
+    assert methods["plain:q=int4"]["exactness"]["per_prompt"][0]["first_divergence"] == 2
+    assert methods["ngram:k=2:q=int4"]["cells"]["code"]["speedup"]["median"] == 4.0  # vs bf16
+    assert methods["ngram:k=2:q=int4"]["weight_format"] == "int4"
+    assert methods["llamacpp"]["weight_format"] is None
+    lines = best_table(summary)
+    assert lines[2] == "| ours | 4.00 (ngram:k=2:q=int4) | 4.00 (ngram:k=2:q=int4) |"
+    assert lines[3] == "| llama.cpp | 8.00 (llamacpp) | 8.00 (llamacpp) |"
+    assert lines[4] == "| ours / llama.cpp | 0.50x | 0.50x |"
+
+
 # --- end to end on a tiny model -------------------------------------------------------------
 
 
@@ -360,14 +404,16 @@ def test_bench_end_to_end_on_a_tiny_model(
         ("ngram:k=3", "hf-lookup:k=3"),
         (f"draft:{model}:k=2", f"hf-assisted:{model}:k=2"),
     ]
-    costs = report["costs"]  # target passes over 1..4 tokens (K up to 3), one draft model
+    costs = report["costs"]["none"]  # target passes over 1..4 tokens (K up to 3), one draft
     assert len(costs["target_ms"]) == 4 and list(costs["draft_ms"]) == [model]
     predicted = {n: m["predicted_speedup"] for n, m in summary["methods"].items()}
     assert predicted["plain"] is None and predicted["hf"] is None
     for name in ("ngram:k=3", f"draft:{model}:k=2"):  # one prediction per run of the method
         assert predicted[name]["n"] == 4 * 2 and predicted[name]["min"] > 0
+    assert report["roofline"]["none"]["measured_ms"] == costs["target_ms"][0]
     text = markdown(report)
     assert "| ngram:k=3 | " in text and "Ours / peer library" in text
+    assert "- roofline (float32): " in text and "; plain decoding in the runs: " in text
     assert "Cost model (see `specdecode plan`) vs measured" in text
     paths = plot_all(report, tmp_path / "plots")
     assert [p.name for p in paths] == ["speedup.png", "acceptance.png", "speedup_vs_k.png"]
@@ -389,6 +435,26 @@ def test_cli_bench_writes_json_and_reprints_it(
     captured = capsys.readouterr()
     assert captured.out == printed
     assert f"plots: {out / 'speedup.png'}" in captured.err
+
+
+def test_cli_bench_runs_quantized_targets(
+    tiny_model_dir: Path, tiny_prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    methods = "plain,ngram:k=2,plain:q=int4,ngram:k=2:q=int4"
+    args = ["bench", "--model", str(tiny_model_dir), "--methods", methods, "--per-set", "1"]
+    args += ["--prompts", str(tiny_prompts), "--max-tokens", "4", "--repeats", "1"]
+    args += ["--dtype", "float32", "--quantization", "int8", "--quiet-wait", "0", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "int8 (float32 activations)" in printed
+    assert "- roofline (int8): " in printed and "- roofline (int4): " in printed
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["config"]["quantization"] == "int8"
+    assert set(report["costs"]) == set(report["roofline"]) == {"int8", "int4"}
+    exact = {n: m["exactness"] for n, m in report["summary"]["methods"].items()}
+    assert exact["ngram:k=2"]["versus"] == "plain" and exact["ngram:k=2"]["share_identical"] == 1
+    assert exact["ngram:k=2:q=int4"]["versus"] == "plain:q=int4"
+    assert exact["ngram:k=2:q=int4"]["share_identical"] == 1.0
 
 
 def test_plots_without_matplotlib_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -494,6 +560,9 @@ def test_plan_measures_acceptance_and_predicts_each_k(
     assert [r["expected_tokens_per_step"] for r in plan["rows"]] == [2.0, 3.0, 4.0]
     assert plan["best_k"] == max(plan["rows"], key=lambda r: r["predicted_speedup"])["k"]
     assert "| K | E[tokens/step] |" in plan_text(plan)
+    roof = plan["roofline"]  # the floor of a 1-token step next to the measured one
+    assert roof["measured_ms"] == plan["target_ms"][1] and roof["floor_ms"] > 0
+    assert plan_text(plan).startswith("roofline (float32): ")
 
 
 def test_plan_with_given_acceptance_and_a_free_drafter(tiny_model_dir: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specdecode.llm import LLM
 from specdecode.model.loading import DTYPES
+from specdecode.model.quant import QUANTIZATIONS
 from specdecode.model.registry import ALIASES, PullError, list_models, pull
 from specdecode.types import RequestOutput, SamplingParams
 
@@ -23,6 +24,16 @@ def _json_object(text: str) -> dict[str, object]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
+
+
+def _add_quantization(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", *QUANTIZATIONS],
+        help="weight format of the target (and of a draft model, unless speculative_config "
+        "sets its own): none = --dtype, int8 = dynamic int8, int4 = weight-only int4",
+    )
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +50,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    _add_quantization(p)
     p.add_argument(
         "--speculative-config",
         type=_json_object,
@@ -73,6 +85,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of sampled runs")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
     p.add_argument("--device", default="cpu")
+    _add_quantization(p)
     p.add_argument("--retries", type=int, default=2, help="redo a group disturbed by others")
     p.add_argument("--quiet-wait", type=float, default=60.0, help="max s to wait for quiet")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for JSON + md")
@@ -98,6 +111,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-k", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
+    _add_quantization(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -150,6 +164,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         speculative_config=args.speculative_config,
+        quantization=args.quantization,
     )
     prompt: object = args.prompt
     if args.chat:
@@ -203,6 +218,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         device=args.device,
+        quantization=args.quantization,
         loop=loop,
     )
     report = run_bench(config, log=not args.no_progress)
@@ -237,6 +253,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             max_k=args.max_k,
             dtype=args.dtype,
             device=args.device,
+            quantization=args.quantization,
         )
     )
     print(json.dumps(plan) if args.json else plan_text(plan), end="\n" if args.json else "")

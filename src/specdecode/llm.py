@@ -17,6 +17,7 @@ from specdecode.engine.engine import Engine
 from specdecode.engine.sequence import Sequence
 from specdecode.metrics import SpecCounters
 from specdecode.model.loading import load_model
+from specdecode.model.quant import parse_quantization
 from specdecode.model.registry import resolve_model
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
@@ -55,6 +56,10 @@ class LLM:
         "prompt_lookup_min": 2} (see `SpecConfig`). Output is the same either way (greedy:
         token for token; sampling: the same distribution).
     device: where weights and caches live ("cpu", "cuda", ...).
+    quantization: the target's weight format: None (= "none", `dtype`), "int8" (dynamic int8)
+        or "int4" (weight-only int4); see `specdecode.model.quant`. A draft model takes the
+        same format unless speculative_config's "quantization" says otherwise. Speculation is
+        exact relative to the quantized target: the target is the model you run.
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class LLM:
         dtype: str = "bfloat16",
         speculative_config: Mapping[str, Any] | None = None,
         device: str = "cpu",
+        quantization: str | None = None,
     ) -> None:
         self.spec_config = (
             None if speculative_config is None else SpecConfig.from_dict(speculative_config)
@@ -70,14 +76,15 @@ class LLM:
         path = resolve_model(model)
         self.model_name = model  # as given: an alias, a folder or a .gguf file
         self.model_path = path
-        self.model = load_model(path, dtype=dtype, device=device)
+        self.model = load_model(path, dtype=dtype, device=device, quantization=quantization)
         self.tokenizer = Tokenizer.from_folder(path)
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise ValueError(
                 f"tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
                 f"{self.model.config.vocab_size}: they do not belong together"
             )
-        self._draft_models: dict[Path, Transformer] = {}  # shared with `with_speculative_config`
+        # (path, format) -> loaded draft model, shared with `with_speculative_config`
+        self._draft_models: dict[tuple[Path, str | None], Transformer] = {}
         self.engine = Engine(self.model, self._drafter())
         self.spec_metrics = SpecCounters()  # all requests of this LLM added together
         self._ids = itertools.count()
@@ -103,7 +110,13 @@ class LLM:
         """The draft model this LLM speculates with; None for plain decoding and n-gram lookup."""
         if self.spec_config is None or self.spec_config.model is None:
             return None
-        return self._draft_models[resolve_model(self.spec_config.model)]
+        return self._draft_models[self._draft_key(self.spec_config)]
+
+    def _draft_key(self, spec: SpecConfig) -> tuple[Path, str | None]:
+        """Which loaded draft model `spec` asks for: its path and weight format."""
+        assert spec.model is not None  # SpecConfig checks that a draft_model has one
+        quantization = self.model.quantization if spec.quantization is None else spec.quantization
+        return resolve_model(spec.model), parse_quantization(quantization)
 
     def _drafter(self) -> Drafter | None:
         """The drafter `speculative_config` asks for (None = plain decoding)."""
@@ -115,13 +128,14 @@ class LLM:
                 spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
             )
             return NgramDrafter(config, self.tokenizer.eos_token_ids)
-        assert spec.model is not None  # SpecConfig checks that a draft_model has one
-        draft_path = resolve_model(spec.model)
+        key = self._draft_key(spec)
+        draft_path, quantization = key
         check_same_vocabulary(self.tokenizer, Tokenizer.from_folder(draft_path), spec.model)
-        draft = self._draft_models.get(draft_path)
+        draft = self._draft_models.get(key)
         if draft is None:
-            draft = load_model(draft_path, dtype=self.model.dtype, device=str(self.model.device))
-            self._draft_models[draft_path] = draft
+            device = str(self.model.device)
+            draft = load_model(draft_path, self.model.dtype, device, quantization)
+            self._draft_models[key] = draft
         return DraftModelDrafter(draft, spec.num_speculative_tokens, self.model.config.vocab_size)
 
     def _sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:

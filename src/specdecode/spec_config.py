@@ -6,11 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from specdecode.model.quant import parse_quantization
+
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 64  # the engine keeps this many spare cache slots for drafts
 _KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
-    "draft_model": {"method", "model", "num_speculative_tokens"},
+    "draft_model": {"method", "model", "num_speculative_tokens", "quantization"},
 }
 
 
@@ -21,12 +23,15 @@ class SpecConfig:
     method: "ngram" (prompt lookup) or "draft_model" (a small model with the same vocabulary).
     num_speculative_tokens: K, the longest draft per step (1..64).
     model: the draft model (alias, folder or .gguf) for "draft_model".
+    quantization: the draft model's weight format ("none", "int8", "int4"); None = the
+        target's format.
     prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first, for "ngram".
     """
 
     method: str
     num_speculative_tokens: int
     model: str | None = None
+    quantization: str | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
 
@@ -57,6 +62,8 @@ class SpecConfig:
         return cls(method=method, **fields)
 
     def __post_init__(self) -> None:
+        if self.quantization is not None:
+            parse_quantization(self.quantization)
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(

@@ -1,6 +1,6 @@
 """Method specs of `specdecode bench`: what to run, written as short strings.
 
-    plain                          our plain decoding
+    plain[:q=int8]                 our plain decoding
     ngram:k=8[:max=4][:min=2]      our prompt lookup (speculative_config method "ngram")
     draft:MODEL:k=4                our draft-model speculation with MODEL (alias, folder, .gguf)
     hf                             Hugging Face transformers `generate()` on the same weights
@@ -8,6 +8,10 @@
     hf-lookup:k=8[:max=4]          HF prompt lookup (`prompt_lookup_num_tokens=`)
     llamacpp                       llama.cpp (llama-cpp-python) on the model's GGUF file
     llamacpp-lookup:k=10[:max=2]   llama.cpp with its prompt-lookup drafting
+
+Our methods take `q=none|int8|int4`: the target's weight format for this method, instead of
+the run's `--quantization`; e.g. `ngram:k=8:q=int4`. A draft model follows its target's format,
+or takes its own with `dq=`: `draft:qwen2.5-coder-0.5b:k=3:q=int8:dq=int4`.
 
 Example: `MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=4").speculative_config()` is
 `{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}`.
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from specdecode.model.quant import QUANTIZATIONS
 
 # kind -> (takes a MODEL field, allowed options, required options)
 KINDS: dict[str, tuple[bool, frozenset[str], frozenset[str]]] = {
@@ -29,6 +35,7 @@ KINDS: dict[str, tuple[bool, frozenset[str], frozenset[str]]] = {
     "llamacpp": (False, frozenset(), frozenset()),
     "llamacpp-lookup": (False, frozenset({"k", "max"}), frozenset({"k"})),
 }
+FORMATS = ("none", *QUANTIZATIONS)  # values of our methods' q= option
 # Our method that an HF peer method corresponds to (for "ours / HF" ratios).
 PEER_OF = {
     "hf": "plain",
@@ -47,12 +54,17 @@ class MethodSpec:
     kind: one of KINDS.
     model: the draft model for "draft" and "hf-assisted", else None.
     options: integer options, e.g. {"k": 8, "max": 4}.
+    quantization: our target's weight format for this method ("none", "int8", "int4"); None =
+        the run's.
+    draft_quantization: the draft model's format ("draft" only); None = the target's.
     """
 
     name: str
     kind: str
     model: str | None = None
     options: dict[str, int] = field(default_factory=dict)
+    quantization: str | None = None
+    draft_quantization: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> MethodSpec:
@@ -66,24 +78,37 @@ class MethodSpec:
             if not fields or "=" in fields[0] or not fields[0]:
                 raise ValueError(f"method {kind!r} needs a model: {kind}:MODEL:k=4, got {text!r}")
             model, *fields = fields
-        options = {}
+        options: dict[str, int] = {}
+        formats: dict[str, str] = {}
         for item in fields:
             key, eq, value = item.partition("=")
+            if (key == "q" and kind not in PEER_OF) or (key == "dq" and kind == "draft"):
+                if value not in FORMATS:
+                    raise ValueError(
+                        f"bad {key}={value!r} in {text!r}; allowed: {', '.join(FORMATS)}"
+                    )
+                formats[key] = value
+                continue
             if not eq or key not in allowed or not value.isdigit() or int(value) < 1:
                 raise ValueError(
                     f"bad option {item!r} in {text!r}; {kind!r} takes "
                     f"{', '.join(sorted(allowed)) or 'no options'} as key=positive integer"
+                    + ("" if kind in PEER_OF else ", and q=none|int8|int4")
                 )
             options[key] = int(value)
         missing = sorted(required - set(options))
         if missing:
             raise ValueError(f"method {text!r} needs {', '.join(f'{m}=N' for m in missing)}")
-        return cls(text.strip(), kind, model, options)
+        return cls(text.strip(), kind, model, options, formats.get("q"), formats.get("dq"))
 
     @property
     def is_peer(self) -> bool:
         """True for another library's method (reported beside ours, never as ours)."""
         return self.kind in PEER_OF
+
+    def weight_format(self, default: str) -> str:
+        """Our target's format for this method: its q= or the run's `default` ("none" ...)."""
+        return self.quantization or default
 
     def speculative_config(self) -> dict[str, Any] | None:
         """Our `speculative_config` for this method (None for plain; ValueError for a peer)."""
@@ -100,11 +125,15 @@ class MethodSpec:
             )
             return config
         if self.kind == "draft":
-            return {"model": self.model, "num_speculative_tokens": self.options["k"]}
+            config = {"model": self.model, "num_speculative_tokens": self.options["k"]}
+            if self.draft_quantization is not None:
+                config["quantization"] = self.draft_quantization
+            return config
         raise ValueError(f"{self.name!r} is a peer library's method, not a speculative_config")
 
     def peer_of(self, ours: list[MethodSpec]) -> MethodSpec | None:
-        """For a peer's method, our corresponding method among `ours` (same kind, model, K)."""
+        """For a peer's method, our corresponding method among `ours` (same kind, model, K; the
+        first listed when several formats match)."""
         kind = PEER_OF.get(self.kind)
         matches = [
             m

@@ -8,6 +8,7 @@ from typing import Any
 
 from specdecode.bench.costs import bench_costs, expected_tokens_per_step, predicted_from_costs
 from specdecode.bench.prompts import load_prompts
+from specdecode.bench.roofline import measure_bandwidth, roofline, roofline_text
 from specdecode.llm import LLM
 from specdecode.types import SamplingParams
 
@@ -22,6 +23,7 @@ class PlanConfig:
         `per_set` prompts of each of `prompt_sets` (`max_tokens` each).
     context: cached tokens before each timed pass (step costs grow with the context).
     max_k: plan for K = 1..max_k.
+    quantization: the target's weight format (`LLM`'s quantization).
     """
 
     model: str
@@ -31,6 +33,7 @@ class PlanConfig:
     max_k: int = 8
     dtype: str = "bfloat16"
     device: str = "cpu"
+    quantization: str = "none"
     prompt_sets: tuple[str, ...] = ("code", "chat")
     per_set: int = 1
     max_tokens: int = 64
@@ -51,7 +54,7 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
         raise ValueError(f"--acceptance must be in [0, 1], got {config.acceptance}")
     if not 1 <= config.max_k <= 64:
         raise ValueError(f"--max-k must be in 1..64, got {config.max_k}")
-    target = LLM(config.model, dtype=config.dtype, device=config.device)
+    target = LLM(config.model, config.dtype, device=config.device, quantization=config.quantization)
     llm = target.with_speculative_config(config.speculative_config)
     draft = llm.draft_model
     drafts = {} if draft is None else {"draft": draft}
@@ -78,6 +81,9 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
         "acceptance_source": source,
         "rows": rows,
         "best_k": max(rows, key=lambda r: r["predicted_speedup"])["k"],
+        "roofline": roofline(
+            target.model, config.context, measure_bandwidth(), costs["target_ms"][0]
+        ),
     }
 
 
@@ -85,6 +91,7 @@ def plan_text(plan: dict[str, Any]) -> str:
     """The plan as a short markdown report."""
     target = ", ".join(f"T={t}: {ms:.1f}" for t, ms in plan["target_ms"].items())
     lines = [
+        roofline_text(plan["roofline"]),
         f"target pass ms ({target}); draft token ms: {plan['draft_ms']:.1f}",
         f"acceptance {plan['acceptance']:.3f} ({plan['acceptance_source']})",
         "",

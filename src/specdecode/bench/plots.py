@@ -4,11 +4,12 @@
   method (median, with the min-max range as an error bar);
 - acceptance.png: per draft position i, the share of drafts whose first i + 1 tokens were
   accepted, one line per speculative method of ours;
-- speedup_vs_k.png: per drafter family (a draft model, or n-gram lookup), the measured speedup
-  of the decode phase against K, next to the cost model's prediction for the same steps
-  (`costs.predicted_from_counters`) and E[tokens/step] = (1 - a^(K+1)) / (1 - a) at the measured
-  acceptance a (what the speedup would be if drafting and verifying K tokens cost no more than
-  one token and acceptances were independent).
+- speedup_vs_k.png: per drafter family (a draft model, or n-gram lookup, in one weight format),
+  the measured speedup of the decode phase (vs plain decoding in that format) against K, next
+  to the cost model's prediction for the same steps (`costs.predicted_from_counters`) and
+  E[tokens/step] = (1 - a^(K+1)) / (1 - a) at the measured acceptance a (what the speedup would
+  be if drafting and verifying K tokens cost no more than one token and acceptances were
+  independent).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from specdecode.bench.costs import expected_tokens_per_step
 from specdecode.bench.methods import MethodSpec
+from specdecode.bench.report import weight_format
 from specdecode.bench.stats import ALL
 
 MATPLOTLIB_REQUIREMENT = "matplotlib>=3.8"
@@ -54,7 +56,7 @@ def speedup_plot(report: dict[str, Any], path: Path) -> Path:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(cats)), cats)
     ax.set_ylabel("speedup vs plain decoding (tokens/s ratio)")
-    ax.set_title(f"{report['config']['model']}, {report['config']['dtype']}")
+    ax.set_title(f"{report['config']['model']}, {weight_format(report['config'])}")
     ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -85,13 +87,16 @@ def acceptance_plot(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _families(report: dict[str, Any]) -> dict[tuple[str, str | None], list[tuple[int, str]]]:
-    """Speculative methods of ours grouped by drafter: (kind, model) -> [(K, name)] sorted."""
-    families: dict[tuple[str, str | None], list[tuple[int, str]]] = defaultdict(list)
+Family = tuple[str, str | None, str | None]  # (kind, draft model, q= format)
+
+
+def _families(report: dict[str, Any]) -> dict[Family, list[tuple[int, str]]]:
+    """Speculative methods of ours grouped by drafter and format: family -> [(K, name)] sorted."""
+    families: dict[Family, list[tuple[int, str]]] = defaultdict(list)
     for name in report["summary"]["methods"]:
         spec = MethodSpec.parse(name)
         if spec.kind in ("draft", "ngram"):
-            families[(spec.kind, spec.model)].append((spec.options["k"], name))
+            families[(spec.kind, spec.model, spec.quantization)].append((spec.options["k"], name))
     return {key: sorted(members) for key, members in families.items()}
 
 
@@ -100,16 +105,19 @@ def speedup_vs_k_plot(report: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
     methods = report["summary"]["methods"]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for (kind, model), members in _families(report).items():
-        label = model if kind == "draft" else "ngram"
+    for (kind, model, quantization), members in _families(report).items():
+        label = (model if kind == "draft" else "ngram") + (
+            f" q={quantization}" if quantization else ""
+        )
         ks = [k for k, _ in members]
         cells = [methods[name]["cells"][ALL] for _, name in members]
-        if any(c["decode_speedup"] is None for c in cells):  # no plain decoding to compare with
+        measured = [methods[name]["measured_decode_speedup"] for _, name in members]
+        if None in measured:  # no plain decoding in its format to compare with
             continue
-        med = [c["decode_speedup"]["median"] for c in cells]
+        med = [m["median"] for m in measured]
         err = [
-            [c["decode_speedup"]["median"] - c["decode_speedup"]["min"] for c in cells],
-            [c["decode_speedup"]["max"] - c["decode_speedup"]["median"] for c in cells],
+            [m["median"] - m["min"] for m in measured],
+            [m["max"] - m["median"] for m in measured],
         ]
         line = ax.errorbar(ks, med, yerr=err, marker="o", capsize=3, label=f"{label}: measured")
         color = line[0].get_color()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from specdecode.bench.roofline import roofline_text
 from specdecode.bench.stats import ALL
 
 
@@ -12,6 +13,13 @@ def fmt(s: dict[str, float] | None, digits: int = 2, unit: str = "") -> str:
     if s is None:
         return "-"
     return f"{s['median']:.{digits}f}{unit} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def weight_format(config: dict[str, Any]) -> str:
+    """Our weights as run: the dtype, or "int8 (bfloat16 activations)"."""
+    quantization = config.get("quantization", "none")  # absent in reports of older versions
+    dtype = config["dtype"]
+    return dtype if quantization == "none" else f"{quantization} ({dtype} activations)"
 
 
 def _num(value: float | None, digits: int = 2) -> str:
@@ -46,32 +54,44 @@ def detail_table(summary: dict[str, Any]) -> list[str]:
 
 
 def exactness_table(summary: dict[str, Any]) -> list[str]:
-    """Greedy: share of prompts identical to plain decoding, and where the others diverge."""
-    lines = ["| method | identical to plain | first divergence (prompt: index) |", "|---|---|---|"]
+    """Greedy: share of prompts identical to our plain decoding in the same weight format, and
+    where the others diverge."""
+    lines = [
+        "| method | identical to | share | first divergence (prompt: index) |",
+        "|---|---|---|---|",
+    ]
     for name, method in summary["methods"].items():
         exact = method["exactness"]
-        if exact is None or name == "plain":
+        if exact is None or name == exact["versus"]:
             continue
         diverged = [p for p in exact["per_prompt"] if not p["identical"]]
         where = ", ".join(f"{p['prompt_id']}: {p['first_divergence']}" for p in diverged) or "-"
         total = len(exact["per_prompt"])
         same = total - len(diverged)
-        lines.append(f"| {name} | {same}/{total} ({exact['share_identical']:.0%}) | {where} |")
+        lines.append(
+            f"| {name} | {exact['versus']} | {same}/{total} ({exact['share_identical']:.0%}) "
+            f"| {where} |"
+        )
     return lines
 
 
 def prediction_table(report: dict[str, Any]) -> list[str]:
     """Cost model vs measurement for each speculative method of ours (all prompts), decode phase
-    (the model leaves prefill out), with the end-to-end speedup beside it."""
-    costs, methods = report.get("costs"), report["summary"]["methods"]
+    (the model leaves prefill out) against plain decoding in the same weight format, with the
+    end-to-end speedup (against the run's plain decoding) beside it."""
+    methods = report["summary"]["methods"]
     rows = [(n, m) for n, m in methods.items() if m.get("predicted_speedup") is not None]
-    if costs is None or not rows:
+    if not rows:
         return []
-    target = ", ".join(f"{ms:.0f}" for ms in costs["target_ms"])
-    drafts = ", ".join(f"{name} {ms:.0f}" for name, ms in costs["draft_ms"].items()) or "none"
-    lines = [
-        f"Pass costs at {costs['context']} cached tokens, ms: target over T = 1, 2, ... tokens: "
-        f"{target}; draft model, one token: {drafts}.",
+    lines = []
+    for name, costs in report.get("costs", {}).items():
+        target = ", ".join(f"{ms:.0f}" for ms in costs["target_ms"])
+        drafts = ", ".join(f"{d} {ms:.0f}" for d, ms in costs["draft_ms"].items()) or "none"
+        lines.append(
+            f"- {name}: pass costs at {costs['context']} cached tokens, ms: target over "
+            f"T = 1, 2, ... tokens: {target}; draft model, one token: {drafts}."
+        )
+    lines += [
         "",
         "| method | acceptance | tau | decode speedup, predicted | decode speedup, measured "
         "| end-to-end speedup |",
@@ -79,12 +99,67 @@ def prediction_table(report: dict[str, Any]) -> list[str]:
     ]
     for name, method in rows:
         cell = method["cells"][ALL]
-        speedups = [method["predicted_speedup"], cell["decode_speedup"], cell["speedup"]]
+        speedups = [method["predicted_speedup"], method["measured_decode_speedup"], cell["speedup"]]
         lines.append(
             f"| {name} | {_num(cell['acceptance_rate'])} | {_num(cell['tau'])} | "
             + " | ".join(fmt(s, unit="x") for s in speedups)
             + " |"
         )
+    return lines
+
+
+def roofline_lines(report: dict[str, Any]) -> list[str]:
+    """Per weight format: the 1-token floor (`bench.roofline`) and how close our plain decoding
+    in that format came in the runs."""
+    methods = report["summary"]["methods"].values()
+    lines = []
+    for name, roof in report["roofline"].items():
+        line = f"- {roofline_text(roof)}"
+        plain = [m for m in methods if m["kind"] == "plain" and m["weight_format"] == name]
+        decode = plain[0]["cells"][ALL]["decode_tokens_per_s"] if plain else None
+        if decode is not None:
+            ms = 1e3 / decode["median"]
+            line += (
+                f"; plain decoding in the runs: {ms:.1f} ms/token after the first (median), "
+                f"{roof['floor_ms'] / ms:.0%} of the floor speed"
+            )
+        lines.append(line + ".")
+    return lines
+
+
+ENGINES = {"ours": "ours", "hf": "HF transformers", "llamacpp": "llama.cpp"}
+
+
+def _engine(kind: str) -> str:
+    return kind.split("-")[0] if kind.startswith(("hf", "llamacpp")) else "ours"
+
+
+def best_table(summary: dict[str, Any]) -> list[str]:
+    """Per category, each engine's best method by median tokens/s, and ours / theirs.
+
+    These are ratios of medians over different methods (not paired per prompt): the question
+    is what a user gets from each engine's best choice on that kind of prompt.
+    """
+    cats = [*summary["categories"], ALL]
+    best: dict[str, dict[str, tuple[float, str]]] = {}
+    for name, method in summary["methods"].items():
+        engine = _engine(method["kind"])
+        mine = best.setdefault(engine, {})
+        for cat in cats:
+            rate = method["cells"][cat]["tokens_per_s"]
+            if rate is not None and (cat not in mine or rate["median"] > mine[cat][0]):
+                mine[cat] = (rate["median"], name)
+    if "ours" not in best or len(best) < 2:
+        return []
+    lines = ["| best, tokens/s | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
+    for engine, label in ENGINES.items():
+        if engine in best:
+            cells = [f"{best[engine][c][0]:.2f} ({best[engine][c][1]})" for c in cats]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for engine, label in ENGINES.items():
+        if engine != "ours" and engine in best:
+            ratios = [f"{best['ours'][c][0] / best[engine][c][0]:.2f}x" for c in cats]
+            lines.append(f"| ours / {label} | " + " | ".join(ratios) + " |")
     return lines
 
 
@@ -104,7 +179,7 @@ def markdown(report: dict[str, Any]) -> str:
     """The whole report as markdown."""
     summary, config = report["summary"], report["config"]
     head = (
-        f"model {config['model']}, {config['dtype']}, temperature {config['temperature']}, "
+        f"model {config['model']}, {weight_format(config)}, temperature {config['temperature']}, "
         f"{config['max_tokens']} new tokens max, {config['loop']['repeats']} repeats, "
         f"{len(report['prompts'])} prompts; {report['machine']['cpu']}, "
         f"{report['machine']['torch_threads']} threads; "
@@ -117,10 +192,16 @@ def markdown(report: dict[str, Any]) -> str:
     if summary["peers"]:
         parts += ["", "Ours / peer library, tokens/s, same prompts and run:", ""]
         parts += peer_table(summary)
+    best = best_table(summary)
+    if best:
+        parts += ["", "Each engine's best method per category (median tokens/s):", "", *best]
     predicted = prediction_table(report)
     if predicted:
         parts += ["", "Cost model (see `specdecode plan`) vs measured, all prompts:", ""]
         parts += predicted
+    if report.get("roofline"):
+        parts += ["", "Roofline of a 1-token step, per weight format of ours:", ""]
+        parts += roofline_lines(report)
     parts += ["", "Per method and category:", "", *detail_table(summary)]
     exact = exactness_table(summary)
     if len(exact) > 2:

@@ -15,6 +15,7 @@ from specdecode.bench.machine import machine_facts, wait_until_quiet
 from specdecode.bench.methods import parse_methods
 from specdecode.bench.prompts import load_prompts
 from specdecode.bench.report import markdown
+from specdecode.bench.roofline import measure_bandwidth, roofline
 from specdecode.bench.runners import OursRunner, Runner, build_runners
 from specdecode.bench.stats import summarize
 from specdecode.llm import LLM
@@ -31,6 +32,7 @@ class BenchConfig:
     per_set: prompts taken from the start of each set.
     max_tokens: new tokens per request at most (EOS ends a request sooner unless ignore_eos).
     temperature: 0 = greedy (exactness is reported only then); > 0 samples with `seed`.
+    quantization: our target's weight format (`LLM`'s quantization; draft models follow it).
     """
 
     model: str
@@ -43,6 +45,7 @@ class BenchConfig:
     seed: int = 0
     ignore_eos: bool = False
     device: str = "cpu"
+    quantization: str = "none"
     loop: LoopConfig = field(default_factory=LoopConfig)
 
 
@@ -72,7 +75,7 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
         seed=config.seed if config.temperature > 0 else None,
         ignore_eos=config.ignore_eos,
     )
-    llm = LLM(config.model, dtype=config.dtype, device=config.device)
+    llm = LLM(config.model, config.dtype, device=config.device, quantization=config.quantization)
     rendered = [(p, llm.chat_prompt(list(p.messages))["prompt_token_ids"]) for p in prompts]
     n_ctx = max(len(ids) for _, ids in rendered) + config.max_tokens + WARMUP_TOKENS
     runners, skipped = build_runners(specs, llm, n_ctx)
@@ -81,7 +84,13 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
     specs = [r.spec for r in runners]
     runs, discarded = run_interleaved(runners, rendered, params, config.loop, _log if log else None)
     context = int(statistics.median(len(ids) for _, ids in rendered)) + config.max_tokens // 2
-    costs = measure_costs(runners, llm, context, config.loop.quiet_wait_s)
+    costs = measure_costs(runners, context, config.loop.quiet_wait_s)
+    bandwidth = measure_bandwidth()
+    targets = {_format(r.llm): r.llm.model for r in runners if isinstance(r, OursRunner)}
+    roof = {
+        name: roofline(model, context, bandwidth, costs[name]["target_ms"][0])
+        for name, model in targets.items()
+    }
     return {
         "config": asdict(config),
         "machine": machine_facts(),
@@ -93,23 +102,33 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
         "discarded": discarded,
         "disturbed_kept": sum(r["disturbed"] for r in runs),
         "costs": costs,
-        "summary": summarize(runs, specs, greedy=config.temperature == 0, costs=costs),
+        "roofline": roof,
+        "summary": summarize(
+            runs, specs, config.temperature == 0, costs=costs, default_format=config.quantization
+        ),
     }
 
 
-def measure_costs(
-    runners: list[Runner], llm: LLM, context: int, quiet_wait_s: float
-) -> dict[str, Any] | None:
-    """Pass costs of the target and every draft model (`bench_costs`) at `context` cached
-    tokens, for the cost model; None when no speculative method of ours ran."""
-    ours = [r for r in runners if isinstance(r, OursRunner) and r.spec.kind in ("draft", "ngram")]
-    if not ours:
-        return None
-    drafts = {r.spec.model: r.llm.draft_model for r in ours if r.spec.model is not None}
+def _format(llm: LLM) -> str:
+    """The weight format name of `llm`'s target: "none", "int8" or "int4"."""
+    return llm.model.quantization or "none"
+
+
+def measure_costs(runners: list[Runner], context: int, quiet_wait_s: float) -> dict[str, Any]:
+    """Pass costs (`bench_costs`) at `context` cached tokens per target format of our methods:
+    the target over 1..K + 1 tokens for the longest K of that format's speculative methods (1
+    token without any), and every draft model they use."""
     if quiet_wait_s > 0:
         wait_until_quiet(quiet_wait_s)
-    max_k = max(r.spec.options["k"] for r in ours)
-    return bench_costs(llm.model, drafts, max_k, context)
+    ours = [r for r in runners if isinstance(r, OursRunner)]
+    costs = {}
+    for name in dict.fromkeys(_format(r.llm) for r in ours):
+        group = [r for r in ours if _format(r.llm) == name]
+        spec = [r for r in group if r.spec.kind in ("draft", "ngram")]
+        drafts = {r.spec.model: r.llm.draft_model for r in spec if r.spec.model is not None}
+        max_k = max((r.spec.options["k"] for r in spec), default=0)
+        costs[name] = bench_costs(group[0].llm.model, drafts, max_k, context)
+    return costs
 
 
 def resummarize(report: dict[str, Any]) -> dict[str, Any]:
@@ -118,7 +137,8 @@ def resummarize(report: dict[str, Any]) -> dict[str, Any]:
     ran = {r["method"] for r in report["runs"]}
     specs = [s for s in parse_methods(report["config"]["methods"]) if s.name in ran]
     greedy = report["config"]["temperature"] == 0
-    summary = summarize(report["runs"], specs, greedy=greedy, costs=report.get("costs"))
+    default = report["config"]["quantization"]
+    summary = summarize(report["runs"], specs, greedy, report["costs"], default_format=default)
     return {**report, "summary": summary}
 
 

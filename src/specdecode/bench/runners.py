@@ -20,6 +20,7 @@ import torch
 from specdecode.bench.llamacpp import LlamaCppRunner
 from specdecode.bench.methods import MethodSpec
 from specdecode.llm import LLM
+from specdecode.model.quant import parse_quantization
 from specdecode.model.registry import resolve_model
 from specdecode.types import SamplingParams
 
@@ -148,11 +149,13 @@ def build_runners(
 ) -> tuple[list[Runner], list[dict[str, str]]]:
     """A runner per spec; returns (runners, skipped peers with the reason).
 
-    Every method of ours shares `llm`'s weights; HF loads each model folder once. A peer whose
-    library is not installed is skipped (ImportError's message says what to install), so the
-    rest of the run goes on. `n_ctx`: the longest prompt plus new tokens a run needs.
+    Every method of ours shares `llm`'s weights, or, with its own `q=` format, the weights
+    loaded once in that format; HF loads each model folder once. A peer whose library is not
+    installed is skipped (ImportError's message says what to install), so the rest of the run
+    goes on. `n_ctx`: the longest prompt plus new tokens a run needs.
     """
     hf_models: dict[Path, Any] = {}
+    targets: dict[str | None, LLM] = {llm.model.quantization: llm}
 
     def hf(name: str | Path) -> Any:
         path = resolve_model(str(name))
@@ -160,12 +163,26 @@ def build_runners(
             hf_models[path] = load_hf(path, llm.dtype, str(llm.model.device))
         return hf_models[path]
 
+    def ours(quantization: str | None) -> LLM:
+        """The target in `quantization` (a method's q=; None: the run's)."""
+        key = llm.model.quantization if quantization is None else parse_quantization(quantization)
+        if key not in targets:
+            device = str(llm.model.device)
+            targets[key] = LLM(llm.model_name, llm.dtype, device=device, quantization=key)
+        return targets[key]
+
     eos = list(llm.tokenizer.eos_token_ids)
     runners: list[Runner] = []
     skipped: list[dict[str, str]] = []
     for spec in specs:
         try:
-            runners.append(_runner(spec, llm, hf, eos, n_ctx))
+            if spec.is_peer:
+                runners.append(_peer_runner(spec, llm, hf, eos, n_ctx))
+            else:
+                target = ours(spec.quantization)
+                runners.append(
+                    OursRunner(spec, target.with_speculative_config(spec.speculative_config()))
+                )
         except ImportError as err:
             if not spec.is_peer:
                 raise
@@ -173,9 +190,7 @@ def build_runners(
     return runners, skipped
 
 
-def _runner(spec: MethodSpec, llm: LLM, hf: Any, eos: list[int], n_ctx: int) -> Runner:
-    if not spec.is_peer:
-        return OursRunner(spec, llm.with_speculative_config(spec.speculative_config()))
+def _peer_runner(spec: MethodSpec, llm: LLM, hf: Any, eos: list[int], n_ctx: int) -> Runner:
     if spec.kind.startswith("llamacpp"):
         return LlamaCppRunner(spec, llm.model_name, llm.model_path, n_ctx, eos)
     assistant = hf(spec.model) if spec.model is not None else None

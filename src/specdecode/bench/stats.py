@@ -99,6 +99,9 @@ def _cell(
     return {
         "num_runs": len(runs),
         "tokens_per_s": spread([tokens_per_s(r) for r in runs]),
+        "decode_tokens_per_s": spread(
+            [d for r in runs if (d := decode_tokens_per_s(r)) is not None]
+        ),
         "speedup": spread(_ratios(runs, base)),
         "decode_speedup": spread(_ratios(runs, base, decode_tokens_per_s)),
         "ttft_ms": spread([r["ttft_s"] * 1e3 for r in runs]),
@@ -119,9 +122,10 @@ def _by(runs: list[dict[str, Any]], method: str) -> dict[tuple[str, int], dict[s
     return {_key(r): r for r in runs if r["method"] == method}
 
 
-def exactness(runs: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
-    """Greedy exactness of `method` vs plain on the first repeat (None without a plain run)."""
-    base, mine = _by(runs, BASELINE), _by(runs, method)
+def exactness(runs: list[dict[str, Any]], method: str, base_method: str) -> dict[str, Any] | None:
+    """Greedy exactness of `method` vs `base_method` (plain decoding) on the first repeat (None
+    without a run of `base_method`)."""
+    base, mine = _by(runs, base_method), _by(runs, method)
     per_prompt = []
     for (prompt_id, repeat), run in mine.items():
         if repeat == 0 and (prompt_id, 0) in base:
@@ -132,20 +136,36 @@ def exactness(runs: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
     if not per_prompt:
         return None
     share = sum(p["identical"] for p in per_prompt) / len(per_prompt)
-    return {"share_identical": share, "per_prompt": per_prompt}
+    return {"versus": base_method, "share_identical": share, "per_prompt": per_prompt}
+
+
+def _plain_of(spec: MethodSpec, specs: list[MethodSpec], default_format: str) -> str:
+    """Our plain decoding in `spec`'s weight format (what its greedy output must equal), else
+    BASELINE (for a peer, for plain decoding itself: how far the format moves it, and for a
+    format without plain decoding in the run)."""
+    if spec.is_peer or spec.kind == "plain":
+        return BASELINE
+    fmt = spec.weight_format(default_format)
+    same = [s.name for s in specs if s.kind == "plain" and s.weight_format(default_format) == fmt]
+    return same[0] if same else BASELINE
 
 
 def summarize(
     runs: list[dict[str, Any]],
     specs: list[MethodSpec],
     greedy: bool,
-    costs: dict[str, Any] | None = None,
+    costs: dict[str, dict[str, Any]] | None = None,
+    default_format: str = "none",
 ) -> dict[str, Any]:
     """Every method's cells (per category and ALL), exactness, and ours/peer ratios.
 
-    With `costs` (`costs.bench_costs`), each speculative method of ours also gets the cost
-    model's "predicted_speedup" of its decode phase: the spread over its runs of each run's
-    prediction from its own counters, comparable with the cell's "decode_speedup".
+    Speedups are against BASELINE (our plain decoding in the run's format, `default_format`);
+    greedy exactness is against our plain decoding in the method's own format when the run has
+    it (`_plain_of`): speculation is exact relative to the target it runs.
+    With `costs` (weight format -> `costs.bench_costs`), each speculative method of ours also gets
+    the cost model's "predicted_speedup" of its decode phase (the spread over its runs of each
+    run's prediction from its own counters) and the "measured_decode_speedup" it predicts: the
+    decode-phase ratio against our plain decoding in the same format.
     """
     categories = list(dict.fromkeys(r["category"] for r in runs))
     base = _by(runs, BASELINE)
@@ -154,13 +174,19 @@ def summarize(
         mine = [r for r in runs if r["method"] == spec.name]
         cells = {c: _cell([r for r in mine if r["category"] == c], base) for c in categories}
         cells[ALL] = _cell(mine, base)
-        predicted = None
-        if costs is not None and spec.kind in ("draft", "ngram"):
-            predicted = spread([p for r in mine if (p := _predicted(r, costs, spec)) is not None])
+        fmt, plain = spec.weight_format(default_format), _plain_of(spec, specs, default_format)
+        predicted = measured = None
+        if costs is not None and fmt in costs and spec.kind in ("draft", "ngram"):
+            own = costs[fmt]
+            predicted = spread([p for r in mine if (p := _predicted(r, own, spec)) is not None])
+            measured = spread(_ratios(mine, _by(runs, plain), decode_tokens_per_s))
         methods[spec.name] = {
+            "kind": spec.kind,
+            "weight_format": None if spec.is_peer else fmt,
             "cells": cells,
-            "exactness": exactness(runs, spec.name) if greedy else None,
+            "exactness": exactness(runs, spec.name, plain) if greedy else None,
             "predicted_speedup": predicted,
+            "measured_decode_speedup": measured,
         }
     return {"categories": categories, "methods": methods, "peers": peer_ratios(runs, specs)}
 

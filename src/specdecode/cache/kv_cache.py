@@ -41,6 +41,11 @@ class KVCache:
     def batch_size(self) -> int:
         return len(self.lengths)
 
+    @property
+    def starts(self) -> list[int]:
+        """Each row's committed length when the current pass began (its first new slot)."""
+        return self._start
+
     def begin(self, num_new: int, mask: Tensor | None = None) -> Tensor | None:
         """Start a forward pass over `num_new` tokens per row; return the attention mask.
 

@@ -1,8 +1,8 @@
 """The one seam for weight formats: every projection in the model is built by `make_linear`.
 
-Quantized formats (int8, int4, ...) plug in here later without touching the model code: they
-only need to turn a dense weight (and optional bias) into a module mapping
-`[..., in_features] -> [..., out_features]`.
+Dense weights get `PackedLinear` (bf16 on a oneDNN CPU) or `DenseLinear`; quantized formats
+(`specdecode.model.quant`) turn the dense weight (and optional bias) into a module mapping
+`[..., in_features] -> [..., out_features]` the same way, so the model code never changes.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from specdecode.model.quant import quantized_linear
 
 
 class DenseLinear(nn.Module):
@@ -24,6 +26,11 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a pass reads: the weight and the bias."""
+        return sum(t.numel() * t.element_size() for t in self.parameters())
 
 
 class PackedLinear(nn.Module):
@@ -44,6 +51,12 @@ class PackedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a pass reads: the bf16 weight and the bias."""
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.out_features * self.in_features * 2 + bias
+
 
 @cache
 def _onednn_bf16() -> bool:
@@ -51,8 +64,13 @@ def _onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def make_linear(weight: Tensor, bias: Tensor | None = None) -> nn.Module:
-    """Build the projection module for `weight` ([out, in]) and optional `bias` ([out])."""
+def make_linear(
+    weight: Tensor, bias: Tensor | None = None, quantization: str | None = None
+) -> nn.Module:
+    """Build the projection module for `weight` ([out, in]) and optional `bias` ([out]), in
+    the weight's dtype (`quantization` None) or a quantized format ("int8" | "int4")."""
+    if quantization is not None:
+        return quantized_linear(weight, bias, quantization)
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _onednn_bf16():
         return PackedLinear(weight, bias)
     return DenseLinear(weight, bias)

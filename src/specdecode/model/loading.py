@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from specdecode.model.config import ModelConfig
+from specdecode.model.quant import parse_quantization
 from specdecode.model.transformer import Transformer
 
 DTYPES = {
@@ -86,11 +87,16 @@ def load_weights(
 
 
 def load_model(
-    path: Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
+    path: Path,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str = "cpu",
+    quantization: str | None = None,
 ) -> Transformer:
-    """Build a `Transformer` from a Hugging Face folder."""
+    """Build a `Transformer` from a Hugging Face folder, its projections in `dtype` or in a
+    quantized format (`quantization`: None | "none" | "int8" | "int4", see `model.quant`)."""
+    quantization = parse_quantization(quantization)  # a bad name fails before any reading
     if not path.is_dir():
         raise FileNotFoundError(f"no such model folder: {path}")
     cfg = ModelConfig.from_folder(path)
     weights = load_weights(path, cfg, parse_dtype(dtype), device)
-    return Transformer(cfg, weights).eval()
+    return Transformer(cfg, weights, quantization).eval()

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from specdecode.cache.kv_cache import KVCache
 from specdecode.model.config import ModelConfig
 from specdecode.model.linear import make_linear
+from specdecode.model.quant import parse_quantization
 
 
 class RMSNorm(nn.Module):
@@ -44,6 +45,10 @@ class Rotary(nn.Module):
         """cos, sin for `positions` ([B, T]) as [B, 1, T, D] in `dtype`."""
         return self.cos[positions][:, None].to(dtype), self.sin[positions][:, None].to(dtype)
 
+
+# Formats whose projections give a token the same bits whatever else is in the pass (integer
+# sums; the int4 kernel's per-row loop): with per-query attention, the whole model then does.
+ROW_EXACT_FORMATS = ("int8", "int4")
 
 # bf16/fp16 on the CPU: at most SHORT_QUERY new tokens over at least LONG_SPAN cached slots use
 # `_grouped_attention` (decode and draft verification over a long context); the rest use SDPA.
@@ -85,6 +90,31 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def _attention_per_query(q: Tensor, k: Tensor, v: Tensor, starts: list[int]) -> Tensor:
+    """Attention where every (row, new token) attends alone, over exactly the slots it may see.
+
+    Query t of row b reads slots 0 .. starts[b] + t, with the same call a one-token decode step
+    at that position makes, so its result is bit for bit independent of how many tokens the
+    pass holds and of the other rows. With row-exact projections (`ROW_EXACT_FORMATS`), this
+    makes verifying K + 1 tokens give exactly what K + 1 plain decode steps give.
+    Example: starts [5], 3 new tokens -> query 0 reads slots 0..5, query 1 0..6, query 2 0..7.
+
+    q: [B, H, T, D]; k, v: [B, Hkv, S, D] with S >= max(starts) + T. Returns [B, H, T, D].
+    """
+    batch, _, num_new, _ = q.shape
+    if batch == 1 and num_new == 1:
+        return _attention(q, k[:, :, : starts[0] + 1], v[:, :, : starts[0] + 1], None)
+    out = torch.empty_like(q)
+    for b, start in enumerate(starts):
+        for t in range(num_new):
+            span = start + t + 1
+            one = q[b : b + 1, :, t : t + 1]  # [1, H, 1, D]
+            out[b : b + 1, :, t : t + 1] = _attention(
+                one, k[b : b + 1, :, :span], v[b : b + 1, :, :span], None
+            )
+    return out
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Apply RoPE to x ([B, H, T, D]) with cos/sin ([B, 1, T, D])."""
     half = x.shape[-1] // 2
@@ -95,7 +125,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Attention(nn.Module):
     """Grouped-query self-attention over the cache."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], prefix: str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, w: dict[str, Tensor], prefix: str, quantization: str | None
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -107,9 +139,10 @@ class Attention(nn.Module):
         weight = torch.cat([w[f"{n}.weight"] for n in names])  # [(H + 2 Hkv) D, hidden]
         biases = [w.get(f"{n}.bias") for n in names]
         bias = None if biases[0] is None else torch.cat(biases)  # [(H + 2 Hkv) D]
-        self.qkv_proj = make_linear(weight, bias)
+        self.qkv_proj = make_linear(weight, bias, quantization)
         self.qkv_sizes = (cfg.num_heads * cfg.head_dim, *[cfg.num_kv_heads * cfg.head_dim] * 2)
-        self.o_proj = make_linear(w[f"{prefix}o_proj.weight"])
+        self.o_proj = make_linear(w[f"{prefix}o_proj.weight"], quantization=quantization)
+        self.row_exact = quantization in ROW_EXACT_FORMATS
 
     def forward(
         self,
@@ -128,18 +161,23 @@ class Attention(nn.Module):
         q = _rotate(q, cos, sin)  # [B, H, T, D]
         k = _rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
         keys, values = cache.update(layer, k, v)  # [B, Hkv, S, D]
-        out = _attention(q, keys, values, mask)  # [B, H, T, D]
+        starts = cache.starts
+        if self.row_exact and min(starts) > 0:  # decode / verification, not prefill
+            out = _attention_per_query(q, keys, values, starts)  # [B, H, T, D]
+        else:
+            out = _attention(q, keys, values, mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, w: dict[str, Tensor], prefix: str) -> None:
+    def __init__(self, w: dict[str, Tensor], prefix: str, quantization: str | None) -> None:
         super().__init__()
         gate, up = w[f"{prefix}gate_proj.weight"], w[f"{prefix}up_proj.weight"]
-        self.gate_up_proj = make_linear(torch.cat([gate, up]))  # [2 * inter, hidden], fused
-        self.down_proj = make_linear(w[f"{prefix}down_proj.weight"])
+        fused = torch.cat([gate, up])  # [2 * inter, hidden]
+        self.gate_up_proj = make_linear(fused, quantization=quantization)
+        self.down_proj = make_linear(w[f"{prefix}down_proj.weight"], quantization=quantization)
 
     def forward(self, x: Tensor) -> Tensor:  # [B, T, hidden] -> [B, T, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -149,16 +187,18 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], layer: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, w: dict[str, Tensor], layer: int, quantization: str | None
+    ) -> None:
         super().__init__()
         p = f"model.layers.{layer}."
         self.layer = layer
         self.input_layernorm = RMSNorm(w[f"{p}input_layernorm.weight"], cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, w, f"{p}self_attn.")
+        self.self_attn = Attention(cfg, w, f"{p}self_attn.", quantization)
         self.post_attention_layernorm = RMSNorm(
             w[f"{p}post_attention_layernorm.weight"], cfg.rms_norm_eps
         )
-        self.mlp = MLP(w, f"{p}mlp.")
+        self.mlp = MLP(w, f"{p}mlp.", quantization)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, mask: Tensor | None
@@ -167,21 +207,33 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# The head's format under each model format (None = the weights' dtype).
+HEAD_FORMAT: dict[str | None, str | None] = {None: None, "int8": "int8", "int4": "int8"}
+
+
 class Transformer(nn.Module):
     """Llama-family decoder built from Hugging Face-named weights.
 
     Weights must already have the wanted dtype and device; the RoPE tables stay fp32.
+    quantization: None (every projection in the weights' dtype), "int8" or "int4" (see
+    `specdecode.model.quant`). The embedding and norms stay in the weights' dtype; the head is
+    int8 under both formats (like llama.cpp's Q4_K_M, which keeps its output matrix at 6 bits).
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor]) -> None:
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, Tensor], quantization: str | None = None
+    ) -> None:
         super().__init__()
         self.config = cfg
+        self.quantization = parse_quantization(quantization)
         embed = weights["model.embed_tokens.weight"]  # [V, hidden]
         self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
-        self.layers = nn.ModuleList(Block(cfg, weights, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            Block(cfg, weights, i, self.quantization) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps)
         head = embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = make_linear(head)
+        self.lm_head = make_linear(head, quantization=HEAD_FORMAT[self.quantization])
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(
             embed.device
         )

@@ -1,0 +1,142 @@
+"""Weight formats for one projection on this CPU: ms per matrix for 1, 4 and 8 tokens per pass.
+
+Each format is timed on `--matrices` distinct [out, in] weight matrices (default 24 of
+8960 x 1536, Qwen2.5-1.5B's MLP up projection: ~660 MB in bf16, far past the L3 cache), so every
+call streams its weights from memory as decoding does. Per format and tokens-per-pass: the
+median over `--repeats` sweeps of (sweep seconds / matrices), after one untimed sweep.
+
+Formats (what `specdecode.model.quant` may build on):
+- bf16 `F.linear`, and bf16 pre-packed for oneDNN (`PackedLinear`, today's default);
+- int8 dynamic, per-token activation scales: x quantized row by row, `torch._int_mm`
+  (int8 x int8 -> int32), then scaled. Integer accumulation: a row's result does not depend on
+  the other rows of the pass;
+- int8 dynamic, per-tensor activation scale (`quantized::linear_dynamic`, x86 engine): one
+  scale for the whole pass, so a row's result depends on the other rows;
+- int8 weight-only (`aten._weight_int8pack_mm`, bf16 activations);
+- int4 weight-only, group 128 (`aten._weight_int4pack_mm_for_cpu`, bf16 activations).
+Each format's error vs the fp32 product is printed too (max |y - y_fp32| / max |y_fp32|).
+
+Usage: python benchmarks/linear_formats.py [--out 8960] [--in 1536] [--matrices 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdecode.bench.machine import machine_facts, wait_until_quiet
+from specdecode.model.linear import PackedLinear
+
+Kernel = Callable[[Tensor], Tensor]  # x [T, in] bf16 -> y [T, out]
+
+
+def int8_per_token(weight: Tensor) -> Kernel:
+    scale = weight.float().abs().amax(1).clamp(min=1e-8) / 127  # [out]
+    wq_t = (weight.float() / scale[:, None]).round().to(torch.int8).t().contiguous()  # [in, out]
+
+    def run(x: Tensor) -> Tensor:
+        xf = x.float()
+        xs = xf.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127  # [T, 1]
+        xq = (xf / xs).round().to(torch.int8)
+        return (torch._int_mm(xq, wq_t).float() * xs * scale).to(x.dtype)
+
+    return run
+
+
+def int8_per_tensor(weight: Tensor) -> Kernel:
+    torch.backends.quantized.engine = "x86"
+    scale = weight.float().abs().amax(1).clamp(min=1e-8) / 127
+    wq = torch.quantize_per_channel(
+        weight.float(), scale.double(), torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8
+    )
+    packed = torch.ops.quantized.linear_prepack(wq, None)
+
+    def run(x: Tensor) -> Tensor:
+        return torch.ops.quantized.linear_dynamic(x.float(), packed, True).to(x.dtype)
+
+    return run
+
+
+def int8_weight_only(weight: Tensor) -> Kernel:
+    scale = weight.float().abs().amax(1).clamp(min=1e-8) / 127
+    wq = (weight.float() / scale[:, None]).round().to(torch.int8)  # [out, in]
+    scale = scale.to(torch.bfloat16)
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x, wq, scale)
+
+
+def int4_weight_only(weight: Tensor, group: int = 128) -> Kernel:
+    out_f, in_f = weight.shape
+    w = weight.float().reshape(out_f, in_f // group, group)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    scale = (high - low).clamp(min=1e-6) / 15
+    q = ((w - low) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+    zero = low + 8 * scale
+    scales_zeros = torch.stack([scale, zero], -1).reshape(out_f, in_f // group, 2)
+    scales_zeros = scales_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)  # [G, out, 2]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
+
+
+def bf16_packed(weight: Tensor) -> Kernel:
+    return PackedLinear(weight)
+
+
+FORMATS: dict[str, Callable[[Tensor], Kernel]] = {
+    "bf16 F.linear": lambda w: lambda x: F.linear(x, w),
+    "bf16 packed": bf16_packed,
+    "int8 dyn per-token (_int_mm)": int8_per_token,
+    "int8 dyn per-tensor (x86)": int8_per_tensor,
+    "int8 weight-only": int8_weight_only,
+    "int4 weight-only g128": int4_weight_only,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=int, default=8960)
+    ap.add_argument("--in", dest="in_f", type=int, default=1536)
+    ap.add_argument("--matrices", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--tokens", default="1,4,8")
+    args = ap.parse_args()
+    widths = [int(t) for t in args.tokens.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    weights = [
+        (torch.randn(args.out, args.in_f, generator=gen) * 0.02).bfloat16()
+        for _ in range(args.matrices)
+    ]
+    xs = {t: torch.randn(t, args.in_f, generator=gen).bfloat16() for t in widths}
+    exact = {t: F.linear(xs[t].float(), weights[0].float()) for t in widths}
+    facts = machine_facts()
+    print(f"{facts['cpu']}, {facts['torch_threads']} threads, torch {torch.__version__}")
+    print(f"{args.matrices} matrices of {args.out} x {args.in_f}; ms per matrix (median)")
+    print("| format | " + " | ".join(f"T={t}" for t in widths) + " | rel. error T=8 |")
+    print("|---" * (len(widths) + 2) + "|")
+    for name, build in FORMATS.items():
+        kernels = [build(w) for w in weights]
+        wait_until_quiet(10)
+        cells = []
+        with torch.inference_mode():
+            for t in widths:
+                x = xs[t]
+                times = []
+                for _ in range(args.repeats + 1):
+                    t0 = time.perf_counter()
+                    for k in kernels:
+                        k(x)
+                    times.append((time.perf_counter() - t0) / len(kernels) * 1e3)
+                cells.append(f"{statistics.median(times[1:]):.2f}")
+            t = widths[-1]
+            err = (kernels[0](xs[t]).float() - exact[t]).abs().max() / exact[t].abs().max()
+        print(f"| {name} | " + " | ".join(cells) + f" | {err:.4f} |", flush=True)
+        del kernels
+
+
+if __name__ == "__main__":
+    main()

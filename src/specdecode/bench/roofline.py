@@ -1,0 +1,95 @@
+"""Roofline of plain decoding: the bytes one token reads, this machine's read bandwidth, and the
+floor in ms/token they give.
+
+Decoding one token reads every weight once (batch 1), so on a CPU its time is bounded below by
+bytes / bandwidth. Bytes per token (`bytes_per_token`):
+- every projection's stored weight in its format, as the module reports it (`weight_bytes`;
+  bf16: 2 bytes per weight; int8: 1 byte plus a 4-byte scale per output channel; int4: half a
+  byte plus a scale and an offset per group), and its bias;
+- the norms' weights; one row of the embedding; two rows of the RoPE tables;
+- the KV cache at `context` cached tokens (keys and values of every layer).
+Bandwidth (`measure_bandwidth`): the best of a few sums over a 1 GiB bf16 tensor, far beyond the
+caches (a streaming read, the most a decode can hope for).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdecode.model.transformer import Rotary, Transformer
+
+BANDWIDTH_BYTES = 1 << 30
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def bytes_per_token(model: Transformer, context: int = 0) -> dict[str, int]:
+    """Bytes one decoded token reads: {"weights", "kv_cache", "total"}.
+
+    Example (SmolLM2-135M, bf16, tied head): 30 blocks of linears and norms, one embedding row,
+    and the head ([49152, 576] bf16 = 56.6 MB, packed on its own), each as its own read.
+    """
+    reads: dict[int, int] = {}  # data_ptr -> bytes read (a tensor shared by modules: once)
+    projections = 0
+    for module in model.modules():
+        if hasattr(module, "weight_bytes"):  # a projection, in whatever format it is stored
+            projections += module.weight_bytes
+            continue
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        for t in tensors:
+            rows = isinstance(module, nn.Embedding | Rotary)  # one row per token (RoPE: cos, sin)
+            read = _tensor_bytes(t) // t.shape[0] if rows else _tensor_bytes(t)
+            reads[t.data_ptr()] = max(reads.get(t.data_ptr(), 0), read)
+    weights = projections + sum(reads.values())
+    cfg = model.config
+    element = torch.empty((), dtype=model.dtype).element_size()
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * element
+    return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+
+
+@torch.inference_mode()
+def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, runs: int = 5) -> float:
+    """Read bandwidth in GB/s (1e9 B/s): the best of `runs` sums over `nbytes` of bf16, after
+    one untimed sum."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    x.sum()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times) / 1e9
+
+
+def roofline(
+    model: Transformer, context: int, bandwidth_gb_s: float, measured_ms: float
+) -> dict[str, Any]:
+    """The floor of one decode step at `context` cached tokens and how close `measured_ms`
+    (a measured 1-token step) comes: share_of_floor = floor / measured (1.0 = at the floor)."""
+    nbytes = bytes_per_token(model, context)
+    floor_ms = nbytes["total"] / (bandwidth_gb_s * 1e9) * 1e3
+    return {
+        "format": model.quantization or str(model.dtype).removeprefix("torch."),
+        "bytes_per_token": nbytes,
+        "bandwidth_gb_s": bandwidth_gb_s,
+        "floor_ms": floor_ms,
+        "measured_ms": measured_ms,
+        "share_of_floor": floor_ms / measured_ms,
+    }
+
+
+def roofline_text(roof: dict[str, Any]) -> str:
+    """One line: the floor of a 1-token step and how close the measured pass comes."""
+    nbytes = roof["bytes_per_token"]
+    return (
+        f"roofline ({roof['format']}): {nbytes['weights'] / 1e6:.0f} MB of weights + "
+        f"{nbytes['kv_cache'] / 1e6:.1f} MB of KV cache per token at "
+        f"{roof['bandwidth_gb_s']:.1f} GB/s = floor {roof['floor_ms']:.1f} ms; the 1-token pass "
+        f"takes {roof['measured_ms']:.1f} ms ({roof['share_of_floor']:.0%} of the floor speed)"
+    )

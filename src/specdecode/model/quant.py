@@ -1,0 +1,169 @@
+"""Quantized weight formats for the model's projections (`make_linear(..., quantization=...)`).
+
+- "int8": dynamic int8. Weights: symmetric int8, one scale per output channel. Activations:
+  quantized on the fly, one scale per token (row). Kernel: torch's x86 dynamic quantized linear
+  (`quantized::linear_dynamic`, fbgemm with AVX-512 VNNI here), which multiplies in integers.
+  That kernel takes one activation range for the whole pass, so a token's rounding would depend
+  on the other tokens of the pass. To keep tokens independent, each row is divided by its own
+  absolute maximum and two anchor columns (+1, -1, against zero weights) are appended: every
+  pass then has the range [-1, 1] exactly, each row is quantized by itself, and the integer sums
+  are exact. Verifying K + 1 tokens gives each of them bit for bit what a 1-token step gives.
+- "int4": weight-only int4. Weights: 4-bit with a scale and an offset per group of `INT4_GROUP`
+  input channels (asymmetric). Activations stay in the model's dtype; the kernel
+  (`aten._weight_int4pack_mm_for_cpu`) dequantizes groups as it multiplies.
+
+Measured here per 8960 x 1536 matrix, ms for 1 / 8 / 256 tokens per pass
+(`benchmarks/linear_formats.py`, numbers in docs/quantization.md): bf16 packed 1.11 / 1.33 /
+17.0, int8 0.59 / 0.70 / 14.0, int4 0.45 / 1.66 / 50.6.
+
+Every format is a module mapping [..., in] -> [..., out] in the activations' dtype, with
+`dequantized()` (the [out, in] fp32 weight it stands for) and `weight_bytes` (what one pass
+reads). Both kernels run on the CPU; another device gets a clear error.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP = 128  # input channels per int4 scale/offset (llama.cpp's Q4_K uses 32 per sub-block)
+INT4_MIN_GROUP = 32
+_INT4_TILES = 2  # `inner_k_tiles` of the CPU int4 packing
+_TINY = 1e-8  # floor of a scale, so an all-zero row or group does not divide by zero
+_ANCHORS = (1.0, -1.0)  # appended to every activation row: the pass's range is always [-1, 1]
+
+
+def parse_quantization(quantization: str | None) -> str | None:
+    """None | "none" -> None (the model's dtype); "int8" | "int4" as they are."""
+    if quantization is None or quantization == "none":
+        return None
+    if quantization in QUANTIZATIONS:
+        return quantization
+    allowed = ", ".join(["none", *QUANTIZATIONS])
+    raise ValueError(f"unknown quantization {quantization!r}; allowed: {allowed}")
+
+
+def _check_cpu(weight: Tensor, quantization: str) -> None:
+    if weight.device.type != "cpu":
+        raise ValueError(
+            f"quantization {quantization!r} has CPU kernels only; the weights are on "
+            f"{weight.device} (use device='cpu', or quantization=None there)"
+        )
+
+
+class Int8DynamicLinear(nn.Module):
+    """y = int8(x / |x|max) @ int8(W)^T * |x|max * sw + b, per token and per output channel."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        _check_cpu(weight, "int8")
+        if torch.backends.quantized.engine not in ("x86", "fbgemm"):
+            raise ValueError(
+                "quantization 'int8' needs torch's x86 quantized engine, this build uses "
+                f"{torch.backends.quantized.engine!r}"
+            )
+        out_features, in_features = weight.shape
+        w = weight.float()  # [out, in]
+        scale = w.abs().amax(1).clamp(min=_TINY) / 127  # [out]
+        padded = torch.cat([w, w.new_zeros(out_features, len(_ANCHORS))], 1)  # [out, in + 2]
+        zeros = torch.zeros(out_features, dtype=torch.long)
+        with warnings.catch_warnings():  # torch 2.13 flags quantized tensors as deprecated
+            warnings.simplefilter("ignore", UserWarning)
+            q = torch.quantize_per_channel(padded, scale.double(), zeros, 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(q, None)  # opaque fbgemm layout
+        self.register_buffer("anchors", torch.tensor(_ANCHORS))  # [2]
+        self.register_buffer("bias", None if bias is None else bias.float())  # [out] fp32
+        self.out_features, self.in_features = out_features, in_features
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
+        rows = x.reshape(-1, x.shape[-1]).float()  # [M, in]
+        row_max = rows.abs().amax(-1, keepdim=True).clamp(min=_TINY)  # [M, 1]
+        anchored = torch.cat([rows / row_max, self.anchors.expand(rows.shape[0], -1)], 1)
+        y = torch.ops.quantized.linear_dynamic(anchored, self.packed, False)  # [M, out]
+        y = y.mul_(row_max)
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> Tensor:
+        """The [out, in] fp32 weight this module multiplies by."""
+        q, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return q.dequantize()[:, : self.in_features]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a pass reads: int8 weights (anchor columns included) and fp32 scales/bias."""
+        per_row = self.in_features + len(_ANCHORS) + 4 + (0 if self.bias is None else 4)
+        return self.out_features * per_row
+
+
+def int4_group(in_features: int) -> int:
+    """The group size for `in_features`: INT4_GROUP, or the largest smaller power of two
+    (>= INT4_MIN_GROUP) dividing it; a clear error when none does."""
+    group = INT4_GROUP
+    while group >= INT4_MIN_GROUP:
+        if in_features % group == 0:
+            return group
+        group //= 2
+    raise ValueError(
+        f"int4 needs in_features divisible by {INT4_MIN_GROUP}, got {in_features}; "
+        "use quantization='int8' or None for this model"
+    )
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4: y = x @ W^T + b, W = q * scale + low per group of input channels."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        _check_cpu(weight, "int4")
+        out_features, in_features = weight.shape
+        self.group = int4_group(in_features)
+        w = weight.float().view(out_features, in_features // self.group, self.group)
+        low = w.amin(-1, keepdim=True)  # [out, G, 1]
+        scale = ((w.amax(-1, keepdim=True) - low) / 15).clamp(min=_TINY)  # [out, G, 1]
+        q = ((w - low) / scale).round().clamp(0, 15).to(torch.int32).view(out_features, -1)
+        # The kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale.
+        scales_zeros = torch.cat([scale, low + 8 * scale], -1)  # [out, G, 2] fp32
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_TILES)
+        self.register_buffer("packed", packed)  # opaque uint8 layout of q
+        # [G, out, 2] in the activations' dtype (the model's), as the kernel wants
+        self.register_buffer(
+            "scales_zeros", scales_zeros.transpose(0, 1).to(weight.dtype).contiguous()
+        )
+        self.register_buffer("bias", bias)  # [out] or None
+        self.out_features, self.in_features = out_features, in_features
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
+        rows = x.reshape(-1, x.shape[-1])  # [M, in], the model's dtype
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.packed, self.group, self.scales_zeros
+        )
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a pass reads: packed nibbles, scales and offsets, bias."""
+        tensors = [self.packed, self.scales_zeros] + ([] if self.bias is None else [self.bias])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def dequantized(self) -> Tensor:
+        """The [out, in] fp32 weight this module multiplies by (recovered through the kernel)."""
+        eye = torch.eye(self.in_features, dtype=torch.float32)  # [in, in]
+        sz = self.scales_zeros.float().contiguous()
+        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, sz)
+        return w_t.t().contiguous()  # [out, in]
+
+
+def quantized_linear(weight: Tensor, bias: Tensor | None, quantization: str) -> nn.Module:
+    """The module of format `quantization` ("int8" | "int4") for `weight` ([out, in])."""
+    if quantization == "int8":
+        return Int8DynamicLinear(weight, bias)
+    if quantization == "int4":
+        return Int4Linear(weight, bias)
+    raise ValueError(f"unknown quantization {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")

@@ -1,0 +1,172 @@
+"""Quantized weight formats: each module against the dense reference, row independence, errors,
+and speculative greedy == plain greedy on a model in each format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from spec_cases import GREEDY, PROMPTS
+
+from specdecode.llm import LLM
+from specdecode.model.linear import make_linear
+from specdecode.model.loading import load_model
+from specdecode.model.quant import (
+    Int4Linear,
+    Int8DynamicLinear,
+    int4_group,
+    parse_quantization,
+)
+
+FORMATS = ["int8", "int4"]
+
+
+def _weights(out: int = 96, inp: int = 256, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(out, inp, generator=gen) * 0.05, torch.randn(out, generator=gen)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize(("quantization", "bound"), [("int8", 0.03), ("int4", 0.15)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_formats_approximate_the_dense_product(
+    quantization: str, bound: float, dtype: torch.dtype
+) -> None:
+    weight, bias = _weights()
+    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(1))
+    module = make_linear(weight.to(dtype), bias.to(dtype), quantization)
+    got = module(x.to(dtype))
+    assert got.shape == (2, 5, 96) and got.dtype == dtype
+    want = F.linear(x, weight, bias)
+    assert _relative_error(got, want) < bound
+    # and it is much closer to the weight it says it holds
+    closer = F.linear(x, module.dequantized(), bias)
+    assert _relative_error(got, closer) < bound / 3
+
+
+def test_int8_weights_round_to_the_nearest_step() -> None:
+    weight, _ = _weights()
+    module = Int8DynamicLinear(weight)
+    step = weight.abs().amax(1, keepdim=True) / 127  # one scale per output channel
+    assert ((module.dequantized() - weight).abs() <= step / 2 + 1e-6).all()
+
+
+def test_int4_weights_round_to_the_nearest_step_of_their_group() -> None:
+    weight, _ = _weights(out=32, inp=256)
+    module = Int4Linear(weight)
+    assert module.group == 128
+    groups = weight.view(32, 2, 128)
+    step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15
+    error = (module.dequantized().view(32, 2, 128) - groups).abs()
+    assert (error <= step / 2 + 1e-3 * step.max()).all()
+
+
+@pytest.mark.parametrize("quantization", FORMATS)
+@pytest.mark.parametrize("rows", [9, 65])
+def test_a_row_does_not_depend_on_the_other_rows_of_the_pass(quantization: str, rows: int) -> None:
+    """What verification needs: each of K + 1 tokens gets what a 1-token step would give it."""
+    weight, bias = _weights()
+    module = make_linear(weight, bias, quantization)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(2))
+    x[4] *= 50  # an outlier token: with a per-pass activation scale it would move every row
+    alone = torch.cat([module(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(module(x), alone)
+
+
+@pytest.mark.parametrize("quantization", FORMATS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_pass_over_k_tokens_equals_k_decode_steps_bit_for_bit(
+    tiny_model_dir: Path, quantization: str, dtype: str
+) -> None:
+    """Row-exact projections + per-query attention: the whole model is exact across passes,
+    for each row of a batch whose rows have different lengths."""
+    model = load_model(tiny_model_dir, dtype, quantization=quantization)
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 17, 42, 99, 7, 8, 9]] * 2)  # [2, 12]
+    cache = model.new_cache(2, 32)
+    model(ids[:, :6], torch.arange(6).expand(2, -1), cache)
+    cache.truncate([6, 4])  # rows of different lengths
+    starts = torch.tensor([[6], [4]])
+    together, _ = model(ids[:, 6:11], starts + torch.arange(5), cache)  # [2, 5, V]
+    cache.truncate([6, 4])
+    steps = [model(ids[:, 6 + i : 7 + i], starts + i, cache)[0] for i in range(5)]
+    assert torch.equal(together, torch.cat(steps, 1))
+
+
+def test_quantization_names_and_errors() -> None:
+    assert parse_quantization(None) is None and parse_quantization("none") is None
+    assert parse_quantization("int8") == "int8"
+    with pytest.raises(ValueError, match="unknown quantization 'fp8'; allowed: none, int8, int4"):
+        parse_quantization("fp8")
+    assert int4_group(256) == 128 and int4_group(64) == 64 and int4_group(96) == 32
+    with pytest.raises(ValueError, match="int4 needs in_features divisible by 32, got 100"):
+        int4_group(100)
+    with pytest.raises(ValueError, match="'int8' has CPU kernels only; the weights are on meta"):
+        Int8DynamicLinear(torch.empty(4, 32, device="meta"))
+
+
+# --- whole models ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def quantized(request: pytest.FixtureRequest, tiny_model_dir: Path) -> tuple[str, LLM]:
+    quantization = request.param
+    return quantization, LLM(str(tiny_model_dir), dtype="float32", quantization=quantization)
+
+
+def test_quantized_model_stays_close_to_the_dense_one(
+    quantized: tuple[str, LLM], tiny_model_dir: Path
+) -> None:
+    quantization, llm = quantized
+    dense = LLM(str(tiny_model_dir), dtype="float32").model
+    assert llm.model.quantization == quantization
+    assert isinstance(llm.model.lm_head, Int8DynamicLinear)  # the head is int8 in both formats
+    tokens = torch.tensor([PROMPTS[1]["prompt_token_ids"]])
+    positions = torch.arange(tokens.shape[1])[None]
+    want, _ = dense(tokens, positions, dense.new_cache(1, 64))
+    got, _ = llm.model(tokens, positions, llm.model.new_cache(1, 64))
+    cosine = F.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cosine > {"int8": 0.999, "int4": 0.9}[quantization], cosine
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_greedy_equals_plain_in_each_format(
+    quantized: tuple[str, LLM], tiny_model_dir: Path, method: str
+) -> None:
+    _, plain = quantized
+    expected = [list(o.token_ids) for o in plain.generate(PROMPTS, GREEDY)]
+    config = (
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+        if method == "ngram"
+        else {"model": str(tiny_model_dir), "num_speculative_tokens": 3}
+    )
+    spec = plain.with_speculative_config(config)
+    assert [list(o.token_ids) for o in spec.generate(PROMPTS, GREEDY)] == expected
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        assert list(spec.generate(prompt, GREEDY)[0].token_ids) == want
+    assert spec.spec_metrics.num_accepted_tokens > 0
+
+
+def test_draft_model_takes_the_target_format_unless_told(tiny_model_dir: Path) -> None:
+    target = LLM(str(tiny_model_dir), dtype="float32", quantization="int8")
+    inherit = {"model": str(tiny_model_dir), "num_speculative_tokens": 2}
+    same = target.with_speculative_config(inherit)
+    assert same.draft_model is not None and same.draft_model.quantization == "int8"
+    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 2, "quantization": "int4"}
+    other = target.with_speculative_config(config)
+    assert other.draft_model is not None and other.draft_model.quantization == "int4"
+    dense = target.with_speculative_config({**config, "quantization": "none"})
+    assert dense.draft_model is not None and dense.draft_model.quantization is None
+    assert target.with_speculative_config(inherit).draft_model is same.draft_model  # loaded once
+
+
+def test_bad_quantization_is_refused_before_loading(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        LLM(str(tiny_model_dir), quantization="int3")
+    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 2, "quantization": "q4"}
+    with pytest.raises(ValueError, match="unknown quantization 'q4'"):
+        LLM(str(tiny_model_dir), speculative_config=config)
