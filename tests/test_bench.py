@@ -435,6 +435,12 @@ def test_cli_bench_writes_json_and_reprints_it(
     captured = capsys.readouterr()
     assert captured.out == printed
     assert f"plots: {out / 'speedup.png'}" in captured.err
+    # a report saved before weight formats and pass costs existed still re-reads
+    old = json.loads((out / "bench.json").read_text())
+    del old["config"]["quantization"], old["costs"], old["roofline"]
+    (out / "old.json").write_text(json.dumps(old))
+    assert main(["bench", "--report", str(out / "old.json")]) == 0
+    assert "Speedup vs plain decoding" in capsys.readouterr().out
 
 
 def test_cli_bench_runs_quantized_targets(

@@ -141,7 +141,8 @@ def speedup_vs_k_plot(report: dict[str, Any], path: Path) -> Path:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("K (draft tokens per step)")
     ax.set_ylabel("decode-phase speedup vs plain decoding")
-    ax.legend(fontsize="small")
+    if ax.get_legend_handles_labels()[0]:  # nothing to label without plain decoding to pair
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -137,8 +137,9 @@ def resummarize(report: dict[str, Any]) -> dict[str, Any]:
     ran = {r["method"] for r in report["runs"]}
     specs = [s for s in parse_methods(report["config"]["methods"]) if s.name in ran]
     greedy = report["config"]["temperature"] == 0
-    default = report["config"]["quantization"]
-    summary = summarize(report["runs"], specs, greedy, report["costs"], default_format=default)
+    default = report["config"].get("quantization", "none")  # absent before formats existed
+    costs = report.get("costs")
+    summary = summarize(report["runs"], specs, greedy, costs, default_format=default)
     return {**report, "summary": summary}
 
 

@@ -162,10 +162,10 @@ def summarize(
     Speedups are against BASELINE (our plain decoding in the run's format, `default_format`);
     greedy exactness is against our plain decoding in the method's own format when the run has
     it (`_plain_of`): speculation is exact relative to the target it runs.
-    With `costs` (weight format -> `costs.bench_costs`), each speculative method of ours also gets
-    the cost model's "predicted_speedup" of its decode phase (the spread over its runs of each
-    run's prediction from its own counters) and the "measured_decode_speedup" it predicts: the
-    decode-phase ratio against our plain decoding in the same format.
+    Each speculative method of ours gets "measured_decode_speedup": the decode-phase ratio against
+    our plain decoding in the same format. With `costs` (weight format -> `costs.bench_costs`),
+    it also gets the cost model's "predicted_speedup" of that ratio (the spread over its runs of
+    each run's prediction from its own counters).
     """
     categories = list(dict.fromkeys(r["category"] for r in runs))
     base = _by(runs, BASELINE)
@@ -176,10 +176,11 @@ def summarize(
         cells[ALL] = _cell(mine, base)
         fmt, plain = spec.weight_format(default_format), _plain_of(spec, specs, default_format)
         predicted = measured = None
+        if spec.kind in ("draft", "ngram"):
+            measured = spread(_ratios(mine, _by(runs, plain), decode_tokens_per_s))
         if costs is not None and fmt in costs and spec.kind in ("draft", "ngram"):
             own = costs[fmt]
             predicted = spread([p for r in mine if (p := _predicted(r, own, spec)) is not None])
-            measured = spread(_ratios(mine, _by(runs, plain), decode_tokens_per_s))
         methods[spec.name] = {
             "kind": spec.kind,
             "weight_format": None if spec.is_peer else fmt,
