@@ -5,15 +5,15 @@ Each format is timed on `--matrices` distinct [out, in] weight matrices (default
 call streams its weights from memory as decoding does. Per format and tokens-per-pass: the
 median over `--repeats` sweeps of (sweep seconds / matrices), after one untimed sweep.
 
-Formats (what `specdecode.model.quant` may build on):
-- bf16 `F.linear`, and bf16 pre-packed for oneDNN (`PackedLinear`, today's default);
+Formats (the candidates `specdecode.model.quant` was chosen from, and what it built):
+- bf16 `F.linear`, and bf16 pre-packed for oneDNN (`PackedLinear`, the default);
 - int8 dynamic, per-token activation scales: x quantized row by row, `torch._int_mm`
-  (int8 x int8 -> int32), then scaled. Integer accumulation: a row's result does not depend on
-  the other rows of the pass;
-- int8 dynamic, per-tensor activation scale (`quantized::linear_dynamic`, x86 engine): one
-  scale for the whole pass, so a row's result depends on the other rows;
+  (int8 x int8 -> int32), then scaled;
+- int8 dynamic, one activation range per pass (`quantized::linear_dynamic`, x86 engine, as torch
+  offers it): a row's result depends on the other rows;
+- the same kernel with per-row scaling and anchor columns (`Int8DynamicLinear`, our "int8");
 - int8 weight-only (`aten._weight_int8pack_mm`, bf16 activations);
-- int4 weight-only, group 128 (`aten._weight_int4pack_mm_for_cpu`, bf16 activations).
+- int4 weight-only, group 128 (`Int4Linear`, our "int4", bf16 activations).
 Each format's error vs the fp32 product is printed too (max |y - y_fp32| / max |y_fp32|).
 
 Usage: python benchmarks/linear_formats.py [--out 8960] [--in 1536] [--matrices 24]
@@ -32,6 +32,7 @@ from torch import Tensor
 
 from specdecode.bench.machine import machine_facts, wait_until_quiet
 from specdecode.model.linear import PackedLinear
+from specdecode.model.quant import Int4Linear, Int8DynamicLinear
 
 Kernel = Callable[[Tensor], Tensor]  # x [T, in] bf16 -> y [T, out]
 
@@ -49,16 +50,14 @@ def int8_per_token(weight: Tensor) -> Kernel:
     return run
 
 
-def int8_per_tensor(weight: Tensor) -> Kernel:
-    torch.backends.quantized.engine = "x86"
-    scale = weight.float().abs().amax(1).clamp(min=1e-8) / 127
-    wq = torch.quantize_per_channel(
-        weight.float(), scale.double(), torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8
-    )
-    packed = torch.ops.quantized.linear_prepack(wq, None)
+def int8_per_pass(weight: Tensor) -> Kernel:
+    """The x86 dynamic kernel as torch offers it: one activation range for the whole pass."""
+    built = Int8DynamicLinear(weight)  # the same packed weights (two zero anchor columns)
+    zeros = torch.zeros(1, 2)
 
     def run(x: Tensor) -> Tensor:
-        return torch.ops.quantized.linear_dynamic(x.float(), packed, True).to(x.dtype)
+        rows = torch.cat([x.float(), zeros.expand(x.shape[0], -1)], 1)
+        return torch.ops.quantized.linear_dynamic(rows, built.packed, True).to(x.dtype)
 
     return run
 
@@ -70,30 +69,14 @@ def int8_weight_only(weight: Tensor) -> Kernel:
     return lambda x: torch.ops.aten._weight_int8pack_mm(x, wq, scale)
 
 
-def int4_weight_only(weight: Tensor, group: int = 128) -> Kernel:
-    out_f, in_f = weight.shape
-    w = weight.float().reshape(out_f, in_f // group, group)
-    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    scale = (high - low).clamp(min=1e-6) / 15
-    q = ((w - low) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
-    zero = low + 8 * scale
-    scales_zeros = torch.stack([scale, zero], -1).reshape(out_f, in_f // group, 2)
-    scales_zeros = scales_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)  # [G, out, 2]
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
-
-
-def bf16_packed(weight: Tensor) -> Kernel:
-    return PackedLinear(weight)
-
-
 FORMATS: dict[str, Callable[[Tensor], Kernel]] = {
     "bf16 F.linear": lambda w: lambda x: F.linear(x, w),
-    "bf16 packed": bf16_packed,
+    "bf16 packed (ours: none)": PackedLinear,
     "int8 dyn per-token (_int_mm)": int8_per_token,
-    "int8 dyn per-tensor (x86)": int8_per_tensor,
+    "int8 dyn per-pass scale (x86)": int8_per_pass,
+    "int8 dyn + row anchors (ours: int8)": Int8DynamicLinear,
     "int8 weight-only": int8_weight_only,
-    "int4 weight-only g128": int4_weight_only,
+    "int4 weight-only g128 (ours: int4)": Int4Linear,
 }
 
 

@@ -25,10 +25,6 @@ from specdecode.model.transformer import Rotary, Transformer
 BANDWIDTH_BYTES = 1 << 30
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def bytes_per_token(model: Transformer, context: int = 0) -> dict[str, int]:
     """Bytes one decoded token reads: {"weights", "kv_cache", "total"}.
 
@@ -44,12 +40,11 @@ def bytes_per_token(model: Transformer, context: int = 0) -> dict[str, int]:
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         for t in tensors:
             rows = isinstance(module, nn.Embedding | Rotary)  # one row per token (RoPE: cos, sin)
-            read = _tensor_bytes(t) // t.shape[0] if rows else _tensor_bytes(t)
+            read = t.nbytes // t.shape[0] if rows else t.nbytes
             reads[t.data_ptr()] = max(reads.get(t.data_ptr(), 0), read)
     weights = projections + sum(reads.values())
     cfg = model.config
-    element = torch.empty((), dtype=model.dtype).element_size()
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * element
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * model.dtype.itemsize
     return {"weights": weights, "kv_cache": kv, "total": weights + kv}
 
 

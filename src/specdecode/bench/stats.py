@@ -178,9 +178,9 @@ def summarize(
         predicted = measured = None
         if spec.kind in ("draft", "ngram"):
             measured = spread(_ratios(mine, _by(runs, plain), decode_tokens_per_s))
-        if costs is not None and fmt in costs and spec.kind in ("draft", "ngram"):
-            own = costs[fmt]
-            predicted = spread([p for r in mine if (p := _predicted(r, own, spec)) is not None])
+            if costs is not None and fmt in costs:
+                own = costs[fmt]
+                predicted = spread([p for r in mine if (p := _predicted(r, own, spec)) is not None])
         methods[spec.name] = {
             "kind": spec.kind,
             "weight_format": None if spec.is_peer else fmt,

@@ -30,7 +30,7 @@ class DenseLinear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         """Bytes a pass reads: the weight and the bias."""
-        return sum(t.numel() * t.element_size() for t in self.parameters())
+        return sum(t.nbytes for t in self.parameters())
 
 
 class PackedLinear(nn.Module):
@@ -54,7 +54,7 @@ class PackedLinear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         """Bytes a pass reads: the bf16 weight and the bias."""
-        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        bias = 0 if self.bias is None else self.bias.nbytes
         return self.out_features * self.in_features * 2 + bias
 
 

@@ -150,7 +150,7 @@ class Int4Linear(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes a pass reads: packed nibbles, scales and offsets, bias."""
         tensors = [self.packed, self.scales_zeros] + ([] if self.bias is None else [self.bias])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.nbytes for t in tensors)
 
     def dequantized(self) -> Tensor:
         """The [out, in] fp32 weight this module multiplies by (recovered through the kernel)."""
