@@ -1,27 +1,66 @@
-"""The weight-format seam: every format agrees with the dense reference."""
+"""The weight-format seam: every dense format agrees with the dense reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdecode.model.linear import DenseLinear, PackedLinear, _onednn_bf16, make_linear
+from specdecode import kernels
+from specdecode.model.linear import (
+    Bf16Linear,
+    DenseLinear,
+    PackedLinear,
+    _onednn_bf16,
+    make_linear,
+)
 
 
 def test_fp32_weights_stay_dense() -> None:
     assert isinstance(make_linear(torch.randn(8, 4)), DenseLinear)
 
 
-@pytest.mark.skipif(not _onednn_bf16(), reason="this CPU build has no oneDNN bf16 support")
-@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 5, 64), (7, 64)])
-def test_packed_bf16_matches_dense(shape: tuple[int, ...]) -> None:
+def test_bf16_weights_on_the_cpu_get_the_native_kernel() -> None:
+    assert kernels.available()  # CI builds the kernels; a failed build must not pass silently
+    module = make_linear(torch.randn(8, 4).bfloat16())
+    assert isinstance(module, Bf16Linear) and module.row_exact
+
+
+def _case(out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(300, 64, generator=gen).bfloat16()
-    bias = torch.randn(300, generator=gen).bfloat16()
-    x = torch.randn(shape, generator=gen).bfloat16()
-    packed = make_linear(weight.clone(), bias)
-    assert isinstance(packed, PackedLinear)
+    return torch.randn(out, inp, generator=gen).bfloat16(), torch.randn(
+        out, generator=gen
+    ).bfloat16()
+
+
+@pytest.mark.parametrize("module_type", [Bf16Linear, PackedLinear])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 5, 64), (7, 64)])
+def test_bf16_modules_match_dense(module_type: type, shape: tuple[int, ...]) -> None:
+    if module_type is PackedLinear and not _onednn_bf16():
+        pytest.skip("this CPU build has no oneDNN bf16 support")
+    weight, bias = _case(300, 64)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    module = module_type(weight.clone(), bias)
     expected = DenseLinear(weight, bias)(x)
-    got = packed(x)
+    got = module(x)
     assert got.shape == (*shape[:-1], 300) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    assert module.weight_bytes >= weight.nbytes + bias.nbytes
+
+
+@pytest.mark.parametrize(("out", "inp"), [(300, 64), (5, 3), (130, 97)])
+def test_bf16_kernel_sums_in_fp32_and_pads_odd_shapes(out: int, inp: int) -> None:
+    weight, bias = _case(out, inp)
+    x = torch.randn(9, inp, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = Bf16Linear(weight, bias)(x)
+    want = x.float() @ weight.float().T + bias.float()  # fp32 sums, one rounding at the end
+    torch.testing.assert_close(got.float(), want, atol=0, rtol=2**-8)
+
+
+@pytest.mark.parametrize("rows", [9, 70])
+def test_bf16_kernel_is_row_exact(rows: int) -> None:
+    """Each row of a pass gets the bits a 1-row pass gives it (verification needs this)."""
+    weight, bias = _case(130, 96)
+    module = Bf16Linear(weight, bias)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    alone = torch.cat([module(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(module(x), alone)

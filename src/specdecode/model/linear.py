@@ -1,8 +1,11 @@
 """The one seam for weight formats: every projection in the model is built by `make_linear`.
 
-Dense weights get `PackedLinear` (bf16 on a oneDNN CPU) or `DenseLinear`; quantized formats
+bf16 weights on the CPU get `Bf16Linear` (specdecode's own kernel), or `PackedLinear` (oneDNN)
+where that cannot be built; other dense weights get `DenseLinear`. Quantized formats
 (`specdecode.model.quant`) turn the dense weight (and optional bias) into a module mapping
 `[..., in_features] -> [..., out_features]` the same way, so the model code never changes.
+Every module says whether it is `row_exact`: a token's output bit for bit independent of the
+other tokens in the pass (what makes verification exact against 1-token decode steps).
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdecode import kernels
 from specdecode.model.quant import quantized_linear
 
 
 class DenseLinear(nn.Module):
     """y = x @ W^T + b with the weight kept as given (fp32, or bf16 off the CPU)."""
+
+    row_exact = False  # BLAS may block a pass of several rows differently from one row
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
@@ -42,6 +48,8 @@ class PackedLinear(nn.Module):
     The dense weight is dropped after packing, so memory does not grow.
     """
 
+    row_exact = False
+
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -58,6 +66,30 @@ class PackedLinear(nn.Module):
         return self.out_features * self.in_features * 2 + bias
 
 
+class Bf16Linear(nn.Module):
+    """bf16 y = x @ W^T + b with specdecode's CPU kernel (`specdecode.kernels`): products summed
+    in fp32 in one fixed order per output, so it is row-exact. It reads the weights faster than
+    oneDNN for passes of up to ~9 tokens and is ~10% slower for long (prefill) passes
+    (docs/quantization.md has the figures).
+    """
+
+    row_exact = True
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = kernels.pack(weight, kernels.BF16_PACK)  # [Np / 64, Kp / 2, 64, 2] bf16
+        self.bias = None if bias is None else bias.float()  # [out] fp32
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
+        return kernels.bf16_linear(x, self.packed, self.bias, self.out_features)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a pass reads: the packed bf16 weight and the bias."""
+        return self.packed.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+
 @cache
 def _onednn_bf16() -> bool:
     """Whether this CPU build has oneDNN with bf16 support (AVX-512 BF16 / AMX machines)."""
@@ -71,6 +103,9 @@ def make_linear(
     the weight's dtype (`quantization` None) or a quantized format ("int8" | "int4")."""
     if quantization is not None:
         return quantized_linear(weight, bias, quantization)
-    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _onednn_bf16():
-        return PackedLinear(weight, bias)
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        if kernels.available():
+            return Bf16Linear(weight, bias)
+        if _onednn_bf16():
+            return PackedLinear(weight, bias)
     return DenseLinear(weight, bias)

@@ -1,39 +1,35 @@
 """Quantized weight formats for the model's projections (`make_linear(..., quantization=...)`).
 
 - "int8": dynamic int8. Weights: symmetric int8, one scale per output channel. Activations:
-  quantized on the fly, one scale per token (row). Kernel: torch's x86 dynamic quantized linear
-  (`quantized::linear_dynamic`, fbgemm with AVX-512 VNNI here), which multiplies in integers.
-  That kernel takes one activation range for the whole pass, so a token's rounding would depend
-  on the other tokens of the pass. To keep tokens independent, each row is divided by its own
-  absolute maximum and two anchor columns (+1, -1, against zero weights) are appended: every
-  pass then has the range [-1, 1] exactly, each row is quantized by itself, and the integer sums
-  are exact. Verifying K + 1 tokens gives each of them bit for bit what a 1-token step gives.
+  quantized on the fly, one scale (absmax / 127) per token. Kernel: specdecode's own
+  (`specdecode.kernels`, AVX-512 VNNI integer dot products, compiled on first use), whose
+  integer sums are exact: each token gets bit for bit what a 1-token step gives it, whatever
+  else is in the pass, so verifying K + 1 tokens is exact against plain decoding.
 - "int4": weight-only int4. Weights: 4-bit with a scale and an offset per group of `INT4_GROUP`
   input channels (asymmetric). Activations stay in the model's dtype; the kernel
   (`aten._weight_int4pack_mm_for_cpu`) dequantizes groups as it multiplies.
 
-Measured here per 8960 x 1536 matrix, ms for 1 / 8 / 256 tokens per pass
-(`benchmarks/linear_formats.py`, numbers in docs/quantization.md): bf16 packed 1.11 / 1.33 /
-17.0, int8 0.59 / 0.70 / 14.0, int4 0.45 / 1.66 / 50.6.
+Measured here per 8960 x 1536 matrix (`benchmarks/linear_formats.py`, numbers in
+docs/quantization.md).
 
 Every format is a module mapping [..., in] -> [..., out] in the activations' dtype, with
-`dequantized()` (the [out, in] fp32 weight it stands for) and `weight_bytes` (what one pass
-reads). Both kernels run on the CPU; another device gets a clear error.
+`dequantized()` (the [out, in] fp32 weight it stands for), `weight_bytes` (what one pass reads)
+and `row_exact` (whether a token's output is independent of the rest of the pass). Both
+kernels run on the CPU; another device gets a clear error.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor, nn
+
+from specdecode import kernels
 
 QUANTIZATIONS = ("int8", "int4")
 INT4_GROUP = 128  # input channels per int4 scale/offset (llama.cpp's Q4_K uses 32 per sub-block)
 INT4_MIN_GROUP = 32
 _INT4_TILES = 2  # `inner_k_tiles` of the CPU int4 packing
 _TINY = 1e-8  # floor of a scale, so an all-zero row or group does not divide by zero
-_ANCHORS = (1.0, -1.0)  # appended to every activation row: the pass's range is always [-1, 1]
 
 
 def parse_quantization(quantization: str | None) -> str | None:
@@ -55,49 +51,45 @@ def _check_cpu(weight: Tensor, quantization: str) -> None:
 
 
 class Int8DynamicLinear(nn.Module):
-    """y = int8(x / |x|max) @ int8(W)^T * |x|max * sw + b, per token and per output channel."""
+    """y = int8(x / sx) @ int8(W / sw)^T * sx * sw + b: sx per token, sw per output channel."""
+
+    row_exact = True
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
         _check_cpu(weight, "int8")
-        if torch.backends.quantized.engine not in ("x86", "fbgemm"):
-            raise ValueError(
-                "quantization 'int8' needs torch's x86 quantized engine, this build uses "
-                f"{torch.backends.quantized.engine!r}"
-            )
-        out_features, in_features = weight.shape
+        self.out_features, self.in_features = weight.shape
         w = weight.float()  # [out, in]
         scale = w.abs().amax(1).clamp(min=_TINY) / 127  # [out]
-        padded = torch.cat([w, w.new_zeros(out_features, len(_ANCHORS))], 1)  # [out, in + 2]
-        zeros = torch.zeros(out_features, dtype=torch.long)
-        with warnings.catch_warnings():  # torch 2.13 flags quantized tensors as deprecated
-            warnings.simplefilter("ignore", UserWarning)
-            q = torch.quantize_per_channel(padded, scale.double(), zeros, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(q, None)  # opaque fbgemm layout
-        self.register_buffer("anchors", torch.tensor(_ANCHORS))  # [2]
+        q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [out, in]
+        packed = kernels.pack(q, kernels.INT8_PACK)  # [Np / 64, Kp / 4, 64, 4]
+        rows = packed.shape[0] * kernels.ROWS
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", _pad(scale, rows))  # [Np] fp32
+        self.register_buffer("row_sum", _pad(q.sum(1, dtype=torch.int32), rows))  # [Np] int32
         self.register_buffer("bias", None if bias is None else bias.float())  # [out] fp32
-        self.out_features, self.in_features = out_features, in_features
+        kernels.native()  # a clear error now, not at the first forward, if it cannot be built
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
-        rows = x.reshape(-1, x.shape[-1]).float()  # [M, in]
-        row_max = rows.abs().amax(-1, keepdim=True).clamp(min=_TINY)  # [M, 1]
-        anchored = torch.cat([rows / row_max, self.anchors.expand(rows.shape[0], -1)], 1)
-        y = torch.ops.quantized.linear_dynamic(anchored, self.packed, False)  # [M, out]
-        y = y.mul_(row_max)
-        if self.bias is not None:
-            y = y.add_(self.bias)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return kernels.int8_linear(
+            x, self.packed, self.scale, self.row_sum, self.bias, self.out_features
+        )
 
     def dequantized(self) -> Tensor:
         """The [out, in] fp32 weight this module multiplies by."""
-        q, _ = torch.ops.quantized.linear_unpack(self.packed)
-        return q.dequantize()[:, : self.in_features]
+        q = kernels.unpack(self.packed, self.out_features, self.in_features)
+        return q.float() * self.scale[: self.out_features, None]
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes a pass reads: int8 weights (anchor columns included) and fp32 scales/bias."""
-        per_row = self.in_features + len(_ANCHORS) + 4 + (0 if self.bias is None else 4)
-        return self.out_features * per_row
+        """Bytes a pass reads: packed int8 weights, scales, row sums and bias."""
+        tensors = [self.packed, self.scale, self.row_sum]
+        return sum(t.nbytes for t in tensors) + (0 if self.bias is None else self.bias.nbytes)
+
+
+def _pad(values: Tensor, length: int) -> Tensor:
+    """values [n] zero-padded to [length]."""
+    return torch.cat([values, values.new_zeros(length - values.shape[0])])
 
 
 def int4_group(in_features: int) -> int:
@@ -116,6 +108,8 @@ def int4_group(in_features: int) -> int:
 
 class Int4Linear(nn.Module):
     """Weight-only int4: y = x @ W^T + b, W = q * scale + low per group of input channels."""
+
+    row_exact = True  # the kernel computes each activation row by itself
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()

@@ -46,10 +46,6 @@ class Rotary(nn.Module):
         return self.cos[positions][:, None].to(dtype), self.sin[positions][:, None].to(dtype)
 
 
-# Formats whose projections give a token the same bits whatever else is in the pass (integer
-# sums; the int4 kernel's per-row loop): with per-query attention, the whole model then does.
-ROW_EXACT_FORMATS = ("int8", "int4")
-
 # bf16/fp16 on the CPU: at most SHORT_QUERY new tokens over at least LONG_SPAN cached slots use
 # `_grouped_attention` (decode and draft verification over a long context); the rest use SDPA.
 SHORT_QUERY = 16
@@ -95,7 +91,7 @@ def _attention_per_query(q: Tensor, k: Tensor, v: Tensor, starts: list[int]) -> 
 
     Query t of row b reads slots 0 .. starts[b] + t, with the same call a one-token decode step
     at that position makes, so its result is bit for bit independent of how many tokens the
-    pass holds and of the other rows. With row-exact projections (`ROW_EXACT_FORMATS`), this
+    pass holds and of the other rows. With row-exact projections (`row_exact` modules), this
     makes verifying K + 1 tokens give exactly what K + 1 plain decode steps give.
     Example: starts [5], 3 new tokens -> query 0 reads slots 0..5, query 1 0..6, query 2 0..7.
 
@@ -142,7 +138,9 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(weight, bias, quantization)
         self.qkv_sizes = (cfg.num_heads * cfg.head_dim, *[cfg.num_kv_heads * cfg.head_dim] * 2)
         self.o_proj = make_linear(w[f"{prefix}o_proj.weight"], quantization=quantization)
-        self.row_exact = quantization in ROW_EXACT_FORMATS
+        # Projections that give a token the same bits whatever else is in the pass: with
+        # per-query attention, the whole layer then does.
+        self.row_exact = self.qkv_proj.row_exact and self.o_proj.row_exact
 
     def forward(
         self,

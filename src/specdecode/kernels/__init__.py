@@ -1,0 +1,105 @@
+"""Native CPU matmul kernels (`matmul.cpp`), compiled on first use with the machine's compiler.
+
+`native()` builds (once per machine and source version; torch caches the build under
+~/.cache/torch_extensions) and returns the extension module; `pack` lays a weight out the way
+the kernels read it. The build targets the machine it runs on (-march=native): AVX-512 VNNI /
+BF16 instructions where the CPU has them, portable C++ elsewhere, same results either way
+for int8 (integer sums).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("matmul.cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+ROWS = 64  # output rows per tile (matmul.cpp's ROWS)
+INT8_PACK = 4  # int8 values of a row per 32-bit lane
+BF16_PACK = 2  # bf16 values of a row per 32-bit lane
+
+
+class NativeKernelsUnavailable(RuntimeError):
+    """The C++ kernels could not be built here (no compiler, no ninja, a failed build)."""
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` package's copy is in the venv's bin,
+    which is not on PATH when the venv's python is run without activating it."""
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@cache
+def native() -> ModuleType:
+    """The compiled extension (built on first call); NativeKernelsUnavailable if it cannot be."""
+    from torch.utils.cpp_extension import load
+
+    _ninja_on_path()
+    log.info("loading specdecode's CPU kernels (the first time on a machine, a ~30 s build)")
+    try:
+        return load(
+            name="specdecode_matmul",
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+        )
+    except (OSError, RuntimeError, ImportError) as err:  # compiler, ninja or build failure
+        raise NativeKernelsUnavailable(
+            f"could not build specdecode's CPU kernels ({SOURCE.name}): {err}. They need a "
+            "C++ compiler (g++) and ninja (`pip install ninja`)."
+        ) from err
+
+
+@cache
+def available() -> bool:
+    """Whether `native()` builds here."""
+    try:
+        native()
+    except NativeKernelsUnavailable:
+        return False
+    return True
+
+
+def pack(weight: Tensor, per_lane: int) -> Tensor:
+    """[N, K] -> [Np / ROWS, Kp / per_lane, ROWS, per_lane], zero-padded to a multiple of ROWS
+    rows and of per_lane columns: a tile of ROWS rows is one sequential stream in which each
+    64-byte vector holds `per_lane` consecutive columns of 16 rows."""
+    out_features, in_features = weight.shape
+    rows_p = -(-out_features // ROWS) * ROWS
+    cols_p = -(-in_features // per_lane) * per_lane
+    padded = weight.new_zeros(rows_p, cols_p)  # [Np, Kp]
+    padded[:out_features, :in_features] = weight
+    blocked = padded.view(rows_p // ROWS, ROWS, cols_p // per_lane, per_lane)
+    return blocked.transpose(1, 2).contiguous()
+
+
+def unpack(packed: Tensor, out_features: int, in_features: int) -> Tensor:
+    """The inverse of `pack`: [Np / ROWS, Kp / per_lane, ROWS, per_lane] -> [N, K]."""
+    blocks, chunks, rows, per_lane = packed.shape
+    full = packed.transpose(1, 2).reshape(blocks * rows, chunks * per_lane)
+    return full[:out_features, :in_features]
+
+
+def int8_linear(
+    x: Tensor, packed: Tensor, scale: Tensor, row_sum: Tensor, bias: Tensor | None, n: int
+) -> Tensor:
+    """x [..., K] -> [..., n]; see matmul.cpp `int8_linear`."""
+    return native().int8_linear(x, packed, scale, row_sum, bias, n)
+
+
+def bf16_linear(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tensor:
+    """x [..., K] bf16 -> [..., n] bf16; see matmul.cpp `bf16_linear`."""
+    return native().bf16_linear(x, packed, bias, n)

@@ -1,0 +1,79 @@
+"""specdecode's native CPU kernels: the int8 kernel against an exact reference, the packed
+layout, and clear errors for arguments the kernels cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode import kernels
+
+
+def _int8_case(out: int, inp: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out, inp, generator=gen) * 0.05
+    scale = weight.abs().amax(1) / 127  # [out]
+    q = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [out, in]
+    packed = kernels.pack(q, kernels.INT8_PACK)
+    rows = packed.shape[0] * kernels.ROWS
+    pad = rows - out
+    return {
+        "q": q,
+        "scale": scale,
+        "packed": packed,
+        "padded_scale": torch.cat([scale, scale.new_zeros(pad)]),
+        "row_sum": torch.cat([q.sum(1, dtype=torch.int32), torch.zeros(pad, dtype=torch.int32)]),
+        "bias": torch.randn(out, generator=gen),
+    }
+
+
+def _int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor):
+    """The kernel's arithmetic in torch: int8 codes per row, exact integer sums (in float64,
+    exact at these sizes), then fp32 scaling and bias, rounded once to x's dtype."""
+    xf = x.float()
+    absmax = xf.abs().amax(-1, keepdim=True).clamp(min=1e-8)  # [M, 1]
+    codes = (xf * (torch.full_like(absmax, 127.0) / absmax)).round().clamp(-127, 127)
+    dots = (codes.double() @ q.double().T).float()  # [M, out]
+    return (dots * (absmax / 127 * scale) + bias).to(x.dtype)
+
+
+@pytest.mark.parametrize(("out", "inp", "rows"), [(96, 256, 1), (97, 200, 9), (13, 77, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kernel_equals_the_reference_bit_for_bit(
+    out: int, inp: int, rows: int, dtype: torch.dtype
+) -> None:
+    case = _int8_case(out, inp)
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[0] *= 40  # rows of very different ranges: each must use its own scale
+    got = kernels.int8_linear(
+        x, case["packed"], case["padded_scale"], case["row_sum"], case["bias"], out
+    )
+    assert got.dtype == dtype and got.shape == (rows, out)
+    assert torch.equal(got, _int8_reference(x, case["q"], case["scale"], case["bias"]))
+
+
+@pytest.mark.parametrize("per_lane", [kernels.INT8_PACK, kernels.BF16_PACK])
+def test_pack_pads_and_unpack_inverts(per_lane: int) -> None:
+    weight = torch.arange(70 * 9, dtype=torch.float32).view(70, 9)
+    packed = kernels.pack(weight, per_lane)
+    assert packed.shape == (2, -(-9 // per_lane), kernels.ROWS, per_lane)
+    assert packed.sum() == weight.sum()  # the padding is zeros
+    assert torch.equal(kernels.unpack(packed, 70, 9), weight)
+    # one 64-byte vector: `per_lane` consecutive columns of 16 consecutive rows
+    assert torch.equal(packed[0, 0, :16], weight[:16, :per_lane])
+
+
+def test_kernel_arguments_are_checked() -> None:
+    case = _int8_case(8, 32)
+    args = (case["packed"], case["padded_scale"], case["row_sum"], None)
+    with pytest.raises(RuntimeError, match="x has 27 features, the packed weight 32"):
+        kernels.int8_linear(torch.randn(1, 27), *args, 8)
+    with pytest.raises(RuntimeError, match="out_features 65 does not fit"):
+        kernels.int8_linear(torch.randn(1, 32), *args, 65)
+    with pytest.raises(RuntimeError, match="weight must be packed"):
+        kernels.int8_linear(torch.randn(1, 32), case["q"], *args[1:], 8)
+    packed = kernels.pack(torch.randn(8, 32).bfloat16(), kernels.BF16_PACK)
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        kernels.bf16_linear(torch.randn(1, 32), packed, None, 8)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous fp32 \[8\] tensor"):
+        kernels.bf16_linear(torch.randn(1, 32).bfloat16(), packed, torch.zeros(8).bfloat16(), 8)
