@@ -77,3 +77,64 @@ def test_kernel_arguments_are_checked() -> None:
         kernels.bf16_linear(torch.randn(1, 32), packed, None, 8)
     with pytest.raises(RuntimeError, match=r"bias must be a contiguous fp32 \[8\] tensor"):
         kernels.bf16_linear(torch.randn(1, 32).bfloat16(), packed, torch.zeros(8).bfloat16(), 8)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_decode_attention_matches_causal_attention_per_query(
+    dtype: torch.dtype, tolerance: float
+) -> None:
+    """Rows of different lengths, grouped heads, a head size that is not a multiple of 16."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, new, dim, slots = 6, 2, 4, 40, 50
+    q = torch.randn(2, heads, new, dim, generator=gen).to(dtype)
+    k = torch.randn(2, kv_heads, slots, dim, generator=gen).to(dtype)
+    v = torch.randn(2, kv_heads, slots, dim, generator=gen).to(dtype)
+    starts = [30, 7]
+    got = kernels.decode_attention(q, k, v, starts)
+    assert got.shape == q.shape and got.dtype == dtype
+    for b, start in enumerate(starts):
+        span = start + new  # query t sees slots 0 .. start + t
+        allowed = torch.arange(span)[None, :] <= start + torch.arange(new)[:, None]  # [T, S]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[b : b + 1].float(),
+            k[b : b + 1, :, :span].float(),
+            v[b : b + 1, :, :span].float(),
+            attn_mask=allowed,
+            enable_gqa=True,
+        )
+        torch.testing.assert_close(got[b : b + 1].float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_decode_attention_gives_each_query_what_a_one_token_call_gives() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 9, 64, generator=gen).bfloat16()
+    k = torch.randn(1, 2, 300, 64, generator=gen).bfloat16()
+    v = torch.randn(1, 2, 300, 64, generator=gen).bfloat16()
+    together = kernels.decode_attention(q, k, v, [250])
+    for t in range(9):
+        alone = kernels.decode_attention(q[:, :, t : t + 1], k, v, [250 + t])
+        assert torch.equal(together[:, :, t : t + 1], alone)
+
+
+def test_decode_attention_checks_its_arguments() -> None:
+    q, kv = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 10, 16)
+    with pytest.raises(RuntimeError, match="start 9 \\+ 2 new tokens exceed the 10 cached slots"):
+        kernels.decode_attention(q, kv, kv, [9])
+    with pytest.raises(RuntimeError, match="one start per batch row"):
+        kernels.decode_attention(q, kv, kv, [1, 2])
+    with pytest.raises(RuntimeError, match="decode_attention takes fp32 or bf16"):
+        kernels.decode_attention(q.double(), kv.double(), kv.double(), [1])
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_rms_norm_matches_torch_and_is_row_exact(dtype: torch.dtype, tolerance: float) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 5, 72, generator=gen) * 4).to(dtype)
+    weight = torch.randn(72, generator=gen).to(dtype)
+    got = kernels.rms_norm(x, weight, 1e-6)
+    x32 = x.float()
+    want = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    assert torch.equal(kernels.rms_norm(x[1:2, 3:4], weight, 1e-6), got[1:2, 3:4])
+    with pytest.raises(RuntimeError, match="weight must be \\[72\\] in x's dtype"):
+        kernels.rms_norm(x, weight[:70], 1e-6)

@@ -1,4 +1,6 @@
-"""Native CPU matmul kernels (`matmul.cpp`), compiled on first use with the machine's compiler.
+"""Native CPU kernels, compiled on first use with the machine's compiler: matmuls for the
+projections (`matmul.cpp`), attention for decode / verification passes (`attention.cpp`) and
+RMSNorm (`norm.cpp`): each one call where torch needs several, and each row-exact.
 
 `native()` builds (once per machine and source version; torch caches the build under
 ~/.cache/torch_extensions) and returns the extension module; `pack` lays a weight out the way
@@ -21,7 +23,9 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("matmul.cpp")
+SOURCES = [
+    Path(__file__).with_name(f"{name}.cpp") for name in ("ops", "matmul", "attention", "norm")
+]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 ROWS = 64  # output rows per tile (matmul.cpp's ROWS)
 INT8_PACK = 4  # int8 values of a row per 32-bit lane
@@ -52,13 +56,13 @@ def native() -> ModuleType:
     try:
         return load(
             name="specdecode_matmul",
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
         )
     except (OSError, RuntimeError, ImportError) as err:  # compiler, ninja or build failure
         raise NativeKernelsUnavailable(
-            f"could not build specdecode's CPU kernels ({SOURCE.name}): {err}. They need a "
+            f"could not build specdecode's CPU kernels ({SOURCES[0].parent}): {err}. They need a "
             "C++ compiler (g++) and ninja (`pip install ninja`)."
         ) from err
 
@@ -103,3 +107,14 @@ def int8_linear(
 def bf16_linear(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tensor:
     """x [..., K] bf16 -> [..., n] bf16; see matmul.cpp `bf16_linear`."""
     return native().bf16_linear(x, packed, bias, n)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, starts: list[int]) -> Tensor:
+    """Per-query causal attention: q [B, H, T, D], k and v [B, Hkv, S, D]; query t of row b
+    reads slots 0 .. starts[b] + t. Returns [B, H, T, D]; see attention.cpp."""
+    return native().decode_attention(q, k, v, starts)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight * x / rms(x) for x [..., D], weight [D] (same dtype); see norm.cpp."""
+    return native().rms_norm(x, weight, eps)

@@ -18,8 +18,7 @@
 // summation whatever the tile shape. Compiled with -ffp-contract=off so the fp32 epilogue
 // rounds exactly as the Python reference does.
 
-#include <torch/extension.h>
-
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -205,36 +204,52 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int64_t M = rows.size(0);
   std::vector<uint8_t> codes(M * Kp);  // [M, Kp] u8
   std::vector<float> x_scale(M);       // [M]
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, rows.scalar_type(), "int8_linear", [&] {
+  TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16,
+              "int8_linear takes fp32 or bf16 x, got ", rows.scalar_type());
+  auto quantize = [&](auto type_tag) {
+    using scalar_t = decltype(type_tag);
     const scalar_t* data = rows.data_ptr<scalar_t>();
     at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m)
         quantize_row(data + m * K, K, Kp, codes.data() + m * Kp, x_scale.data() + m);
     });
-  });
-  at::Tensor y = at::empty({M, N}, rows.options().dtype(at::kFloat));  // [M, N] fp32
+  };
+  if (rows.scalar_type() == at::kBFloat16) {
+    quantize(at::BFloat16());
+  } else {
+    quantize(float());
+  }
+  at::Tensor y = at::empty({M, N}, rows.options());  // [M, N] in x's dtype
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* ws = w_scale.data_ptr<float>();
   const int32_t* wsum = w_sum.data_ptr<int32_t>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  for_each_tile(w.size(0), M, ROWS * Kp, [&](auto tokens, int64_t block, int64_t m0) {
-    constexpr int T = decltype(tokens)::value;
-    int32_t acc[GROUPS][T][LANES];
-    dot_u8s8<T>(codes.data() + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, acc);
-    for (int64_t g = 0; g < GROUPS; ++g)
-      for (int64_t l = 0; l < LANES; ++l) {
-        const int64_t n = block * ROWS + g * LANES + l;
-        if (n >= N) break;
-        for (int t = 0; t < T; ++t) {
-          const int32_t dot = acc[g][t][l] - 128 * wsum[n];  // codes carry +128
-          float v = float(dot) * (x_scale[m0 + t] * ws[n]);
-          if (b != nullptr) v = v + b[n];
-          yp[(m0 + t) * N + n] = v;
+  auto run = [&](auto type_tag) {
+    using out_t = decltype(type_tag);
+    out_t* yp = y.data_ptr<out_t>();
+    for_each_tile(w.size(0), M, ROWS * Kp, [&](auto tokens, int64_t block, int64_t m0) {
+      constexpr int T = decltype(tokens)::value;
+      int32_t acc[GROUPS][T][LANES];
+      dot_u8s8<T>(codes.data() + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, acc);
+      for (int64_t g = 0; g < GROUPS; ++g)
+        for (int64_t l = 0; l < LANES; ++l) {
+          const int64_t n = block * ROWS + g * LANES + l;
+          if (n >= N) break;
+          for (int t = 0; t < T; ++t) {
+            const int32_t dot = acc[g][t][l] - 128 * wsum[n];  // codes carry +128
+            float v = float(dot) * (x_scale[m0 + t] * ws[n]);
+            if (b != nullptr) v = v + b[n];
+            yp[(m0 + t) * N + n] = out_t(v);  // rounded once to x's dtype
+          }
         }
-      }
-  });
-  return y.to(x.scalar_type()).view(out_shape(x, N));
+    });
+  };
+  if (rows.scalar_type() == at::kBFloat16) {
+    run(at::BFloat16());
+  } else {
+    run(float());
+  }
+  return y.view(out_shape(x, N));
 }
 
 // x [..., K] bf16; w bf16 packed [Np/64, Kp/2, 64, 2]; bias fp32 [N] or None.
@@ -277,13 +292,4 @@ std::string isa() {
   bf16 = "avx512-bf16";
 #endif
   return "int8: " + int8 + ", bf16: " + bf16;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "y = int8(x) @ w^T * scales + bias, per-token int8 x");
-  m.def("bf16_linear", &bf16_linear, "y = x @ w^T + bias in bf16 with fp32 sums");
-  m.def("isa", &isa, "the instruction sets the kernels were compiled for");
-  m.attr("ROWS") = ROWS;
-  m.attr("INT8_PACK") = I8_PACK;
-  m.attr("BF16_PACK") = BF16_PACK;
 }

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdecode import kernels
 from specdecode.cache.kv_cache import KVCache
 from specdecode.model.config import ModelConfig
 from specdecode.model.linear import make_linear
@@ -17,14 +18,19 @@ from specdecode.model.quant import parse_quantization
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 like the reference implementations."""
+    """x / rms(x) * weight, computed in fp32 like the reference implementations (one native
+    call on the CPU, where `specdecode.kernels` builds; torch ops elsewhere)."""
 
     def __init__(self, weight: Tensor, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [D]
         self.eps = eps
+        native_dtype = weight.dtype in (torch.float32, torch.bfloat16)
+        self.native = weight.device.type == "cpu" and native_dtype and kernels.available()
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., D]
+        if self.native:
+            return kernels.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -86,31 +92,6 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-def _attention_per_query(q: Tensor, k: Tensor, v: Tensor, starts: list[int]) -> Tensor:
-    """Attention where every (row, new token) attends alone, over exactly the slots it may see.
-
-    Query t of row b reads slots 0 .. starts[b] + t, with the same call a one-token decode step
-    at that position makes, so its result is bit for bit independent of how many tokens the
-    pass holds and of the other rows. With row-exact projections (`row_exact` modules), this
-    makes verifying K + 1 tokens give exactly what K + 1 plain decode steps give.
-    Example: starts [5], 3 new tokens -> query 0 reads slots 0..5, query 1 0..6, query 2 0..7.
-
-    q: [B, H, T, D]; k, v: [B, Hkv, S, D] with S >= max(starts) + T. Returns [B, H, T, D].
-    """
-    batch, _, num_new, _ = q.shape
-    if batch == 1 and num_new == 1:
-        return _attention(q, k[:, :, : starts[0] + 1], v[:, :, : starts[0] + 1], None)
-    out = torch.empty_like(q)
-    for b, start in enumerate(starts):
-        for t in range(num_new):
-            span = start + t + 1
-            one = q[b : b + 1, :, t : t + 1]  # [1, H, 1, D]
-            out[b : b + 1, :, t : t + 1] = _attention(
-                one, k[b : b + 1, :, :span], v[b : b + 1, :, :span], None
-            )
-    return out
-
-
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Apply RoPE to x ([B, H, T, D]) with cos/sin ([B, 1, T, D])."""
     half = x.shape[-1] // 2
@@ -138,9 +119,10 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(weight, bias, quantization)
         self.qkv_sizes = (cfg.num_heads * cfg.head_dim, *[cfg.num_kv_heads * cfg.head_dim] * 2)
         self.o_proj = make_linear(w[f"{prefix}o_proj.weight"], quantization=quantization)
-        # Projections that give a token the same bits whatever else is in the pass: with
-        # per-query attention, the whole layer then does.
-        self.row_exact = self.qkv_proj.row_exact and self.o_proj.row_exact
+        # Projections that give a token the same bits whatever else is in the pass: with the
+        # per-query attention kernel, the whole layer then does.
+        row_exact = self.qkv_proj.row_exact and self.o_proj.row_exact
+        self.per_query = row_exact and kernels.available()
 
     def forward(
         self,
@@ -150,6 +132,7 @@ class Attention(nn.Module):
         cache: KVCache,
         layer: int,
         mask: Tensor | None,  # [B, 1, T, S] bool or None
+        chain: bool,  # causal new tokens after a cached prefix (decode / chain verification)
     ) -> Tensor:  # [B, T, hidden]
         batch, num_new, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # [B, T, (H|Hkv) * D]
@@ -159,9 +142,9 @@ class Attention(nn.Module):
         q = _rotate(q, cos, sin)  # [B, H, T, D]
         k = _rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
         keys, values = cache.update(layer, k, v)  # [B, Hkv, S, D]
-        starts = cache.starts
-        if self.row_exact and min(starts) > 0:  # decode / verification, not prefill
-            out = _attention_per_query(q, keys, values, starts)  # [B, H, T, D]
+        if self.per_query and chain:
+            # Each new token attends by itself, as a 1-token step would: exact verification.
+            out = kernels.decode_attention(q, keys, values, cache.starts)  # [B, H, T, D]
         else:
             out = _attention(q, keys, values, mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
@@ -199,9 +182,15 @@ class Block(nn.Module):
         self.mlp = MLP(w, f"{p}mlp.", quantization)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, mask: Tensor | None
-    ) -> Tensor:  # x: [B, T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, self.layer, mask)
+        self,
+        x: Tensor,  # [B, T, hidden]
+        cos: Tensor,  # [B, 1, T, D]
+        sin: Tensor,  # [B, 1, T, D]
+        cache: KVCache,
+        mask: Tensor | None,  # [B, 1, T, S] bool or None
+        chain: bool,  # see Attention.forward
+    ) -> Tensor:  # [B, T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, self.layer, mask, chain)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -276,10 +265,11 @@ class Transformer(nn.Module):
         if not 0 < num_layers <= self.config.num_layers:
             raise ValueError(f"exit_layer must be in 1..{self.config.num_layers}, got {exit_layer}")
         attn_mask = cache.begin(tokens.shape[1], mask)
+        chain = mask is None and min(cache.starts) > 0  # decode / verification, not prefill
         cos, sin = self.rotary.tables(positions, self.dtype)
         x = self.embed_tokens(tokens)  # [B, T, hidden]
         for block in self.layers[:num_layers]:
-            x = block(x, cos, sin, cache, attn_mask)
+            x = block(x, cos, sin, cache, attn_mask, chain)
         cache.end()
         hidden = self.norm(x)
         if logits_index is not None:

@@ -1,0 +1,170 @@
+// Attention for decode and verification passes: every (row, head, new token) attends by itself
+// over exactly the cache slots it may see, with the same arithmetic a 1-token step uses, so its
+// output is bit for bit independent of how many tokens the pass holds (what exact verification
+// needs), in one call instead of one Python-level attention per token.
+//
+// Query t of batch row b reads slots 0 .. starts[b] + t. Scores q.k * scale, the softmax and the
+// weighted sum of values are all in fp32 (bf16 inputs are widened, never rounded in between);
+// the output is rounded once to q's dtype. Query head h reads KV head h / (H / Hkv).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t V = 16;  // fp32 lanes per vector
+
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) { return float(x); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max): x = n ln2 + r, |r| <= ln2 / 2,
+// exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7), then scaled by 2^n.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // exp(-87) ~ 1.6e-38: smaller values flush
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// q . k over D values in fp32 (q already fp32).
+template <typename scalar_t>
+float dot(const float* q, const scalar_t* k, int64_t D) {
+  int64_t d = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + V <= D; d += V) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < D; ++d) sum += q[d] * widen(k[d]);
+  return sum;
+}
+
+// out[0:D] += p * v[0:D] (fp32 out).
+template <typename scalar_t>
+void axpy(float p, const scalar_t* v, float* out, int64_t D) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; d + V <= D; d += V)
+    _mm512_storeu_ps(out + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(out + d)));
+#endif
+  for (; d < D; ++d) out[d] += p * widen(v[d]);
+}
+
+// scores[0:n] -> exp(scores - max), returns their sum.
+float exp_shifted(float* scores, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t s = 0; s < n; ++s) top = std::max(top, scores[s]);
+  int64_t s = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  const __m512 shift = _mm512_set1_ps(top);
+  __m512 acc = _mm512_setzero_ps();
+  for (; s + V <= n; s += V) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + s), shift));
+    _mm512_storeu_ps(scores + s, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; s < n; ++s) {
+    scores[s] = std::exp(scores[s] - top);
+    total += scores[s];
+  }
+  return total;
+}
+
+template <typename scalar_t>
+void attend_one(const scalar_t* q, const scalar_t* k, int64_t k_row, const scalar_t* v,
+                int64_t v_row, int64_t span, int64_t D, float scale, scalar_t* out,
+                std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
+  qf.resize(D);
+  for (int64_t d = 0; d < D; ++d) qf[d] = widen(q[d]) * scale;
+  scores.resize(span);
+  for (int64_t s = 0; s < span; ++s) scores[s] = dot(qf.data(), k + s * k_row, D);
+  const float total = exp_shifted(scores.data(), span);
+  acc.assign(D, 0.f);
+  for (int64_t s = 0; s < span; ++s) axpy(scores[s], v + s * v_row, acc.data(), D);
+  const float inv = 1.f / total;
+  for (int64_t d = 0; d < D; ++d) out[d] = scalar_t(acc[d] * inv);
+}
+
+}  // namespace
+
+// q [B, H, T, D]; k, v [B, Hkv, S, D] (any strides but a contiguous last dim); starts [B]:
+// query t of row b attends to slots 0 .. starts[b] + t. Returns [B, H, T, D] in q's dtype.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::vector<int64_t>& starts) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "specdecode kernels run on the CPU");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "q, k, v must share a dtype");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.sizes() == k.sizes() && k.size(3) == D && H % Hkv == 0,
+              "k, v must be [", B, ", Hkv, S, ", D, "] with H % Hkv == 0; got q ", q.sizes(),
+              ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v need a contiguous last dim");
+  TORCH_CHECK(int64_t(starts.size()) == B, "one start per batch row");
+  for (const int64_t start : starts)
+    TORCH_CHECK(start >= 0 && start + T <= S, "start ", start, " + ", T,
+                " new tokens exceed the ", S, " cached slots");
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty_like(qc);  // [B, H, T, D]
+  const int64_t group = H / Hkv;
+  const float scale = 1.f / std::sqrt(float(D));
+  auto run = [&](auto type_tag) {
+    using scalar_t = decltype(type_tag);
+    const scalar_t* qp = qc.data_ptr<scalar_t>();
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B * H * T, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf, scores, acc;  // per thread: scaled q [D], scores [span], out [D]
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / (H * T), h = task / T % H, t = task % T;
+        const int64_t kvh = h / group;
+        attend_one(qp + task * D, kp + b * k.stride(0) + kvh * k.stride(1), k.stride(2),
+                   vp + b * v.stride(0) + kvh * v.stride(1), v.stride(2), starts[b] + t + 1, D,
+                   scale, op + task * D, qf, scores, acc);
+      }
+    });
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    run(at::BFloat16());
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention takes fp32 or bf16, got ",
+                q.scalar_type());
+    run(float());
+  }
+  return out;
+}

@@ -1,0 +1,23 @@
+// Python bindings of specdecode's CPU kernels (matmul.cpp, attention.cpp, norm.cpp).
+
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       const at::Tensor& w_sum, const c10::optional<at::Tensor>& bias, int64_t N);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w,
+                       const c10::optional<at::Tensor>& bias, int64_t N);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::vector<int64_t>& starts);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::string isa();
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear, "y = int8(x) @ w^T * scales + bias, per-token int8 x");
+  m.def("bf16_linear", &bf16_linear, "y = x @ w^T + bias in bf16 with fp32 sums");
+  m.def("decode_attention", &decode_attention, "per-query causal attention over the cache");
+  m.def("rms_norm", &rms_norm, "weight * x / rms(x), rms in fp32, row by row");
+  m.def("isa", &isa, "the instruction sets the kernels were compiled for");
+}
