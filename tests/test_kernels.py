@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdecode import kernels
+from specdecode.model.transformer import Rotary, _rotate
 
 
 def _int8_case(out: int, inp: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -138,3 +139,22 @@ def test_rms_norm_matches_torch_and_is_row_exact(dtype: torch.dtype, tolerance: 
     assert torch.equal(kernels.rms_norm(x[1:2, 3:4], weight, 1e-6), got[1:2, 3:4])
     with pytest.raises(RuntimeError, match="weight must be \\[72\\] in x's dtype"):
         kernels.rms_norm(x, weight[:70], 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rounds_exactly_as_the_torch_rotation(dtype: torch.dtype) -> None:
+    """In place on the q and k heads of a fused q/k/v row; the v heads are left alone."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim = 4, 2, 32
+    qkv = torch.randn(2, 5, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    rotary = Rotary(dim, 10000.0, 64)
+    cos, sin = rotary.tables(torch.tensor([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]]))  # [2, 5, D]
+    q = qkv[..., : heads * dim].view(2, 5, heads, dim).transpose(1, 2)
+    k = qkv[..., heads * dim : (heads + kv_heads) * dim].view(2, 5, kv_heads, dim).transpose(1, 2)
+    want_q, want_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    v_before = qkv[..., (heads + kv_heads) * dim :].clone()
+    kernels.rope_(qkv, cos, sin, heads + kv_heads)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)  # q, k: views of the rotated qkv
+    assert torch.equal(qkv[..., (heads + kv_heads) * dim :], v_before)
+    with pytest.raises(RuntimeError, match="cos and sin must be contiguous fp32"):
+        kernels.rope_(qkv, cos.bfloat16(), sin, heads)

@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use with the machine's compiler: matmuls for the
-projections (`matmul.cpp`), attention for decode / verification passes (`attention.cpp`) and
-RMSNorm (`norm.cpp`): each one call where torch needs several, and each row-exact.
+projections (`matmul.cpp`), attention for decode / verification passes (`attention.cpp`),
+RMSNorm and RoPE (`pointwise.cpp`): each one call where torch needs several, and each row-exact.
 
 `native()` builds (once per machine and source version; torch caches the build under
 ~/.cache/torch_extensions) and returns the extension module; `pack` lays a weight out the way
@@ -24,7 +24,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name(f"{name}.cpp") for name in ("ops", "matmul", "attention", "norm")
+    Path(__file__).with_name(f"{name}.cpp") for name in ("ops", "matmul", "attention", "pointwise")
 ]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 ROWS = 64  # output rows per tile (matmul.cpp's ROWS)
@@ -116,5 +116,11 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, starts: list[int]) -> Tens
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """weight * x / rms(x) for x [..., D], weight [D] (same dtype); see norm.cpp."""
+    """weight * x / rms(x) for x [..., D], weight [D] (same dtype); see pointwise.cpp."""
     return native().rms_norm(x, weight, eps)
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor, heads: int) -> None:
+    """RoPE in place on the first `heads` heads of each token of x [B, T, W] (contiguous);
+    cos, sin fp32 [B, T, D]. Rounds as `x * cos + rotate_half(x) * sin` in x's dtype does."""
+    native().rope_(x, cos, sin, heads)

@@ -1,4 +1,4 @@
-// Python bindings of specdecode's CPU kernels (matmul.cpp, attention.cpp, norm.cpp).
+// Python bindings of specdecode's CPU kernels (matmul.cpp, attention.cpp, pointwise.cpp).
 
 #include <torch/extension.h>
 
@@ -12,6 +12,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w,
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::vector<int64_t>& starts);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
 std::string isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -19,5 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "y = x @ w^T + bias in bf16 with fp32 sums");
   m.def("decode_attention", &decode_attention, "per-query causal attention over the cache");
   m.def("rms_norm", &rms_norm, "weight * x / rms(x), rms in fp32, row by row");
+  m.def("rope_", &rope_, "RoPE in place on the first heads of each token of x [B, T, W]");
   m.def("isa", &isa, "the instruction sets the kernels were compiled for");
 }

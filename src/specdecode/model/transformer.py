@@ -47,9 +47,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)  # [P, D] fp32
         self.register_buffer("sin", angles.sin(), persistent=False)  # [P, D] fp32
 
-    def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin for `positions` ([B, T]) as [B, 1, T, D] in `dtype`."""
-        return self.cos[positions][:, None].to(dtype), self.sin[positions][:, None].to(dtype)
+    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin for `positions` ([B, T]) as [B, T, D] fp32."""
+        return self.cos[positions], self.sin[positions]
 
 
 # bf16/fp16 on the CPU: at most SHORT_QUERY new tokens over at least LONG_SPAN cached slots use
@@ -93,10 +93,10 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Apply RoPE to x ([B, H, T, D]) with cos/sin ([B, 1, T, D])."""
+    """Apply RoPE to x ([B, H, T, D]) with cos/sin ([B, T, D] fp32), in x's dtype."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return x * cos[:, None].to(x.dtype) + rotated * sin[:, None].to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -123,24 +123,30 @@ class Attention(nn.Module):
         # per-query attention kernel, the whole layer then does.
         row_exact = self.qkv_proj.row_exact and self.o_proj.row_exact
         self.per_query = row_exact and kernels.available()
+        # RoPE in one native call, rounded as `_rotate` rounds (the kernel takes fp32 / bf16)
+        self.native_rope = self.per_query and weight.dtype in (torch.float32, torch.bfloat16)
 
     def forward(
         self,
         x: Tensor,  # [B, T, hidden]
-        cos: Tensor,  # [B, 1, T, D]
-        sin: Tensor,  # [B, 1, T, D]
+        cos: Tensor,  # [B, T, D] fp32
+        sin: Tensor,  # [B, T, D] fp32
         cache: KVCache,
         layer: int,
         mask: Tensor | None,  # [B, 1, T, S] bool or None
         chain: bool,  # causal new tokens after a cached prefix (decode / chain verification)
     ) -> Tensor:  # [B, T, hidden]
         batch, num_new, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # [B, T, (H|Hkv) * D]
+        qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) D]
+        if self.native_rope:
+            kernels.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads)  # q and k heads
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)  # [B, T, (H|Hkv) * D]
         q = q.view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, num_new, self.num_kv_heads, self.head_dim)
         v = v.view(batch, num_new, self.num_kv_heads, self.head_dim)
-        q = _rotate(q, cos, sin)  # [B, H, T, D]
-        k = _rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
+        if not self.native_rope:
+            q = _rotate(q, cos, sin)  # [B, H, T, D]
+            k = _rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
         keys, values = cache.update(layer, k, v)  # [B, Hkv, S, D]
         if self.per_query and chain:
             # Each new token attends by itself, as a 1-token step would: exact verification.
@@ -184,8 +190,8 @@ class Block(nn.Module):
     def forward(
         self,
         x: Tensor,  # [B, T, hidden]
-        cos: Tensor,  # [B, 1, T, D]
-        sin: Tensor,  # [B, 1, T, D]
+        cos: Tensor,  # [B, T, D] fp32
+        sin: Tensor,  # [B, T, D] fp32
         cache: KVCache,
         mask: Tensor | None,  # [B, 1, T, S] bool or None
         chain: bool,  # see Attention.forward
@@ -266,7 +272,7 @@ class Transformer(nn.Module):
             raise ValueError(f"exit_layer must be in 1..{self.config.num_layers}, got {exit_layer}")
         attn_mask = cache.begin(tokens.shape[1], mask)
         chain = mask is None and min(cache.starts) > 0  # decode / verification, not prefill
-        cos, sin = self.rotary.tables(positions, self.dtype)
+        cos, sin = self.rotary.tables(positions)  # [B, T, D] fp32
         x = self.embed_tokens(tokens)  # [B, T, hidden]
         for block in self.layers[:num_layers]:
             x = block(x, cos, sin, cache, attn_mask, chain)
