@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from specdecode.kernels import NativeKernelsUnavailable
 from specdecode.llm import LLM
 from specdecode.model.loading import DTYPES
 from specdecode.model.quant import QUANTIZATIONS
@@ -260,8 +262,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_kernel_builds() -> None:
+    """Say on stderr when the CPU kernels load (the first time on a machine, a ~30 s build)."""
+    logger = logging.getLogger("specdecode.kernels")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("specdecode: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _show_kernel_builds()
     try:
         if args.command == "models":
             return _cmd_models()
@@ -274,6 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             return _cmd_plan(args)
         return _cmd_generate(args)
-    except (ValueError, FileNotFoundError, TypeError, ImportError, PullError) as err:
+    except (
+        ValueError,
+        FileNotFoundError,
+        TypeError,
+        ImportError,
+        PullError,
+        NativeKernelsUnavailable,
+    ) as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return 2

@@ -52,7 +52,7 @@ def native() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     _ninja_on_path()
-    log.info("loading specdecode's CPU kernels (the first time on a machine, a ~30 s build)")
+    log.info("loading the CPU kernels (compiled on first use: ~30 s, once per machine)")
     try:
         return load(
             name="specdecode_matmul",
