@@ -10,6 +10,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "dispatch.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -159,12 +161,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       }
     });
   };
-  if (q.scalar_type() == at::kBFloat16) {
-    run(at::BFloat16());
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention takes fp32 or bf16, got ",
-                q.scalar_type());
-    run(float());
-  }
+  fp32_or_bf16(q.scalar_type(), "decode_attention", run);
   return out;
 }

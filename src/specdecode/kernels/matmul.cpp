@@ -21,6 +21,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "dispatch.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -204,8 +206,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int64_t M = rows.size(0);
   std::vector<uint8_t> codes(M * Kp);  // [M, Kp] u8
   std::vector<float> x_scale(M);       // [M]
-  TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16,
-              "int8_linear takes fp32 or bf16 x, got ", rows.scalar_type());
   auto quantize = [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
     const scalar_t* data = rows.data_ptr<scalar_t>();
@@ -214,11 +214,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         quantize_row(data + m * K, K, Kp, codes.data() + m * Kp, x_scale.data() + m);
     });
   };
-  if (rows.scalar_type() == at::kBFloat16) {
-    quantize(at::BFloat16());
-  } else {
-    quantize(float());
-  }
+  fp32_or_bf16(rows.scalar_type(), "int8_linear", quantize);
   at::Tensor y = at::empty({M, N}, rows.options());  // [M, N] in x's dtype
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* ws = w_scale.data_ptr<float>();
@@ -244,11 +240,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         }
     });
   };
-  if (rows.scalar_type() == at::kBFloat16) {
-    run(at::BFloat16());
-  } else {
-    run(float());
-  }
+  fp32_or_bf16(rows.scalar_type(), "int8_linear", run);
   return y.view(out_shape(x, N));
 }
 

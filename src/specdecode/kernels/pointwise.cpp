@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "dispatch.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -62,12 +64,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
         rope_row(xp + i * W, cp + i * D, sp + i * D, heads, D, old);
     });
   };
-  if (x.scalar_type() == at::kBFloat16) {
-    run(at::BFloat16());
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "rope_ takes fp32 or bf16, got ", x.scalar_type());
-    run(float());
-  }
+  fp32_or_bf16(x.scalar_type(), "rope_", run);
 }
 
 // x [..., D] and weight [D] of one dtype (fp32 or bf16) -> [..., D].
@@ -90,12 +87,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
         rms_norm_row(xp + r * D, wp, D, float(eps), yp + r * D);
     });
   };
-  if (x.scalar_type() == at::kBFloat16) {
-    run(at::BFloat16());
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "rms_norm takes fp32 or bf16, got ",
-                x.scalar_type());
-    run(float());
-  }
+  fp32_or_bf16(x.scalar_type(), "rms_norm", run);
   return y;
 }
