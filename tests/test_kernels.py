@@ -7,23 +7,21 @@ import pytest
 import torch
 
 from specdecode import kernels
+from specdecode.model.quant import Int8DynamicLinear
 from specdecode.model.transformer import Rotary, _rotate
 
 
 def _int8_case(out: int, inp: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The kernel's arguments as `Int8DynamicLinear` packs them, and the int8 weight and
+    per-row scale they stand for (unpadded), for the reference."""
     gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out, inp, generator=gen) * 0.05
-    scale = weight.abs().amax(1) / 127  # [out]
-    q = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [out, in]
-    packed = kernels.pack(q, kernels.INT8_PACK)
-    rows = packed.shape[0] * kernels.ROWS
-    pad = rows - out
+    module = Int8DynamicLinear(torch.randn(out, inp, generator=gen) * 0.05)
     return {
-        "q": q,
-        "scale": scale,
-        "packed": packed,
-        "padded_scale": torch.cat([scale, scale.new_zeros(pad)]),
-        "row_sum": torch.cat([q.sum(1, dtype=torch.int32), torch.zeros(pad, dtype=torch.int32)]),
+        "q": kernels.unpack(module.packed, out, inp),  # [out, in] int8
+        "scale": module.scale[:out],  # [out]
+        "packed": module.packed,
+        "padded_scale": module.scale,
+        "row_sum": module.row_sum,
         "bias": torch.randn(out, generator=gen),
     }
 
