@@ -146,10 +146,12 @@ def test_rope_rounds_exactly_as_the_torch_rotation(dtype: torch.dtype) -> None:
     heads, kv_heads, dim = 4, 2, 32
     qkv = torch.randn(2, 5, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     rotary = Rotary(dim, 10000.0, 64)
-    cos, sin = rotary.tables(torch.tensor([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]]))  # [2, 5, D]
+    positions = torch.tensor([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]])
+    cos, sin = rotary.tables(positions, None)  # [2, 5, D] fp32
     q = qkv[..., : heads * dim].view(2, 5, heads, dim).transpose(1, 2)
     k = qkv[..., heads * dim : (heads + kv_heads) * dim].view(2, 5, kv_heads, dim).transpose(1, 2)
-    want_q, want_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    cos_t, sin_t = rotary.tables(positions, dtype)  # [2, 1, 5, D] in dtype, for `_rotate`
+    want_q, want_k = _rotate(q, cos_t, sin_t), _rotate(k, cos_t, sin_t)
     v_before = qkv[..., (heads + kv_heads) * dim :].clone()
     kernels.rope_(qkv, cos, sin, heads + kv_heads)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)  # q, k: views of the rotated qkv

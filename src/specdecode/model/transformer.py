@@ -47,9 +47,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)  # [P, D] fp32
         self.register_buffer("sin", angles.sin(), persistent=False)  # [P, D] fp32
 
-    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin for `positions` ([B, T]) as [B, T, D] fp32."""
-        return self.cos[positions], self.sin[positions]
+    def tables(self, positions: Tensor, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+        """cos, sin for `positions` ([B, T]): [B, T, D] fp32 for the native RoPE kernel
+        (dtype None), or [B, 1, T, D] in `dtype` for `_rotate`."""
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D] fp32
+        if dtype is None:
+            return cos, sin
+        return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
 
 # bf16/fp16 on the CPU: at most SHORT_QUERY new tokens over at least LONG_SPAN cached slots use
@@ -93,10 +97,10 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Apply RoPE to x ([B, H, T, D]) with cos/sin ([B, T, D] fp32), in x's dtype."""
+    """Apply RoPE to x ([B, H, T, D]) with cos/sin ([B, 1, T, D] in x's dtype)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None].to(x.dtype) + rotated * sin[:, None].to(x.dtype)
+    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -129,8 +133,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: Tensor,  # [B, T, hidden]
-        cos: Tensor,  # [B, T, D] fp32
-        sin: Tensor,  # [B, T, D] fp32
+        cos: Tensor,  # [B, T, D] fp32 (native RoPE) or [B, 1, T, D] in x's dtype
+        sin: Tensor,  # like cos
         cache: KVCache,
         layer: int,
         mask: Tensor | None,  # [B, 1, T, S] bool or None
@@ -190,8 +194,8 @@ class Block(nn.Module):
     def forward(
         self,
         x: Tensor,  # [B, T, hidden]
-        cos: Tensor,  # [B, T, D] fp32
-        sin: Tensor,  # [B, T, D] fp32
+        cos: Tensor,  # see Attention.forward
+        sin: Tensor,
         cache: KVCache,
         mask: Tensor | None,  # [B, 1, T, S] bool or None
         chain: bool,  # see Attention.forward
@@ -272,7 +276,8 @@ class Transformer(nn.Module):
             raise ValueError(f"exit_layer must be in 1..{self.config.num_layers}, got {exit_layer}")
         attn_mask = cache.begin(tokens.shape[1], mask)
         chain = mask is None and min(cache.starts) > 0  # decode / verification, not prefill
-        cos, sin = self.rotary.tables(positions)  # [B, T, D] fp32
+        native_rope = self.layers[0].self_attn.native_rope  # every layer has the same format
+        cos, sin = self.rotary.tables(positions, None if native_rope else self.dtype)
         x = self.embed_tokens(tokens)  # [B, T, hidden]
         for block in self.layers[:num_layers]:
             x = block(x, cos, sin, cache, attn_mask, chain)
