@@ -20,6 +20,7 @@ import torch
 
 from specdecode.bench.prompts import load_prompts
 from specdecode.llm import LLM
+from specdecode.model.attention_metadata import AttentionMetadata
 
 
 def divergences(report: dict) -> dict[tuple[str, int], list[str]]:
@@ -35,7 +36,7 @@ def divergences(report: dict) -> dict[tuple[str, int], list[str]]:
 def top2(llm: LLM, ids: list[int]) -> list[tuple[int, float]]:
     """The target's two best (token, logit) after `ids`."""
     cache = llm.model.new_cache(1, len(ids))
-    logits, _ = llm.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache)
+    logits, _ = llm.model(torch.tensor([ids]), AttentionMetadata.prefill([len(ids)], "cpu"), cache)
     best = logits[0, -1].float().topk(2)
     return list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
 

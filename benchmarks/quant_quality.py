@@ -28,6 +28,7 @@ import torch
 from specdecode.bench.prompts import available_sets, load_prompts
 from specdecode.bench.stats import first_divergence
 from specdecode.llm import LLM
+from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.types import SamplingParams
 
 FORMATS = [("float32", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")]
@@ -39,8 +40,8 @@ def next_token_logprobs(llm: LLM, ids: list[int], start: int) -> torch.Tensor:
     (teacher forcing: one pass over `ids`)."""
     model = llm.model
     tokens = torch.tensor([ids], device=model.device)
-    positions = torch.arange(len(ids), device=model.device)[None]
-    logits, _ = model(tokens, positions, model.new_cache(1, len(ids)))
+    meta = AttentionMetadata.prefill([len(ids)], model.device)
+    logits, _ = model(tokens, meta, model.new_cache(1, len(ids)))
     return logits[0, start - 1 : len(ids) - 1].float().log_softmax(-1)
 
 

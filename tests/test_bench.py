@@ -57,9 +57,11 @@ def test_method_specs_parse_into_speculative_configs() -> None:
     }
     draft = MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=4")
     assert draft.speculative_config() == {
+        "method": "draft_model",
         "model": "qwen2.5-coder-0.5b",
         "num_speculative_tokens": 4,
     }
+    assert draft.is_speculative and draft.num_speculative_tokens == 4
     assert not draft.is_peer
     peer = MethodSpec.parse("hf-assisted:qwen2.5-coder-0.5b:k=4")
     assert peer.is_peer and peer.model == "qwen2.5-coder-0.5b" and peer.options == {"k": 4}
@@ -72,7 +74,9 @@ def test_method_specs_parse_into_speculative_configs() -> None:
     [
         ("beam", "unknown method 'beam'"),
         ("ngram", "needs k=N"),
-        ("ngram:k=0", "bad option 'k=0'"),
+        ("ngram:k=0", r"bad method 'ngram:k=0': num_speculative_tokens must be an int in 1\.\.64"),
+        ("ngram:k=4:max=1:min=2", "1 <= prompt_lookup_min <= prompt_lookup_max"),
+        ("draft:m:k=3:dq=int3", "unknown quantization 'int3'"),
         ("ngram:depth=3", "bad option 'depth=3'"),
         ("draft:k=4", "needs a model"),
         ("draft", "needs a model"),
@@ -93,10 +97,12 @@ def test_our_methods_take_a_weight_format() -> None:
     assert spec.weight_format("none") == "int4"
     assert MethodSpec.parse("plain").weight_format("int8") == "int8"  # the run's format
     assert MethodSpec.parse("draft:m:k=3:q=none").speculative_config() == {
+        "method": "draft_model",
         "model": "m",
         "num_speculative_tokens": 3,
     }
     assert MethodSpec.parse("draft:m:k=3:q=int8:dq=int4").speculative_config() == {
+        "method": "draft_model",
         "model": "m",
         "num_speculative_tokens": 3,
         "quantization": "int4",

@@ -9,7 +9,6 @@ from conftest import build_tiny_model
 from spec_cases import GREEDY, PROMPTS, assert_fully_accepted
 
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.engine.engine import Engine
 from specdecode.llm import LLM
 from specdecode.model.loading import load_model
 from specdecode.types import SamplingParams
@@ -30,10 +29,9 @@ def other_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
 
 def _speculative(target_dir: Path, draft_dir: Path, k: int) -> LLM:
     """The target with a `DraftModelDrafter` over the model in `draft_dir`."""
-    llm = LLM(model=str(target_dir), dtype="float32")
     draft = load_model(draft_dir, dtype="float32")
-    llm.engine = Engine(llm.model, DraftModelDrafter(draft, k, llm.model.config.vocab_size))
-    return llm
+    drafter = DraftModelDrafter(draft, k, draft.config.vocab_size)
+    return LLM(model=str(target_dir), dtype="float32", drafter=drafter)
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
@@ -86,5 +84,5 @@ def test_vocabulary_mismatch_is_a_clear_error(tiny_model_dir: Path) -> None:
 @pytest.mark.parametrize("k", [0, -1, 2.0, True])
 def test_bad_draft_length_is_a_clear_error(tiny_model_dir: Path, k: object) -> None:
     draft = load_model(tiny_model_dir, dtype="float32")
-    with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an int in 1\.\.64"):
         DraftModelDrafter(draft, k, 300)  # type: ignore[arg-type]

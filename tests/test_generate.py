@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdecode.engine.sequence import Sequence, held_back
+from specdecode.engine.output import OutputProcessor, held_back
+from specdecode.engine.request import Request
 from specdecode.llm import LLM
 from specdecode.types import SamplingParams
 
@@ -104,17 +105,30 @@ def test_bad_prompts_are_refused(tiny_llm: LLM) -> None:
         tiny_llm.generate({"prompt_token_ids": [1, 100000]}, GREEDY)
     with pytest.raises(ValueError, match="prompt is empty"):
         tiny_llm.generate({"prompt_token_ids": []}, GREEDY)
-    with pytest.raises(TypeError, match="a prompt must be a str"):
+    with pytest.raises(ValueError, match="a prompt must be a str"):
         tiny_llm.generate([3.5], GREEDY)
     with pytest.raises(ValueError, match="2 prompts but 3 SamplingParams"):
         tiny_llm.generate(["a", "b"], [GREEDY] * 3)
 
 
-# --- Sequence: EOS, stop strings, token limits (fed by hand, no model) -------------------------
+# --- Request + OutputProcessor: EOS, stop strings, token limits (fed by hand, no model) -------
 
 
-def _seq(llm: LLM, **kwargs) -> Sequence:
-    return Sequence("0", None, [1, 2], SamplingParams(**kwargs), llm.tokenizer, 256)
+class _Fed:
+    """A request and the output processor, fed tokens by hand as a step would."""
+
+    def __init__(self, llm: LLM, **kwargs) -> None:
+        params = SamplingParams(**kwargs)
+        self.req = Request("0", None, [1, 2], params, llm.tokenizer.eos_token_ids, 256)
+        self.outputs = OutputProcessor(llm.tokenizer)
+        self.outputs.add(self.req)
+
+    def append(self, tokens: list[int]) -> str:
+        return self.outputs.process(self.req, self.req.append(tokens))
+
+    @property
+    def text(self) -> str:
+        return self.outputs.output(self.req).text
 
 
 def _ids(llm: LLM, text: str) -> list[int]:
@@ -123,38 +137,46 @@ def _ids(llm: LLM, text: str) -> list[int]:
 
 def test_eos_inside_a_multi_token_step_stops_there(tiny_llm: LLM) -> None:
     eos = tiny_llm.tokenizer.eos_token_ids[0]
-    seq = _seq(tiny_llm, max_tokens=50)
-    text = seq.append([*_ids(tiny_llm, "ab"), eos, *_ids(tiny_llm, "cd")])
-    assert text == "ab" and seq.text == "ab"
-    assert seq.output_ids == [*_ids(tiny_llm, "ab"), eos]
-    assert (seq.finish_reason, seq.stop_reason) == ("stop", eos)
+    fed = _Fed(tiny_llm, max_tokens=50)
+    text = fed.append([*_ids(tiny_llm, "ab"), eos, *_ids(tiny_llm, "cd")])
+    assert text == "ab" and fed.text == "ab"
+    assert fed.req.output_ids == [*_ids(tiny_llm, "ab"), eos]
+    assert (fed.req.finish_reason, fed.req.stop_reason) == ("stop", eos)
 
 
 def test_ignore_eos_keeps_going(tiny_llm: LLM) -> None:
     eos = tiny_llm.tokenizer.eos_token_ids[0]
-    seq = _seq(tiny_llm, max_tokens=50, ignore_eos=True)
-    seq.append([eos, *_ids(tiny_llm, "x")])
-    assert not seq.finished and len(seq.output_ids) == 2
+    fed = _Fed(tiny_llm, max_tokens=50, ignore_eos=True)
+    fed.append([eos, *_ids(tiny_llm, "x")])
+    assert not fed.req.finished and len(fed.req.output_ids) == 2
 
 
 def test_max_tokens_never_exceeded_by_a_multi_token_step(tiny_llm: LLM) -> None:
-    seq = _seq(tiny_llm, max_tokens=3)
-    seq.append(_ids(tiny_llm, "abcdef"))
-    assert seq.output_ids == _ids(tiny_llm, "abc") and seq.finish_reason == "length"
+    fed = _Fed(tiny_llm, max_tokens=3)
+    fed.append(_ids(tiny_llm, "abcdef"))
+    assert fed.req.output_ids == _ids(tiny_llm, "abc") and fed.req.finish_reason == "length"
+    assert fed.text == "abc"
 
 
 def test_stop_string_split_across_tokens_is_held_back_and_cut(tiny_llm: LLM) -> None:
-    seq = _seq(tiny_llm, max_tokens=50, stop=["END"])
-    released = [seq.append([t]) for t in _ids(tiny_llm, "abc EN")]
-    assert "".join(released) == "abc " and not seq.finished  # "EN" may begin "END"
-    assert seq.append(_ids(tiny_llm, "Dxyz")) == ""
-    assert seq.text == "abc " and (seq.finish_reason, seq.stop_reason) == ("stop", "END")
+    fed = _Fed(tiny_llm, max_tokens=50, stop=["END"])
+    released = [fed.append([t]) for t in _ids(tiny_llm, "abc EN")]
+    assert "".join(released) == "abc " and not fed.req.finished  # "EN" may begin "END"
+    assert fed.append(_ids(tiny_llm, "Dxyz")) == ""
+    assert fed.text == "abc " and (fed.req.finish_reason, fed.req.stop_reason) == ("stop", "END")
+    assert fed.req.output_ids == _ids(tiny_llm, "abc END")  # the tokens after it are dropped
+
+
+def test_stop_string_inside_one_step_keeps_the_text_before_it(tiny_llm: LLM) -> None:
+    fed = _Fed(tiny_llm, max_tokens=50, stop=["END"])
+    assert fed.append(_ids(tiny_llm, "abENDcd")) == "ab"
+    assert fed.text == "ab" and fed.req.output_ids == _ids(tiny_llm, "abEND")
 
 
 def test_false_stop_prefix_is_released_at_the_end(tiny_llm: LLM) -> None:
-    seq = _seq(tiny_llm, max_tokens=4, stop=["ENDING"])
-    seq.append(_ids(tiny_llm, "aEND"))
-    assert seq.text == "aEND" and seq.finish_reason == "length"
+    fed = _Fed(tiny_llm, max_tokens=4, stop=["ENDING"])
+    fed.append(_ids(tiny_llm, "aEND"))
+    assert fed.text == "aEND" and fed.req.finish_reason == "length"
 
 
 def test_held_back_examples() -> None:

@@ -10,15 +10,22 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from specdecode.model import transformer
+from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.loading import load_model
 from specdecode.model.transformer import Transformer, _grouped_attention
+
+
+def _meta(starts: list[int], width: int, mode: AttentionMode | None = None) -> AttentionMetadata:
+    """Rows continuing at `starts` with `width` new tokens each (prefill when all start at 0)."""
+    if mode is None:
+        mode = AttentionMode.PREFILL if not any(starts) else AttentionMode.DECODE
+    return AttentionMetadata.contiguous(mode, starts, [width] * len(starts), "cpu")
 
 
 def _run(model: Transformer, tokens: torch.Tensor, start: int = 0, cache=None):
     """Feed tokens ([B, T]) at positions start.. into `cache` (a new one if None)."""
     cache = cache if cache is not None else model.new_cache(tokens.shape[0], 128)
-    positions = torch.arange(start, start + tokens.shape[1]).expand(tokens.shape[0], -1)
-    logits, hidden = model(tokens, positions, cache)
+    logits, hidden = model(tokens, _meta([start] * tokens.shape[0], tokens.shape[1]), cache)
     return logits, hidden, cache
 
 
@@ -71,10 +78,10 @@ def test_batch_rows_with_different_lengths_match_single_rows(models) -> None:
     b = torch.randint(0, 300, (1, 5), generator=gen)
     cache = ours.new_cache(2, 64)
     padded = torch.cat([a, torch.cat([b, torch.zeros(1, 4, dtype=torch.long)], dim=1)])
-    logits, _, _ = _run(ours, padded, cache=cache)
-    cache.truncate([9, 5])
+    logits, _ = ours(padded, AttentionMetadata.prefill([9, 5], "cpu"), cache)
+    assert cache.lengths == [9, 5]  # the padding is not kept
     nxt = torch.tensor([[7], [11]])
-    step, _ = ours(nxt, torch.tensor([[9], [5]]), cache)
+    step, _ = ours(nxt, _meta([9, 5], 1), cache)
     alone_a, _, _ = _run(ours, torch.cat([a, nxt[:1]], dim=1))
     alone_b, _, _ = _run(ours, torch.cat([b, nxt[1:]], dim=1))
     torch.testing.assert_close(logits[0], alone_a[0, :9], atol=1e-5, rtol=1e-5)
@@ -83,12 +90,13 @@ def test_batch_rows_with_different_lengths_match_single_rows(models) -> None:
     torch.testing.assert_close(step[1, 0], alone_b[0, 5], atol=1e-5, rtol=1e-5)
 
 
-def test_explicit_mask_equal_to_causal_matches_default(models) -> None:
+def test_a_causal_tree_mask_matches_the_chain(models) -> None:
     ours, _ = models
     tokens = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(5))
     _, _, cache = _run(ours, tokens[:, :3])
     causal = torch.ones(3, 3, dtype=torch.bool).tril()[None]
-    masked, _ = ours(tokens[:, 3:], torch.arange(3, 6)[None], cache, mask=causal)
+    meta = AttentionMetadata(AttentionMode.TREE, (3,), (3,), torch.arange(3, 6)[None], causal)
+    masked, _ = ours(tokens[:, 3:], meta, cache)
     full, _, _ = _run(ours, tokens)
     torch.testing.assert_close(masked, full[:, 3:], atol=1e-5, rtol=1e-5)
 
@@ -97,16 +105,14 @@ def test_logits_index_and_exit_layer(models) -> None:
     ours, _ = models
     tokens = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(6))
     full, _, _ = _run(ours, tokens)
-    positions = torch.arange(7).expand(2, -1)
-    picked, _ = ours(
-        tokens, positions, ours.new_cache(2, 16), logits_index=torch.tensor([[6], [2]])
-    )
+    meta = _meta([0, 0], 7)
+    picked, _ = ours(tokens, meta, ours.new_cache(2, 16), logits_index=torch.tensor([[6], [2]]))
     torch.testing.assert_close(picked[:, 0], torch.stack([full[0, 6], full[1, 2]]))
-    early, hidden = ours(tokens, positions, ours.new_cache(2, 16), exit_layer=1)
+    early, hidden = ours(tokens, meta, ours.new_cache(2, 16), exit_layer=1)
     assert early.shape == full.shape and hidden.shape[:2] == (2, 7)
     assert not torch.allclose(early, full)
     with pytest.raises(ValueError, match="exit_layer"):
-        ours(tokens, positions, ours.new_cache(2, 16), exit_layer=99)
+        ours(tokens, meta, ours.new_cache(2, 16), exit_layer=99)
 
 
 def test_bfloat16_close_to_float32(tiny_model_dir: Path) -> None:
@@ -163,3 +169,87 @@ def test_bf16_decoding_through_grouped_attention(
     grouped, sdpa = decode(1), decode(10**9)
     assert not torch.equal(grouped, sdpa)  # two different kernels really ran
     assert (grouped - sdpa).abs().max() < 0.02 * sdpa.abs().max()
+
+
+def test_hidden_layers_are_the_inputs_of_those_blocks(models) -> None:
+    """hidden_layers=(i, ...) returns the inputs of blocks i, ... (HF's hidden_states[i]); the
+    index L is the final-normed output, HF's last entry."""
+    ours, ref = models
+    tokens = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        expected = ref(tokens, output_hidden_states=True).hidden_states
+    layers = ours.config.num_layers
+    wanted = (layers, 0, 2)
+    logits, hidden = ours(tokens, _meta([0, 0], 9), ours.new_cache(2, 16), hidden_layers=wanted)
+    plain, final = ours(tokens, _meta([0, 0], 9), ours.new_cache(2, 16))
+    width = ours.config.hidden_size
+    assert hidden.shape == (2, 9, 3 * width)
+    torch.testing.assert_close(logits, plain)  # the logits do not change
+    torch.testing.assert_close(hidden[..., :width], final)
+    for part, index in enumerate(wanted):
+        got = hidden[..., part * width : (part + 1) * width]
+        torch.testing.assert_close(got, expected[index], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="hidden_layers"):
+        ours(tokens, _meta([0, 0], 9), ours.new_cache(2, 16), hidden_layers=(layers + 1,))
+
+
+def test_decode_mode_gives_a_mixed_batch_what_each_row_gets_alone(tiny_model_dir: Path) -> None:
+    """DECODE is row-exact for any starts: a fresh row (start 0) next to a running row gets,
+    bit for bit in bf16, what it gets from one-token steps alone."""
+    model = load_model(tiny_model_dir, dtype="bfloat16")
+    decode = AttentionMode.DECODE
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(11))
+    prefix = ids[1:, :7]  # row 1 has 7 cached tokens, row 0 none
+    cache = model.new_cache(2, 32)
+    model(ids[:, :7], AttentionMetadata.contiguous(decode, [0, 0], [0, 7], "cpu"), cache)
+    new = torch.stack([ids[0, :4], ids[1, 7:11]])  # [2, 4]
+    mixed, _ = model(new, AttentionMetadata.contiguous(decode, [0, 7], [4, 4], "cpu"), cache)
+    for row, start in enumerate([0, 7]):
+        alone = model.new_cache(1, 32)
+        if start:
+            model(prefix, _meta([0], 7, decode), alone)
+        steps = [
+            model(new[row : row + 1, t : t + 1], _meta([start + t], 1, decode), alone)[0]
+            for t in range(4)
+        ]
+        assert torch.equal(mixed[row], torch.cat(steps, 1)[0]), row
+
+
+def test_compact_keeps_a_path_as_if_it_had_been_fed_alone(models) -> None:
+    """Tree nodes written at consecutive slots, then compacted to one root-to-leaf path, leave
+    the cache as a chain pass over that path would."""
+    ours, _ = models
+    gen = torch.Generator().manual_seed(12)
+    prefix = torch.randint(0, 300, (1, 5), generator=gen)
+    nodes = torch.randint(0, 300, (1, 4), generator=gen)  # tree: 0 -> 1, 0 -> 2 -> 3
+    parents = [-1, 0, 0, 2]
+    mask = torch.eye(4, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        while parent >= 0:
+            mask[node, parent] = True
+            parent = parents[parent]
+    _, _, cache = _run(ours, prefix)
+    depths = torch.tensor([[5, 6, 6, 7]])
+    ours(nodes, AttentionMetadata(AttentionMode.TREE, (5,), (4,), depths, mask[None]), cache)
+    cache.compact([5], [[0, 2, 3]])
+    assert cache.lengths == [8]
+    nxt = torch.tensor([[42]])
+    after, _ = ours(nxt, _meta([8], 1), cache)
+    chain = torch.cat([prefix, nodes[:, [0, 2, 3]], nxt], dim=1)
+    fresh, _, _ = _run(ours, chain)
+    torch.testing.assert_close(after[:, 0], fresh[:, -1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="kept offsets"):
+        cache.compact([5], [[2, 1]])
+
+
+def test_metadata_and_cache_refuse_what_does_not_fit(models) -> None:
+    ours, _ = models
+    with pytest.raises(ValueError, match="one entry per row"):
+        AttentionMetadata(AttentionMode.DECODE, (0,), (1, 1), torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="tree_mask"):
+        AttentionMetadata(AttentionMode.TREE, (0,), (1,), torch.zeros(1, 1, dtype=torch.long))
+    cache = ours.new_cache(1, 16)
+    with pytest.raises(ValueError, match="truncate the cache first"):
+        ours(torch.tensor([[1]]), _meta([3], 1), cache)
+    with pytest.raises(ValueError, match="do not match"):
+        ours(torch.tensor([[1, 2]]), _meta([0], 1), cache)

@@ -140,11 +140,11 @@ def test_rolled_back_history_is_reindexed() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1"),
-        ({"prompt_lookup_max": 0}, "prompt_lookup_max must be an int >= 1"),
-        ({"prompt_lookup_min": -1}, "prompt_lookup_min must be an int >= 1"),
-        ({"prompt_lookup_min": 1.5}, "prompt_lookup_min must be an int >= 1"),
-        ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min must be <="),
+        ({"num_speculative_tokens": 0}, r"num_speculative_tokens must be an int in 1\.\.64"),
+        ({"prompt_lookup_max": 0}, "1 <= prompt_lookup_min <= prompt_lookup_max"),
+        ({"prompt_lookup_min": -1}, "1 <= prompt_lookup_min <= prompt_lookup_max"),
+        ({"prompt_lookup_min": 1.5}, "1 <= prompt_lookup_min <= prompt_lookup_max"),
+        ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "got 4 and 2"),
     ],
 )
 def test_config_validation(kwargs: dict[str, object], message: str) -> None:

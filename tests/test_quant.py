@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from spec_cases import GREEDY, PROMPTS
 
 from specdecode.llm import LLM
+from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.linear import Bf16Linear, make_linear
 from specdecode.model.loading import load_model
 from specdecode.model.quant import (
@@ -91,12 +92,17 @@ def test_a_pass_over_k_tokens_equals_k_decode_steps_bit_for_bit(
     model = load_model(tiny_model_dir, dtype, quantization=quantization)
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 17, 42, 99, 7, 8, 9]] * 2)  # [2, 12]
     cache = model.new_cache(2, 32)
-    model(ids[:, :6], torch.arange(6).expand(2, -1), cache)
+    model(ids[:, :6], AttentionMetadata.prefill([6, 6], "cpu"), cache)
     cache.truncate([6, 4])  # rows of different lengths
-    starts = torch.tensor([[6], [4]])
-    together, _ = model(ids[:, 6:11], starts + torch.arange(5), cache)  # [2, 5, V]
+
+    def decode(tokens: torch.Tensor) -> torch.Tensor:  # [2, T] at each row's length
+        width = [tokens.shape[1]] * 2
+        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, cache.lengths, width, "cpu")
+        return model(tokens, meta, cache)[0]
+
+    together = decode(ids[:, 6:11])  # [2, 5, V]
     cache.truncate([6, 4])
-    steps = [model(ids[:, 6 + i : 7 + i], starts + i, cache)[0] for i in range(5)]
+    steps = [decode(ids[:, 6 + i : 7 + i]) for i in range(5)]
     assert torch.equal(together, torch.cat(steps, 1))
 
 
@@ -134,9 +140,9 @@ def test_quantized_model_stays_close_to_the_dense_one(
     head = Bf16Linear if quantization is None else Int8DynamicLinear  # int8 in both formats
     assert isinstance(llm.model.lm_head, head)
     tokens = torch.tensor([PROMPTS[1]["prompt_token_ids"]])
-    positions = torch.arange(tokens.shape[1])[None]
-    want, _ = dense(tokens, positions, dense.new_cache(1, 64))
-    got, _ = llm.model(tokens, positions, llm.model.new_cache(1, 64))
+    meta = AttentionMetadata.prefill([tokens.shape[1]], "cpu")
+    want, _ = dense(tokens, meta, dense.new_cache(1, 64))
+    got, _ = llm.model(tokens, meta, llm.model.new_cache(1, 64))
     cosine = F.cosine_similarity(got.float().flatten(), want.flatten(), dim=0)
     assert cosine > {"int8": 0.999, "int4": 0.9, None: 0.999}[quantization], cosine
 

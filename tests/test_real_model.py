@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdecode.llm import LLM
+from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.loading import load_model
 from specdecode.types import SamplingParams
 
@@ -38,7 +39,7 @@ def test_logits_match_hf_on_real_weights(llm32: LLM, hf_smollm2: torch.nn.Module
     with torch.no_grad():
         expected = hf_smollm2(tokens).logits
     cache = llm32.model.new_cache(1, 64)
-    logits, _ = llm32.model(tokens, torch.arange(len(ids))[None], cache)
+    logits, _ = llm32.model(tokens, AttentionMetadata.prefill([len(ids)], "cpu"), cache)
     torch.testing.assert_close(logits, expected, atol=2e-3, rtol=1e-3)
 
 
@@ -53,7 +54,9 @@ def test_conversion_matches_hf_reading_the_gguf(
     tokens = torch.tensor([[1, 504, 3458, 282, 4649, 314, 253, 1789, 30, 378, 2365, 28]])
     with torch.no_grad():
         expected = ref(tokens).logits
-    got, _ = ours(tokens, torch.arange(tokens.shape[1])[None], ours.new_cache(1, 16))
+    got, _ = ours(
+        tokens, AttentionMetadata.prefill([tokens.shape[1]], "cpu"), ours.new_cache(1, 16)
+    )
     # Our cache stores bf16 weights (rounded from the dequantized Q4 values), so allow that.
     assert (got - expected).abs().max() < 0.05 * expected.abs().max()
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
@@ -122,9 +125,9 @@ def test_quantized_real_model_tracks_fp32_and_speculates_exactly(
     llm = LLM(model="smollm2-135m", dtype="float32", quantization=quantization)
     text = " ".join(PROMPTS) + " The end of the story was not what anyone expected."
     ids = llm32.tokenizer.encode(text)
-    tokens, positions = torch.tensor([ids]), torch.arange(len(ids))[None]
-    want, _ = llm32.model(tokens, positions, llm32.model.new_cache(1, len(ids)))
-    got, _ = llm.model(tokens, positions, llm.model.new_cache(1, len(ids)))
+    tokens, meta = torch.tensor([ids]), AttentionMetadata.prefill([len(ids)], "cpu")
+    want, _ = llm32.model(tokens, meta, llm32.model.new_cache(1, len(ids)))
+    got, _ = llm.model(tokens, meta, llm.model.new_cache(1, len(ids)))
     agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agreement >= TOP1_AGREEMENT[quantization], agreement
     # speculation is exact relative to the quantized target, whatever that target is

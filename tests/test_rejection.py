@@ -63,7 +63,7 @@ def test_greedy_table(
     q = torch.softmax(torch.randn(1, 3, 5, generator=_gen(0)), -1) if sampled_drafter else None
     rng_before = torch.get_rng_state()
     n, tokens = verify_chain(
-        GREEDY_P[None], torch.tensor([draft]), q, torch.tensor([num_draft]), [None]
+        GREEDY_P[None], torch.tensor([draft]), q, torch.tensor([num_draft]), [None], [True]
     )
     assert torch.equal(torch.get_rng_state(), rng_before), "greedy must draw no random numbers"
     assert n.tolist() == [len(expected) - 1]
@@ -78,7 +78,7 @@ def test_greedy_batch_rows_with_different_num_draft() -> None:
     target = GREEDY_P.expand(6, 4, 5)  # [B, K + 1, V]
     gens = [_gen(b) for b in range(6)]
     states = [g.get_state() for g in gens]
-    n, tokens = verify_chain(target, drafts, None, num_draft, gens)
+    n, tokens = verify_chain(target, drafts, None, num_draft, gens, [True] * 6)
     assert n.tolist() == [3, 0, 2, 0, 2, 1]
     assert _emitted(n, tokens) == [[2, 4, 1, 3], [2], [2, 4, 1], [2], [2, 4, 1], [2, 4]]
     assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, states, strict=True))
@@ -205,6 +205,7 @@ def test_bad_input_raises_clear_error(kwargs: dict, message: str) -> None:
         "draft_probs": None,
         "num_draft": torch.tensor([2]),
         "generators": [None],
+        "check": True,
     }
     with pytest.raises(ValueError, match=message):
         verify_chain(**(args | kwargs))
@@ -463,11 +464,11 @@ def test_row_output_depends_only_on_its_own_generator() -> None:
 
 
 def test_greedy_row_in_mixed_batch_leaves_its_generator_untouched() -> None:
-    """A greedy row (one-hot p) draws nothing; a sampled row next to it does."""
+    """A greedy row (temperature 0: one-hot p) draws nothing; a sampled row next to it does."""
     p, drafts, q, num_draft = _random_batch(batch=2, k=2)
     p[0] = torch.eye(V)[[3, 1, 4]]  # greedy row
     gens = [_gen(0), _gen(1)]
     before = [g.get_state() for g in gens]
-    verify_chain(p, drafts, q, num_draft, gens)
+    verify_chain(p, drafts, q, num_draft, gens, greedy=[True, False])
     assert torch.equal(gens[0].get_state(), before[0])
     assert not torch.equal(gens[1].get_state(), before[1])

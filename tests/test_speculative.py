@@ -11,9 +11,9 @@ import torch
 from spec_cases import GREEDY, PROMPTS, assert_fully_accepted
 
 from specdecode.drafters.base import SeqView
-from specdecode.engine.engine import Engine
 from specdecode.llm import LLM
-from specdecode.types import Draft, SamplingParams, Verdict
+from specdecode.model.attention_metadata import AttentionMetadata
+from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +28,8 @@ def expected(plain: LLM) -> list[list[int]]:
 
 class OracleDrafter:
     """Proposes the target's own greedy continuation (draft = target)."""
+
+    hidden_layers = None
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], k: int) -> None:
         self.continuations, self.k = continuations, k
@@ -53,6 +55,8 @@ class OracleDrafter:
 class RandomDrafter:
     """Proposes random tokens (deterministic drafter: q one-hot)."""
 
+    hidden_layers = None
+
     def __init__(self, k: int, vocab: int) -> None:
         self.k, self.vocab, self.gen = k, vocab, torch.Generator().manual_seed(0)
 
@@ -69,9 +73,9 @@ class RandomDrafter:
         pass
 
 
-def _with_drafter(llm: LLM, drafter) -> LLM:
-    llm.engine = Engine(llm.model, drafter)
-    return llm
+def _with_drafter(model_dir: Path, drafter) -> LLM:
+    """The model in fp32 with `drafter` (a user's own Drafter)."""
+    return LLM(model=str(model_dir), dtype="float32", drafter=drafter)
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
@@ -94,9 +98,7 @@ def test_draft_equal_to_target_is_fully_accepted(
     continuations = {
         tuple(p["prompt_token_ids"]): e for p, e in zip(PROMPTS, expected, strict=True)
     }
-    llm = _with_drafter(
-        LLM(model=str(tiny_model_dir), dtype="float32"), OracleDrafter(continuations, k)
-    )
+    llm = _with_drafter(tiny_model_dir, OracleDrafter(continuations, k))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [list(o.token_ids) for o in outs] == expected
     assert_fully_accepted(outs, k)
@@ -106,7 +108,7 @@ def test_draft_equal_to_target_is_fully_accepted(
 def test_random_drafts_are_rejected_and_output_unchanged(
     tiny_model_dir: Path, expected: list[list[int]], k: int
 ) -> None:
-    llm = _with_drafter(LLM(model=str(tiny_model_dir), dtype="float32"), RandomDrafter(k, 300))
+    llm = _with_drafter(tiny_model_dir, RandomDrafter(k, 300))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [list(o.token_ids) for o in outs] == expected
     assert llm.spec_metrics.acceptance_rate < 0.1
@@ -126,9 +128,7 @@ def test_max_tokens_never_exceeded_by_a_step(
     continuations = {
         tuple(p["prompt_token_ids"]): e for p, e in zip(PROMPTS, expected, strict=True)
     }
-    llm = _with_drafter(
-        LLM(model=str(tiny_model_dir), dtype="float32"), OracleDrafter(continuations, 8)
-    )
+    llm = _with_drafter(tiny_model_dir, OracleDrafter(continuations, 8))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for out, want in zip(llm.generate(PROMPTS, params), expected, strict=True):
         assert list(out.token_ids) == want[:max_tokens]
@@ -147,7 +147,7 @@ def test_sampling_with_a_seed_is_reproducible(tiny_model_dir: Path) -> None:
     ("config", "message"),
     [
         ({"method": "medusa", "num_speculative_tokens": 2}, "method 'medusa' is not supported"),
-        ({"method": "ngram"}, "needs num_speculative_tokens"),
+        ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, r"must be an int in 1\.\.64"),
         ({"method": "ngram", "num_speculative_tokens": 65}, r"must be an int in 1\.\.64"),
         ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown speculative_config"),
@@ -205,13 +205,60 @@ def test_eos_inside_a_draft_stops_generation_there(
     continuations = {tuple(prompt["prompt_token_ids"]): continuation}
     outs = []
     for drafter in (None, OracleDrafter(continuations, 8)):
-        llm = LLM(model=str(tiny_model_dir), dtype="float32")
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", drafter=drafter)
         llm.tokenizer.eos_token_ids = (eos,)
-        if drafter is not None:
-            llm.engine = Engine(llm.model, drafter)
         (out,) = llm.generate(prompt, params)
         outs.append(out)
     plain_out, spec_out = outs
     assert list(spec_out.token_ids) == continuation[: stop_at + 1] == list(plain_out.token_ids)
     assert spec_out.outputs[0].finish_reason == "stop" and spec_out.outputs[0].stop_reason == eos
     assert spec_out.metrics.spec.num_draft_tokens > len(spec_out.token_ids) - 1  # drafted past it
+
+
+class FeatureRecorder(OracleDrafter):
+    """The oracle, asking for the target's hidden states and recording what each commit saw."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], k: int, layers) -> None:
+        super().__init__(continuations, k)
+        self.hidden_layers = layers
+        self.seen: list[tuple[list[int], TargetFeatures]] = []
+
+    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+        assert seq.features is not None
+        self.seen.append((seq.token_ids, seq.features))
+
+
+def test_drafter_sees_the_hidden_states_it_asks_for(
+    tiny_model_dir: Path, expected: list[list[int]]
+) -> None:
+    """Each pass leaves the requested layers' states of the tokens it kept, equal to a fresh
+    pass over the same tokens; the output does not change."""
+    continuations = {
+        tuple(p["prompt_token_ids"]): e for p, e in zip(PROMPTS, expected, strict=True)
+    }
+    model = LLM(model=str(tiny_model_dir), dtype="float32").model
+    layers = (1, model.config.num_layers)
+    recorder = FeatureRecorder(continuations, 3, layers)
+    llm = _with_drafter(tiny_model_dir, recorder)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.token_ids) for o in outs] == expected
+    assert len(recorder.seen) > len(PROMPTS)
+    for ids, features in recorder.seen[:12]:
+        end = features.start + features.hidden.shape[0]
+        assert end <= len(ids) - 1  # the newest token has not been fed yet
+        meta = AttentionMetadata.prefill([end], "cpu")
+        _, fresh = model(
+            torch.tensor([ids[:end]]), meta, model.new_cache(1, end), hidden_layers=layers
+        )
+        assert features.hidden.shape[1] == 2 * model.config.hidden_size
+        torch.testing.assert_close(
+            features.hidden, fresh[0, features.start :], atol=1e-4, rtol=1e-4
+        )
+
+
+def test_a_drafter_must_be_a_drafter(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="lacks propose, commit, release, hidden_layers"):
+        LLM(model=str(tiny_model_dir), dtype="float32", drafter=object())
+    config = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="either speculative_config or drafter"):
+        LLM(str(tiny_model_dir), speculative_config=config, drafter=RandomDrafter(2, 300))

@@ -9,11 +9,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from specdecode.kernels import NativeKernelsUnavailable
+from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.loading import DTYPES
 from specdecode.model.quant import QUANTIZATIONS
-from specdecode.model.registry import ALIASES, PullError, list_models, pull
+from specdecode.model.registry import ALIASES, list_models, pull
 from specdecode.types import RequestOutput, SamplingParams
 
 
@@ -205,9 +205,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         _plots(report, args.report.parent)
         return 0
     if not args.model:
-        raise ValueError("bench needs --model (or --report FILE to re-print a saved run)")
+        raise UserError("bench needs --model (or --report FILE to re-print a saved run)")
     if args.repeats < 1 or args.retries < 0 or args.max_tokens < 1:
-        raise ValueError("bench needs --repeats >= 1, --retries >= 0 and --max-tokens >= 1")
+        raise UserError("bench needs --repeats >= 1, --retries >= 0 and --max-tokens >= 1")
     loop = LoopConfig(args.repeats, args.retries, args.quiet_wait, not args.no_progress)
     config = BenchConfig(
         model=args.model,
@@ -287,13 +287,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             return _cmd_plan(args)
         return _cmd_generate(args)
-    except (
-        ValueError,
-        FileNotFoundError,
-        TypeError,
-        ImportError,
-        PullError,
-        NativeKernelsUnavailable,
-    ) as err:
+    except UserError as err:  # anything else is a bug: its traceback is kept
         print(f"specdecode: error: {err}", file=sys.stderr)
         return 2

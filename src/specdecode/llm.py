@@ -10,40 +10,27 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.base import Drafter
-from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.ngram import NgramConfig, NgramDrafter
+from specdecode.drafters.base import Drafter, check_drafter
+from specdecode.drafters.registry import (
+    DrafterConfig,
+    DrafterContext,
+    build_drafter,
+    parse_speculative_config,
+)
 from specdecode.engine.engine import Engine
-from specdecode.engine.sequence import Sequence
+from specdecode.engine.request import Request
+from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
 from specdecode.model.loading import load_model
 from specdecode.model.quant import parse_quantization
 from specdecode.model.registry import resolve_model
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
-from specdecode.spec_config import SpecConfig
 from specdecode.types import RequestOutput, SamplingParams
 
 # A prompt: text, or vLLM's tokens form {"prompt_token_ids": [...]}.
 Prompt = str | Mapping[str, Any]
 Messages = list[dict[str, str]]
-
-
-def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
-    """Refuse a draft model whose tokens differ from the target's, saying what differs."""
-    ours, theirs = target.vocab(), draft.vocab()
-    if ours == theirs:
-        return
-    differ = sorted(
-        (t for t in set(ours) | set(theirs) if ours.get(t) != theirs.get(t)),
-        key=lambda t: (ours.get(t, -1), t),
-    )
-    examples = ", ".join(f"{t!r}: target {ours.get(t)}, draft {theirs.get(t)}" for t in differ[:3])
-    raise ValueError(
-        f"draft model {draft_name!r} has a different vocabulary from the target "
-        f"({len(theirs)} vs {len(ours)} tokens, {len(differ)} differ, e.g. {examples}); "
-        "a draft model must share the target's tokenizer"
-    )
 
 
 class LLM:
@@ -53,13 +40,15 @@ class LLM:
     dtype: "bfloat16" (default, fast on CPU), "float32" (exact reference), "float16" or "auto".
     speculative_config: None for plain decoding, or vLLM's form, e.g.
         {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 2} (see `SpecConfig`). Output is the same either way (greedy:
-        token for token; sampling: the same distribution).
+        "prompt_lookup_min": 2} or {"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 3}
+        (the methods and their keys: `specdecode.drafters.registry.DRAFTERS`). Output is the
+        same either way (greedy: token for token; sampling: the same distribution).
     device: where weights and caches live ("cpu", "cuda", ...).
     quantization: the target's weight format: None (= "none", `dtype`), "int8" (dynamic int8)
         or "int4" (weight-only int4); see `specdecode.model.quant`. A draft model takes the
         same format unless speculative_config's "quantization" says otherwise. Speculation is
         exact relative to the quantized target: the target is the model you run.
+    drafter: your own `Drafter` instead of a speculative_config (not both).
     """
 
     def __init__(
@@ -69,24 +58,28 @@ class LLM:
         speculative_config: Mapping[str, Any] | None = None,
         device: str = "cpu",
         quantization: str | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
-        self.spec_config = (
-            None if speculative_config is None else SpecConfig.from_dict(speculative_config)
-        )
+        if speculative_config is not None and drafter is not None:
+            raise UserError("give either speculative_config or drafter, not both")
+        spec_config = None
+        if speculative_config is not None:
+            spec_config = parse_speculative_config(speculative_config)
+        if drafter is not None:
+            check_drafter(drafter)
         path = resolve_model(model)
         self.model_name = model  # as given: an alias, a folder or a .gguf file
         self.model_path = path
         self.model = load_model(path, dtype=dtype, device=device, quantization=quantization)
         self.tokenizer = Tokenizer.from_folder(path)
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
                 f"{self.model.config.vocab_size}: they do not belong together"
             )
-        # (path, format) -> loaded draft model, shared with `with_speculative_config`
-        self._draft_models: dict[tuple[Path, str | None], Transformer] = {}
-        self.engine = Engine(self.model, self._drafter())
-        self.spec_metrics = SpecCounters()  # all requests of this LLM added together
+        # (path, format) -> loaded draft model and tokenizer, shared with derived LLMs
+        self._loaded: dict[tuple[Path, str | None], tuple[Transformer, Tokenizer]] = {}
+        self._use_drafter(spec_config, drafter)
         self._ids = itertools.count()
 
     def with_speculative_config(self, speculative_config: Mapping[str, Any] | None) -> LLM:
@@ -97,84 +90,76 @@ class LLM:
         methods on one set of weights (`specdecode bench`).
         """
         other = copy.copy(self)
-        other.spec_config = (
-            None if speculative_config is None else SpecConfig.from_dict(speculative_config)
+        config = (
+            None if speculative_config is None else parse_speculative_config(speculative_config)
         )
-        other.engine = Engine(self.model, other._drafter())
-        other.spec_metrics = SpecCounters()
+        other._use_drafter(config, None)
         other._ids = itertools.count()
         return other
 
-    @property
-    def draft_model(self) -> Transformer | None:
-        """The draft model this LLM speculates with; None for plain decoding and n-gram lookup."""
-        if self.spec_config is None or self.spec_config.model is None:
-            return None
-        return self._draft_models[self._draft_key(self.spec_config)]
+    def _use_drafter(self, spec_config: DrafterConfig | None, drafter: Drafter | None) -> None:
+        """Build the engine around `drafter`, or the one `spec_config` describes (neither:
+        plain decoding); metrics start from zero."""
+        self.spec_config = spec_config
+        self.draft_model: Transformer | None = None  # the draft model the drafter runs, if any
+        if spec_config is not None:
+            context = DrafterContext(self.model, self.tokenizer, self._load_draft_model)
+            drafter = build_drafter(spec_config, context)
+        self.engine = Engine(self.model, self.tokenizer, drafter)
+        self.spec_metrics = SpecCounters()  # all requests of this LLM added together
 
-    def _draft_key(self, spec: SpecConfig) -> tuple[Path, str | None]:
-        """Which loaded draft model `spec` asks for: its path and weight format."""
-        assert spec.model is not None  # SpecConfig checks that a draft_model has one
-        quantization = self.model.quantization if spec.quantization is None else spec.quantization
-        return resolve_model(spec.model), parse_quantization(quantization)
-
-    def _drafter(self) -> Drafter | None:
-        """The drafter `speculative_config` asks for (None = plain decoding)."""
-        spec = self.spec_config
-        if spec is None:
-            return None
-        if spec.method == "ngram":
-            config = NgramConfig(
-                spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
-            )
-            return NgramDrafter(config, self.tokenizer.eos_token_ids)
-        key = self._draft_key(spec)
-        draft_path, quantization = key
-        check_same_vocabulary(self.tokenizer, Tokenizer.from_folder(draft_path), spec.model)
-        draft = self._draft_models.get(key)
-        if draft is None:
+    def _load_draft_model(
+        self, name: str, quantization: str | None
+    ) -> tuple[Transformer, Tokenizer]:
+        """A draft model and its tokenizer in `quantization` (None: the target's format),
+        loaded once per LLM family; remembered as this LLM's `draft_model`."""
+        fmt = self.model.quantization if quantization is None else quantization
+        key = resolve_model(name), parse_quantization(fmt)
+        if key not in self._loaded:
+            path, fmt = key
             device = str(self.model.device)
-            draft = load_model(draft_path, self.model.dtype, device, quantization)
-            self._draft_models[key] = draft
-        return DraftModelDrafter(draft, spec.num_speculative_tokens, self.model.config.vocab_size)
+            model = load_model(path, self.model.dtype, device, fmt)
+            self._loaded[key] = model, Tokenizer.from_folder(path)
+        self.draft_model = self._loaded[key][0]
+        return self._loaded[key]
 
-    def _sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+    def _request(self, prompt: Prompt, params: SamplingParams) -> Request:
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             text, ids = None, [int(t) for t in prompt["prompt_token_ids"]]
             bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
             if bad:
-                raise ValueError(
+                raise UserError(
                     f"prompt_token_ids {bad[:5]} are outside the vocabulary "
                     f"[0, {self.model.config.vocab_size})"
                 )
         else:
-            raise TypeError(
+            raise UserError(
                 "a prompt must be a str or {'prompt_token_ids': [...]}, "
                 f"got {type(prompt).__name__}"
             )
-        return Sequence(
+        return Request(
             str(next(self._ids)),
             text,
             ids,
             params,
-            self.tokenizer,
+            self.tokenizer.eos_token_ids,
             self.model.config.max_position_embeddings,
             self.model.device,
         )
 
-    def _sequences(
+    def _requests(
         self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None
-    ) -> list[Sequence]:
+    ) -> list[Request]:
         prompts = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        return [self._sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]
+            raise UserError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        return [self._request(p, sp) for p, sp in zip(prompts, params, strict=True)]
 
     def generate(
         self,
@@ -182,21 +167,22 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate a completion for each prompt, as one batch; outputs keep the prompts' order."""
-        seqs = self._sequences(prompts, sampling_params)
-        for _ in self.engine.stream(seqs):
-            pass
-        for seq in seqs:
-            self.spec_metrics += seq.spec
-        return [s.output() for s in seqs]
+        reqs = self._requests(prompts, sampling_params)
+        finals = {}
+        for req, _delta in self.engine.stream(reqs):
+            if req.finished:
+                finals[req.request_id] = self.engine.outputs.output(req)
+                self.spec_metrics += req.spec
+        return [finals[r.request_id] for r in reqs]
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding a cumulative `RequestOutput` whenever text lands."""
-        (seq,) = self._sequences(prompt, sampling_params)
-        for _, _delta in self.engine.stream([seq]):
-            yield seq.output()
-        self.spec_metrics += seq.spec
+        (req,) = self._requests(prompt, sampling_params)
+        for _, _delta in self.engine.stream([req]):
+            yield self.engine.outputs.output(req)
+        self.spec_metrics += req.spec
 
     def chat_prompt(self, messages: Messages) -> dict[str, list[int]]:
         """Render one conversation with the model's chat template into a tokens prompt."""
@@ -210,7 +196,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation or to each of several."""
         if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+            raise UserError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         return self.generate([self.chat_prompt(c) for c in conversations], sampling_params)
 

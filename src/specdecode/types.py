@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
 
 
@@ -38,19 +39,17 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(
-                f"top_k must be -1 or 0 (disabled) or a positive int, got {self.top_k}"
-            )
+            raise UserError(f"top_k must be -1 or 0 (disabled) or a positive int, got {self.top_k}")
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens}")
+            raise UserError(f"max_tokens must be a positive int, got {self.max_tokens}")
         if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            raise UserError(f"seed must be an int or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise UserError(f"stop must be non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +62,20 @@ class Draft:
 
     tokens: Tensor  # [K] int64, K >= 0
     probs: Tensor | None = None  # [K, V] float32 q of each token; None = deterministic (one-hot)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetFeatures:
+    """Hidden states of the target for some of a sequence's tokens, from one target pass.
+
+    start: index into the sequence's token_ids of the first token they belong to.
+    hidden: [n, F] float: row i belongs to token_ids[start + i] (the state after reading it);
+        F = len(layers) * hidden size, in the order the drafter asked for the layers.
+    Example: a step fed [last, d1, d2] at token index 9 and accepted d1: start 9, n = 2.
+    """
+
+    start: int
+    hidden: Tensor  # [n, F]
 
 
 @dataclass(frozen=True, slots=True)

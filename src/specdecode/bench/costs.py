@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from specdecode.metrics import SpecCounters
+from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.transformer import Transformer
 
 
@@ -66,15 +67,15 @@ def forward_seconds(
     vocab = model.config.vocab_size
     cache = model.new_cache(1, context + max(widths))
     prompt = torch.randint(vocab, (1, context), generator=gen)
-    model(prompt.to(device), torch.arange(context)[None].to(device), cache)
+    model(prompt.to(device), AttentionMetadata.prefill([context], device), cache)
     out = {}
     for width in widths:
         tokens = torch.randint(vocab, (1, width), generator=gen).to(device)
-        positions = torch.arange(context, context + width)[None].to(device)
+        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [context], [width], device)
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
-            model(tokens, positions, cache)  # logits for every token, as verification needs
+            model(tokens, meta, cache)  # logits for every token, as verification needs
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)

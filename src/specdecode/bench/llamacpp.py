@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from specdecode.bench.methods import MethodSpec
+from specdecode.errors import MissingDependencyError, ModelNotFoundError
 from specdecode.types import SamplingParams
 
 LLAMACPP_REQUIREMENT = "llama-cpp-python==0.3.36"
@@ -27,7 +28,7 @@ def gguf_of(model: str, folder: Path) -> Path:
     path = folder / "model.gguf"
     if path.is_file():
         return path
-    raise FileNotFoundError(
+    raise ModelNotFoundError(
         f"the llamacpp methods need the model's GGUF file, and {folder} has no model.gguf; "
         "pass a model alias or a .gguf file as --model"
     )
@@ -48,7 +49,7 @@ class LlamaCppRunner:
             from llama_cpp import Llama
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         except ModuleNotFoundError as err:
-            raise ImportError(
+            raise MissingDependencyError(
                 f"the llamacpp* methods need llama-cpp-python: pip install {LLAMACPP_REQUIREMENT} "
                 "(it builds llama.cpp from source, about 7 minutes on 2 cores)"
             ) from err

@@ -9,6 +9,7 @@ from typing import Any
 from specdecode.bench.costs import bench_costs, expected_tokens_per_step, predicted_from_costs
 from specdecode.bench.prompts import load_prompts
 from specdecode.bench.roofline import measure_bandwidth, roofline, roofline_text
+from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.types import SamplingParams
 
@@ -51,9 +52,9 @@ def measured_acceptance(llm: LLM, config: PlanConfig) -> float:
 def run_plan(config: PlanConfig) -> dict[str, Any]:
     """Step costs, the acceptance used, and per K the expected tokens/step and speedup."""
     if config.acceptance is not None and not 0.0 <= config.acceptance <= 1.0:
-        raise ValueError(f"--acceptance must be in [0, 1], got {config.acceptance}")
+        raise UserError(f"--acceptance must be in [0, 1], got {config.acceptance}")
     if not 1 <= config.max_k <= 64:
-        raise ValueError(f"--max-k must be in 1..64, got {config.max_k}")
+        raise UserError(f"--max-k must be in 1..64, got {config.max_k}")
     target = LLM(config.model, config.dtype, device=config.device, quantization=config.quantization)
     llm = target.with_speculative_config(config.speculative_config)
     draft = llm.draft_model

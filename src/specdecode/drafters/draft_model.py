@@ -22,15 +22,69 @@ truncation keeps length 7 and the next propose catches up by feeding [d3, b] at 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
-from specdecode.drafters.base import SeqView, check_draft_limits
+from specdecode.drafters.base import Drafter, SeqView, check_draft_length, check_draft_limits
+from specdecode.errors import UserError
+from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.model.quant import parse_quantization
+from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.types import Draft, Verdict
+
+if TYPE_CHECKING:
+    from specdecode.drafters.registry import DrafterContext
+
+
+@dataclass(frozen=True, slots=True)
+class DraftModelConfig:
+    """speculative_config of a draft model, method "draft_model" (vLLM's form: a "model" key).
+
+    model: the draft model (alias, Hugging Face folder or .gguf), with the target's vocabulary.
+    num_speculative_tokens: draft at most this many tokens per step (K, 1..64).
+    quantization: the draft model's weight format ("none", "int8", "int4"); None = the target's.
+    """
+
+    model: str
+    num_speculative_tokens: int
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise UserError(f"a draft_model needs 'model' (alias or path), got {self.model!r}")
+        check_draft_length(self.num_speculative_tokens)
+        if self.quantization is not None:
+            parse_quantization(self.quantization)
+
+
+def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
+    """Refuse a draft model whose tokens differ from the target's, saying what differs."""
+    ours, theirs = target.vocab(), draft.vocab()
+    if ours == theirs:
+        return
+    differ = sorted(
+        (t for t in set(ours) | set(theirs) if ours.get(t) != theirs.get(t)),
+        key=lambda t: (ours.get(t, -1), t),
+    )
+    examples = ", ".join(f"{t!r}: target {ours.get(t)}, draft {theirs.get(t)}" for t in differ[:3])
+    raise UserError(
+        f"draft model {draft_name!r} has a different vocabulary from the target "
+        f"({len(theirs)} vs {len(ours)} tokens, {len(differ)} differ, e.g. {examples}); "
+        "a draft model must share the target's tokenizer"
+    )
+
+
+def build_draft_model_drafter(config: DraftModelConfig, context: DrafterContext) -> Drafter:
+    """The registry's factory: load (or share) the draft model, check its vocabulary."""
+    model, tokenizer = context.load_model(config.model, config.quantization)
+    check_same_vocabulary(context.tokenizer, tokenizer, config.model)
+    return DraftModelDrafter(model, config.num_speculative_tokens, context.target.config.vocab_size)
 
 
 class DraftModelDrafter:
@@ -41,26 +95,26 @@ class DraftModelDrafter:
 
     Args:
         model: the draft model; its vocabulary must be the target's (same ids, same size).
-        num_speculative_tokens: draft at most this many tokens per step (K >= 1).
+        num_speculative_tokens: draft at most this many tokens per step (K, 1..64).
         target_vocab_size: the target's vocabulary size, checked against the draft model's.
 
     Raises:
-        ValueError: K is not an int >= 1, or the vocabulary sizes differ.
+        UserError: K is out of range, or the vocabulary sizes differ.
     """
+
+    hidden_layers = None  # needs no hidden states of the target
 
     def __init__(
         self, model: Transformer, num_speculative_tokens: int, target_vocab_size: int
     ) -> None:
-        k = num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"num_speculative_tokens must be an int >= 1, got {k!r}")
+        check_draft_length(num_speculative_tokens)
         if model.config.vocab_size != target_vocab_size:
-            raise ValueError(
+            raise UserError(
                 "the draft model's vocabulary size must equal the target's: draft model has "
                 f"{model.config.vocab_size} tokens, target has {target_vocab_size}"
             )
         self.model = model
-        self.num_speculative_tokens = k
+        self.num_speculative_tokens = num_speculative_tokens
         self._caches: dict[str, KVCache] = {}
 
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
@@ -121,9 +175,11 @@ class DraftModelDrafter:
         """Feed `new` at positions start.. and return q ([V] float32) after the last of them."""
         device = self.model.device
         tokens = torch.tensor([new], dtype=torch.long, device=device)  # [1, T]
-        positions = torch.arange(start, start + len(new), device=device)[None]  # [1, T]
+        # The prompt's first feed is a prefill; later feeds continue the cached prefix.
+        mode = AttentionMode.PREFILL if start == 0 else AttentionMode.DECODE
+        meta = AttentionMetadata.contiguous(mode, [start], [len(new)], device)
         last = torch.tensor([[len(new) - 1]], device=device)  # [1, 1]
-        logits, _ = self.model(tokens, positions, cache, logits_index=last)  # [1, 1, V]
+        logits, _ = self.model(tokens, meta, cache, logits_index=last)  # [1, 1, V]
         return probs_from_logits(logits[:, 0], st)[0].cpu()  # [V]
 
     @staticmethod

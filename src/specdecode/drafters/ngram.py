@@ -9,37 +9,45 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.drafters.base import SeqView, check_draft_limits
+from specdecode.drafters.base import SeqView, check_draft_length, check_draft_limits
+from specdecode.errors import UserError
 from specdecode.types import Draft, Verdict
+
+if TYPE_CHECKING:
+    from specdecode.drafters.registry import DrafterContext
 
 
 @dataclass(frozen=True, slots=True)
 class NgramConfig:
-    """Settings of the n-gram (prompt lookup) drafter.
+    """speculative_config of the n-gram (prompt lookup) drafter, method "ngram".
 
-    num_speculative_tokens: draft at most this many tokens per step (K).
+    num_speculative_tokens: draft at most this many tokens per step (K, 1..64).
     prompt_lookup_max: the longest suffix (n-gram) looked up; tried first.
-    prompt_lookup_min: the shortest suffix looked up; tried last.
+    prompt_lookup_min: the shortest suffix looked up; tried last (default min(2, max)).
     """
 
     num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                "prompt_lookup_min must be <= prompt_lookup_max, got "
-                f"prompt_lookup_min={self.prompt_lookup_min} > "
-                f"prompt_lookup_max={self.prompt_lookup_max}"
+        check_draft_length(self.num_speculative_tokens)
+        if self.prompt_lookup_min is None and _positive_int(self.prompt_lookup_max):
+            object.__setattr__(self, "prompt_lookup_min", min(2, self.prompt_lookup_max))
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (_positive_int(lo) and _positive_int(hi) and lo <= hi):
+            raise UserError(
+                "prompt_lookup_min and prompt_lookup_max must be ints with "
+                f"1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
             )
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 class _SuffixIndex:
@@ -105,6 +113,8 @@ class NgramDrafter:
         eos_token_ids: end-of-sequence ids; a draft never contains one.
     """
 
+    hidden_layers = None  # needs no hidden states of the target
+
     def __init__(self, config: NgramConfig, eos_token_ids: Collection[int]) -> None:
         self.config = config
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -165,3 +175,8 @@ class NgramDrafter:
             if token in self.eos_token_ids:
                 return draft[:i]
         return draft
+
+
+def build_ngram_drafter(config: NgramConfig, context: DrafterContext) -> NgramDrafter:
+    """The registry's factory: an n-gram drafter that never drafts the target's EOS tokens."""
+    return NgramDrafter(config, context.tokenizer.eos_token_ids)

@@ -15,6 +15,8 @@ EMPTY_DRAFT = Draft(tokens=torch.empty(0, dtype=torch.long))
 class PlainDrafter:
     """Plain decoding expressed as a drafter with no drafts."""
 
+    hidden_layers = None
+
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
         return [EMPTY_DRAFT] * len(seqs)
 

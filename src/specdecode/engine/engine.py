@@ -1,4 +1,5 @@
-"""The engine owns the model, its cache and a drafter, and runs a batch of sequences to the end."""
+"""The engine owns the target, a drafter and the output processor, and runs a batch of requests
+to the end: prefill, then speculative steps until every request has finished."""
 
 from __future__ import annotations
 
@@ -8,79 +9,100 @@ import torch
 from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
 from specdecode.drafters.plain import EMPTY_DRAFT, PlainDrafter
-from specdecode.engine.sequence import Sequence
-from specdecode.engine.step import commit, speculative_step
+from specdecode.engine.output import OutputProcessor
+from specdecode.engine.request import Request
+from specdecode.engine.step import commit, keep_features, speculative_step
+from specdecode.model.attention_metadata import AttentionMetadata
+from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import verdicts, verify_chain
-from specdecode.spec_config import MAX_SPECULATIVE_TOKENS
 
 
 class Engine:
     """Batched decoding over a `Transformer`, speculative when given a drafter."""
 
-    def __init__(self, model: Transformer, drafter: Drafter | None = None) -> None:
+    def __init__(
+        self, model: Transformer, tokenizer: Tokenizer, drafter: Drafter | None = None
+    ) -> None:
         self.model = model
         self.drafter: Drafter = drafter if drafter is not None else PlainDrafter()
+        self.outputs = OutputProcessor(tokenizer)
 
-    def _prefill(self, seqs: list[Sequence]) -> tuple[Tensor, KVCache]:
+    def _prefill(self, reqs: list[Request]) -> tuple[Tensor, KVCache]:
         """Run every prompt (right-padded into one batch); return last-token logits and cache."""
         device = self.model.device
-        lengths = [len(s.prompt_ids) for s in seqs]
-        width = max(lengths)
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, T], 0-padded
-        for row, seq in enumerate(seqs):
-            tokens[row, : lengths[row]] = torch.tensor(seq.prompt_ids)
-        positions = torch.arange(width).expand(len(seqs), -1)  # [B, T]
+        lengths = [len(r.prompt_ids) for r in reqs]
+        tokens = torch.zeros(len(reqs), max(lengths), dtype=torch.long)  # [B, T], 0-padded
+        for row, req in enumerate(reqs):
+            tokens[row, : lengths[row]] = torch.tensor(req.prompt_ids)
         last = torch.tensor(lengths)[:, None] - 1  # [B, 1]
         # Spare slots: a short draft is padded to the batch's longest one (<= 64 tokens).
-        capacity = max(s.length + s.max_new for s in seqs) + MAX_SPECULATIVE_TOKENS
-        cache = self.model.new_cache(len(seqs), capacity)
-        logits, _ = self.model(
-            tokens.to(device), positions.to(device), cache, logits_index=last.to(device)
+        capacity = max(r.length + r.max_new for r in reqs) + MAX_SPECULATIVE_TOKENS
+        cache = self.model.new_cache(len(reqs), capacity)
+        meta = AttentionMetadata.prefill(lengths, device)
+        layers = self.drafter.hidden_layers
+        logits, hidden = self.model(
+            tokens.to(device), meta, cache, logits_index=last.to(device), hidden_layers=layers
         )
-        cache.truncate(lengths)  # padding slots are rolled back
+        keep_features(reqs, meta.starts, lengths, hidden if layers else None)
         return logits, cache  # [B, 1, V]
 
-    def _first_tokens(self, seqs: list[Sequence], logits: Tensor, st: SamplingTensors) -> list[str]:
-        """Sample each sequence's first token from the prefill logits ([B, 1, V]); commit it."""
+    def _first_tokens(self, reqs: list[Request], logits: Tensor, st: SamplingTensors) -> list[str]:
+        """Sample each request's first token from the prefill logits ([B, 1, V]); commit it."""
         device = self.model.device
-        none = torch.zeros(len(seqs), 0, dtype=torch.long, device=device)  # [B, 0]
+        none = torch.zeros(len(reqs), 0, dtype=torch.long, device=device)  # [B, 0]
         num_accepted, out = verify_chain(
             probs_from_logits(logits, st),
             none,
             None,
-            torch.zeros(len(seqs), dtype=torch.long, device=device),
-            [s.generator for s in seqs],
+            torch.zeros(len(reqs), dtype=torch.long, device=device),
+            [r.generator for r in reqs],
+            greedy=st.greedy,
         )
-        return commit(seqs, [EMPTY_DRAFT] * len(seqs), verdicts(num_accepted, out), self.drafter)
+        drafts = [EMPTY_DRAFT] * len(reqs)
+        return commit(reqs, drafts, verdicts(num_accepted, out), self.drafter, self.outputs)
 
     @torch.inference_mode()
-    def stream(self, seqs: list[Sequence]) -> Iterator[tuple[Sequence, str]]:
-        """Generate every sequence to completion, yielding (sequence, new text) as tokens land.
+    def stream(self, reqs: list[Request]) -> Iterator[tuple[Request, str]]:
+        """Generate every request to completion, yielding (request, new text) as tokens land.
 
-        Finished rows leave the batch; a sequence's final event has `seq.finished` True.
+        Finished rows leave the batch; a request's final event has `request.finished` True.
+        Read `self.outputs.output(request)` while handling an event: a finished request's
+        text is released when the stream moves on.
         """
-        if not seqs:
+        if not reqs:
             return
-        logits, cache = self._prefill(seqs)
-        active = list(seqs)
-        st = SamplingTensors.from_params([s.params for s in active], self.model.device)
+        for req in reqs:
+            self.outputs.add(req)
+        try:
+            yield from self._run(reqs)
+        finally:
+            for req in reqs:
+                self.drafter.release(req.request_id)
+                self.outputs.release(req.request_id)
+
+    def _run(self, reqs: list[Request]) -> Iterator[tuple[Request, str]]:
+        """The decode loop of `stream`."""
+        logits, cache = self._prefill(reqs)
+        active = list(reqs)
+        st = SamplingTensors.from_params([r.params for r in active], self.model.device)
         texts = self._first_tokens(active, logits, st)
         while True:
-            for seq, text in zip(active, texts, strict=True):
-                if text or seq.finished:
-                    yield seq, text
-            keep = [row for row, seq in enumerate(active) if not seq.finished]
-            for seq in active:
-                if seq.finished:
-                    self.drafter.release(seq.request_id)
+            for req, text in zip(active, texts, strict=True):
+                if text or req.finished:
+                    yield req, text
+            keep = [row for row, req in enumerate(active) if not req.finished]
+            for req in active:
+                if req.finished:
+                    self.drafter.release(req.request_id)
+                    self.outputs.release(req.request_id)
             if not keep:
                 return
             if len(keep) < len(active):
                 cache.keep_rows(keep)
                 active = [active[row] for row in keep]
-                st = SamplingTensors.from_params([s.params for s in active], self.model.device)
-            texts = speculative_step(self.model, cache, active, self.drafter, st)
+                st = SamplingTensors.from_params([r.params for r in active], self.model.device)
+            texts = speculative_step(self.model, cache, active, self.drafter, st, self.outputs)

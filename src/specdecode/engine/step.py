@@ -1,9 +1,10 @@
 """One speculative step for a batch: draft -> verify -> commit.
 
-Cache invariant: a sequence's cache row holds all its committed tokens but the last one, which
+Cache invariant: a request's cache row holds all its committed tokens but the last one, which
 is fed as the first input of the next step. A step feeds [last, d_1 .. d_K] at positions
-L .. L + K (L = cached length); the logits at those positions give p for d_1 .. d_K and for the
-bonus token. After the verdict the row is rolled back to L + 1 + accepted.
+L .. L + K (L = cached length) in one DECODE pass (each token attends as a one-token step
+would); the logits at those positions give p for d_1 .. d_K and for the bonus token. After the
+verdict the row is rolled back to L + 1 + accepted.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import torch
 from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
-from specdecode.drafters.base import Drafter
-from specdecode.engine.sequence import Sequence
+from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
+from specdecode.engine.output import OutputProcessor
+from specdecode.engine.request import Request
+from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.transformer import Transformer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import verdicts, verify_chain
-from specdecode.spec_config import MAX_SPECULATIVE_TOKENS
-from specdecode.types import Draft, Verdict
+from specdecode.types import Draft, TargetFeatures, Verdict
 
 
 def pad_drafts(
@@ -48,52 +50,79 @@ def pad_drafts(
     return tokens, q, torch.tensor(lengths, device=device)
 
 
+def keep_features(
+    reqs: Seq[Request], starts: Seq[int], counts: Seq[int], hidden: Tensor | None
+) -> None:
+    """Leave each request the hidden states its drafter asked for: row b's first counts[b]
+    positions of `hidden` ([B, T, F], None = none asked), for tokens from index starts[b]."""
+    if hidden is None:
+        return
+    for row, (req, start, count) in enumerate(zip(reqs, starts, counts, strict=True)):
+        req.features = TargetFeatures(start, hidden[row, :count])
+
+
 def verify(
     model: Transformer,
     cache: KVCache,
-    seqs: Seq[Sequence],
+    reqs: Seq[Request],
     drafts: Seq[Draft],
     st: SamplingTensors,
+    hidden_layers: tuple[int, ...] | None = None,
 ) -> list[Verdict]:
-    """Run [last token, draft...] of every row through the target and verify the drafts."""
+    """Run [last token, draft...] of every row through the target and verify the drafts;
+    with `hidden_layers`, keep the hidden states of the tokens kept (see `keep_features`)."""
     device = model.device
     draft_tokens, q, num_draft = pad_drafts(drafts, model.config.vocab_size, device)
-    last = torch.tensor([s.output_ids[-1] for s in seqs], device=device)  # [B]
+    last = torch.tensor([r.output_ids[-1] for r in reqs], device=device)  # [B]
     tokens = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, K + 1]
-    start = list(cache.lengths)
-    offsets = torch.arange(tokens.shape[1], device=device)
-    positions = torch.tensor(start, device=device)[:, None] + offsets  # [B, K + 1]
-    # Padding beyond a row's own draft may run past the context end; it is never kept.
-    positions = positions.clamp(max=model.config.max_position_embeddings - 1)
-    logits, _ = model(tokens, positions, cache)  # [B, K + 1, V]
+    meta = AttentionMetadata.contiguous(
+        AttentionMode.DECODE,
+        cache.lengths,
+        [1 + int(d.tokens.numel()) for d in drafts],
+        device,
+        width=tokens.shape[1],
+        max_positions=model.config.max_position_embeddings,
+    )
+    logits, hidden = model(tokens, meta, cache, hidden_layers=hidden_layers)  # [B, K + 1, V]
     p = probs_from_logits(logits, st)  # [B, K + 1, V]
-    num_accepted, out = verify_chain(p, draft_tokens, q, num_draft, [s.generator for s in seqs])
-    cache.truncate([n + 1 + a for n, a in zip(start, num_accepted.tolist(), strict=True)])
+    num_accepted, out = verify_chain(
+        p, draft_tokens, q, num_draft, [r.generator for r in reqs], greedy=st.greedy
+    )
+    accepted = num_accepted.tolist()
+    cache.truncate([s + 1 + a for s, a in zip(meta.starts, accepted, strict=True)])
+    keep_features(reqs, meta.starts, [1 + a for a in accepted], hidden if hidden_layers else None)
     return verdicts(num_accepted, out)
 
 
 def commit(
-    seqs: Seq[Sequence], drafts: Seq[Draft], verdicts: Seq[Verdict], drafter: Drafter
+    reqs: Seq[Request],
+    drafts: Seq[Draft],
+    verdicts: Seq[Verdict],
+    drafter: Drafter,
+    outputs: OutputProcessor,
 ) -> list[str]:
-    """Append each verdict to its sequence, count it, sync the drafter; returns new texts."""
+    """Append each verdict to its request, count it, sync the drafter; returns new texts."""
     texts = []
-    for seq, draft, verdict in zip(seqs, drafts, verdicts, strict=True):
-        before = len(seq.output_ids)
-        texts.append(seq.append(verdict.tokens.tolist()))
-        emitted = len(seq.output_ids) - before
-        seq.spec.record(int(draft.tokens.numel()), verdict.num_accepted, emitted)
-        drafter.commit(seq, verdict)
+    for req, draft, verdict in zip(reqs, drafts, verdicts, strict=True):
+        before = len(req.output_ids)
+        texts.append(outputs.process(req, req.append(verdict.tokens.tolist())))
+        req.spec.record(
+            int(draft.tokens.numel()), verdict.num_accepted, len(req.output_ids) - before
+        )
+        drafter.commit(req, verdict)
     return texts
 
 
 def speculative_step(
     model: Transformer,
     cache: KVCache,
-    seqs: Seq[Sequence],
+    reqs: Seq[Request],
     drafter: Drafter,
     st: SamplingTensors,
+    outputs: OutputProcessor,
 ) -> list[str]:
-    """Draft, verify and commit once for every sequence; returns each one's new text."""
-    limits = [min(MAX_SPECULATIVE_TOKENS, s.max_new - len(s.output_ids) - 1) for s in seqs]
-    drafts = drafter.propose(seqs, limits)
-    return commit(seqs, drafts, verify(model, cache, seqs, drafts, st), drafter)
+    """Draft, verify and commit once for every request; returns each one's new text."""
+    limits = [min(MAX_SPECULATIVE_TOKENS, r.max_new - len(r.output_ids) - 1) for r in reqs]
+    drafts = drafter.propose(reqs, limits)
+    verdicts = verify(model, cache, reqs, drafts, st, drafter.hidden_layers)
+    return commit(reqs, drafts, verdicts, drafter, outputs)

@@ -21,6 +21,8 @@ from types import ModuleType
 
 from torch import Tensor
 
+from specdecode.errors import UserError
+
 log = logging.getLogger(__name__)
 
 SOURCES = [
@@ -32,7 +34,7 @@ INT8_PACK = 4  # int8 values of a row per 32-bit lane
 BF16_PACK = 2  # bf16 values of a row per 32-bit lane
 
 
-class NativeKernelsUnavailable(RuntimeError):
+class NativeKernelsUnavailable(UserError):
     """The C++ kernels could not be built here (no compiler, no ninja, a failed build)."""
 
 

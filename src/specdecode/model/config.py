@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from specdecode.errors import ModelNotFoundError, UserError
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 
@@ -30,12 +32,12 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
+            raise UserError(
                 f"unsupported architecture {self.architecture!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise UserError(
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
@@ -45,18 +47,18 @@ class ModelConfig:
         """Build from a Hugging Face config.json dict (model_type llama or qwen2)."""
         arch = cfg.get("model_type")
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
+            raise UserError(
                 f"unsupported architecture {arch!r} (config.json model_type); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise ValueError(
+            raise UserError(
                 f"unsupported RoPE scaling {rope!r}; only the default RoPE is supported"
             )
         if cfg.get("use_sliding_window"):
-            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+            raise UserError("sliding-window attention (use_sliding_window=true) is not supported")
         heads = cfg["num_attention_heads"]
         return cls(
             architecture=arch,
@@ -79,18 +81,18 @@ class ModelConfig:
         """Read `path/config.json`."""
         file = path / "config.json"
         if not file.is_file():
-            raise FileNotFoundError(
+            raise ModelNotFoundError(
                 f"{path} has no config.json; a model folder needs config.json, "
                 "*.safetensors and tokenizer.json (Hugging Face layout)"
             )
         try:
             cfg = json.loads(file.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"{file} is not valid JSON: {err}") from err
+            raise UserError(f"{file} is not valid JSON: {err}") from err
         try:
             return cls.from_hf_dict(cfg)
         except KeyError as err:
-            raise ValueError(f"{file} lacks the required field {err.args[0]!r}") from err
+            raise UserError(f"{file} lacks the required field {err.args[0]!r}") from err
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict that Hugging Face transformers loads as the same model."""

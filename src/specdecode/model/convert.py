@@ -20,6 +20,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from specdecode.errors import ModelNotFoundError, UserError
 from specdecode.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
@@ -47,11 +48,11 @@ _GLOBAL_NAMES = {
 def open_gguf(path: Path) -> GGUFReader:
     """Open a GGUF file, turning any parse failure into one clear error."""
     if not path.is_file():
-        raise FileNotFoundError(f"no such GGUF file: {path}")
+        raise ModelNotFoundError(f"no such GGUF file: {path}")
     try:
         return GGUFReader(path)
     except Exception as err:  # the reader raises many kinds on a damaged file
-        raise ValueError(
+        raise UserError(
             f"{path} is not a readable GGUF file (truncated or corrupted?): "
             f"{type(err).__name__}: {err}"
         ) from err
@@ -72,7 +73,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {supported}")
+        raise UserError(f"unsupported GGUF architecture {arch!r}; supported: {supported}")
     names = {t.name for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     try:
@@ -95,7 +96,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
             tie_word_embeddings="output.weight" not in names,
         )
     except (KeyError, TypeError) as err:
-        raise ValueError(f"GGUF metadata lacks a required field: {err}") from err
+        raise UserError(f"GGUF metadata lacks a required field: {err}") from err
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -116,7 +117,7 @@ def _hf_name(gguf_name: str) -> str:
     parts = gguf_name.split(".", 2)
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file (not a Llama/Qwen2 tensor)")
+    raise UserError(f"unexpected tensor {gguf_name!r} in GGUF file (not a Llama/Qwen2 tensor)")
 
 
 def iter_hf_tensors(
@@ -125,9 +126,7 @@ def iter_hf_tensors(
     """Dequantize every tensor to fp32 and yield it under its Hugging Face name."""
     for t in tqdm(reader.tensors, desc="convert", unit="tensor", disable=not progress):
         if t.name == "rope_freqs.weight":
-            raise ValueError(
-                "GGUF has rope_freqs (scaled RoPE); only the default RoPE is supported"
-            )
+            raise UserError("GGUF has rope_freqs (scaled RoPE); only the default RoPE is supported")
         name = _hf_name(t.name)
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first

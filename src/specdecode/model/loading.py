@@ -9,6 +9,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
+from specdecode.errors import ModelNotFoundError, UserError
 from specdecode.model.config import ModelConfig
 from specdecode.model.quant import parse_quantization
 from specdecode.model.transformer import Transformer
@@ -31,7 +32,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
             return dtype
     elif dtype in DTYPES:
         return DTYPES[dtype]
-    raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    raise UserError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
 
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
@@ -62,22 +63,22 @@ def load_weights(
     """Read every *.safetensors file in `path`, check names and shapes, cast to `dtype`."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weight files")
+        raise ModelNotFoundError(f"{path} has no *.safetensors weight files")
     weights: dict[str, Tensor] = {}
     for file in files:
         try:
             weights.update(load_file(str(file), device=device))
         except (SafetensorError, OSError, ValueError) as err:
-            raise ValueError(f"cannot read weights from {file} (malformed?): {err}") from err
+            raise UserError(f"cannot read weights from {file} (malformed?): {err}") from err
     missing = [n for n in required_tensors(cfg) if n not in weights]
     if missing:
-        raise ValueError(
+        raise UserError(
             f"{path} lacks {len(missing)} tensor(s) the {cfg.architecture} config needs, "
             f"e.g. {missing[:3]}"
         )
     embed = weights["model.embed_tokens.weight"].shape
     if tuple(embed) != (cfg.vocab_size, cfg.hidden_size):
-        raise ValueError(
+        raise UserError(
             f"embedding shape {tuple(embed)} does not match config "
             f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})"
         )
@@ -96,7 +97,7 @@ def load_model(
     quantized format (`quantization`: None | "none" | "int8" | "int4", see `model.quant`)."""
     quantization = parse_quantization(quantization)  # a bad name fails before any reading
     if not path.is_dir():
-        raise FileNotFoundError(f"no such model folder: {path}")
+        raise ModelNotFoundError(f"no such model folder: {path}")
     cfg = ModelConfig.from_folder(path)
     weights = load_weights(path, cfg, parse_dtype(dtype), device)
     return Transformer(cfg, weights, quantization).eval()

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from specdecode import kernels
+from specdecode.errors import UserError
 
 QUANTIZATIONS = ("int8", "int4")
 INT4_GROUP = 128  # input channels per int4 scale/offset (llama.cpp's Q4_K uses 32 per sub-block)
@@ -39,12 +40,12 @@ def parse_quantization(quantization: str | None) -> str | None:
     if quantization in QUANTIZATIONS:
         return quantization
     allowed = ", ".join(["none", *QUANTIZATIONS])
-    raise ValueError(f"unknown quantization {quantization!r}; allowed: {allowed}")
+    raise UserError(f"unknown quantization {quantization!r}; allowed: {allowed}")
 
 
 def _check_cpu(weight: Tensor, quantization: str) -> None:
     if weight.device.type != "cpu":
-        raise ValueError(
+        raise UserError(
             f"quantization {quantization!r} has CPU kernels only; the weights are on "
             f"{weight.device} (use device='cpu', or quantization=None there)"
         )
@@ -100,7 +101,7 @@ def int4_group(in_features: int) -> int:
         if in_features % group == 0:
             return group
         group //= 2
-    raise ValueError(
+    raise UserError(
         f"int4 needs in_features divisible by {INT4_MIN_GROUP}, got {in_features}; "
         "use quantization='int8' or None for this model"
     )
@@ -160,4 +161,4 @@ def quantized_linear(weight: Tensor, bias: Tensor | None, quantization: str) -> 
         return Int8DynamicLinear(weight, bias)
     if quantization == "int4":
         return Int4Linear(weight, bias)
-    raise ValueError(f"unknown quantization {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")
+    raise UserError(f"unknown quantization {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")

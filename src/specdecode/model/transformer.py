@@ -6,12 +6,15 @@ tokenizes and never changes its own config; all generation state lives in the `K
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode import kernels
 from specdecode.cache.kv_cache import KVCache
+from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.config import ModelConfig
 from specdecode.model.linear import make_linear
 from specdecode.model.quant import parse_quantization
@@ -58,6 +61,7 @@ class Rotary(nn.Module):
 
 # bf16/fp16 on the CPU: at most SHORT_QUERY new tokens over at least LONG_SPAN cached slots use
 # `_grouped_attention` (decode and draft verification over a long context); the rest use SDPA.
+# Where the crossover lies on the reference machine: docs/design.md, "Attention".
 SHORT_QUERY = 16
 LONG_SPAN = 256
 
@@ -66,11 +70,8 @@ def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> 
     """softmax(q k^T / sqrt(D)) v with grouped heads, scores and softmax in fp32.
 
     For a few queries in bf16 on the CPU, torch's SDPA kernel grows steeply with the cached
-    length. Measured here for one query over a cache view, microseconds SDPA / grouped:
-    12 heads / 2 KV, D 128: 118/145 at 64 slots, 446/160 at 256, 738/235 at 512, 2900/280 at
-    2000; 9 heads / 3 KV, D 64: 41/90 at 64, 168/190 at 256, 317/228 at 512. Hence LONG_SPAN.
-    Max error vs fp32 attention ~2e-3 either way.
-    Query head h reads KV head h // G (G = H / Hkv), as in Hugging Face's `repeat_kv`.
+    length; one grouped matmul per KV head does not. Max error vs fp32 attention ~2e-3 either
+    way. Query head h reads KV head h // G (G = H / Hkv), as in Hugging Face's `repeat_kv`.
 
     q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, T, S] bool or None. Returns [B, H, T, D].
     """
@@ -101,6 +102,21 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+@dataclass(frozen=True, slots=True)
+class PassView:
+    """What every layer of one pass shares, derived once from its `AttentionMetadata`.
+
+    per_query: each new token attends by itself with the native kernel (DECODE mode on
+        row-exact layers); then no mask is built.
+    slots: [B, T] cache slots of the new tokens, or None when all rows start at one slot.
+    mask: [B, 1, T, S] bool for batched attention, or None (per_query, or nothing to mask).
+    """
+
+    per_query: bool
+    slots: Tensor | None
+    mask: Tensor | None
 
 
 class Attention(nn.Module):
@@ -137,8 +153,8 @@ class Attention(nn.Module):
         sin: Tensor,  # like cos
         cache: KVCache,
         layer: int,
-        mask: Tensor | None,  # [B, 1, T, S] bool or None
-        chain: bool,  # causal new tokens after a cached prefix (decode / chain verification)
+        meta: AttentionMetadata,
+        view: PassView,
     ) -> Tensor:  # [B, T, hidden]
         batch, num_new, _ = x.shape
         qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) D]
@@ -151,12 +167,12 @@ class Attention(nn.Module):
         if not self.native_rope:
             q = _rotate(q, cos, sin)  # [B, H, T, D]
             k = _rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
-        keys, values = cache.update(layer, k, v)  # [B, Hkv, S, D]
-        if self.per_query and chain:
+        keys, values = cache.write(layer, k, v, meta, view.slots)  # [B, Hkv, S, D]
+        if view.per_query:
             # Each new token attends by itself, as a 1-token step would: exact verification.
-            out = kernels.decode_attention(q, keys, values, cache.starts)  # [B, H, T, D]
+            out = kernels.decode_attention(q, keys, values, meta.starts)  # [B, H, T, D]
         else:
-            out = _attention(q, keys, values, mask)  # [B, H, T, D]
+            out = _attention(q, keys, values, view.mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
 
 
@@ -197,10 +213,10 @@ class Block(nn.Module):
         cos: Tensor,  # see Attention.forward
         sin: Tensor,
         cache: KVCache,
-        mask: Tensor | None,  # [B, 1, T, S] bool or None
-        chain: bool,  # see Attention.forward
+        meta: AttentionMetadata,
+        view: PassView,
     ) -> Tensor:  # [B, T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, self.layer, mask, chain)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, self.layer, meta, view)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -260,30 +276,50 @@ class Transformer(nn.Module):
     def forward(
         self,
         tokens: Tensor,  # [B, T] int64
-        positions: Tensor,  # [B, T] int64
+        meta: AttentionMetadata,
         cache: KVCache,
-        mask: Tensor | None = None,  # [B, T, T] bool among the new tokens; None = causal
         exit_layer: int | None = None,  # run only the first `exit_layer` blocks
         logits_index: Tensor | None = None,  # [B, N] which of the T positions get logits
+        hidden_layers: tuple[int, ...] | None = None,  # whose inputs to return (see below)
     ) -> tuple[Tensor, Tensor]:
-        """Run the new tokens through the model, appending their keys/values to `cache`.
+        """Run the new tokens through the model as `meta` lays them out; store their keys and
+        values in `cache` and advance its lengths to `meta.ends`.
 
-        Returns (logits [B, N, V] (N = T when logits_index is None), hidden [B, T, hidden]),
-        where hidden is the final-normed output of the last block run.
+        Returns (logits [B, N, V] (N = T when logits_index is None), hidden). hidden is
+        [B, T, hidden] by default: the final-normed output of the last block run. With
+        `hidden_layers` = (i, j, ...) it is [B, T, len * hidden]: the inputs of blocks i, j, ...
+        concatenated in that order, where index L (the number of blocks run) means the
+        final-normed output (EAGLE-3 asks for (2, L // 2, L - 3)). Nothing extra is kept when
+        hidden_layers is None.
         """
         num_layers = self.config.num_layers if exit_layer is None else exit_layer
         if not 0 < num_layers <= self.config.num_layers:
             raise ValueError(f"exit_layer must be in 1..{self.config.num_layers}, got {exit_layer}")
-        attn_mask = cache.begin(tokens.shape[1], mask)
-        chain = mask is None and min(cache.starts) > 0  # decode / verification, not prefill
-        native_rope = self.layers[0].self_attn.native_rope  # every layer has the same format
-        cos, sin = self.rotary.tables(positions, None if native_rope else self.dtype)
+        if hidden_layers is not None and not all(0 <= i <= num_layers for i in hidden_layers):
+            raise ValueError(f"hidden_layers must be in 0..{num_layers}, got {hidden_layers}")
+        if tuple(tokens.shape) != (meta.batch_size, meta.width):
+            raise ValueError(
+                f"tokens {tuple(tokens.shape)} do not match the metadata's "
+                f"[{meta.batch_size}, {meta.width}]"
+            )
+        cache.check(meta)
+        attn = self.layers[0].self_attn  # every layer has the same format
+        per_query = attn.per_query and meta.mode is AttentionMode.DECODE
+        view = PassView(per_query, meta.write_slots(), None if per_query else meta.attention_mask())
+        cos, sin = self.rotary.tables(meta.positions, None if attn.native_rope else self.dtype)
         x = self.embed_tokens(tokens)  # [B, T, hidden]
-        for block in self.layers[:num_layers]:
-            x = block(x, cos, sin, cache, attn_mask, chain)
-        cache.end()
-        hidden = self.norm(x)
+        captured: dict[int, Tensor] = {}
+        for index, block in enumerate(self.layers[:num_layers]):
+            if hidden_layers is not None and index in hidden_layers:
+                captured[index] = x
+            x = block(x, cos, sin, cache, meta, view)
+        cache.advance(meta)
+        final = self.norm(x)  # [B, T, hidden]
+        hidden = final
+        if hidden_layers is not None:
+            captured[num_layers] = final
+            hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1)
         if logits_index is not None:
-            rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
-            return self.lm_head(hidden[rows, logits_index]), hidden
-        return self.lm_head(hidden), hidden
+            rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+            final = final[rows, logits_index]  # [B, N, hidden]
+        return self.lm_head(final), hidden

@@ -17,11 +17,14 @@ from specdecode.types import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class SamplingTensors:
-    """Per-row sampling parameters of a batch, as tensors."""
+    """Per-row sampling parameters of a batch, as tensors, plus what is known of them on the
+    host (so the per-step paths never read a tensor back to decide what to do)."""
 
     temperature: Tensor  # [B] float32; 0 = greedy
     top_k: Tensor  # [B] int64; <= 0 = disabled
     top_p: Tensor  # [B] float32; 1 = disabled
+    greedy: tuple[bool, ...]  # [B] host: temperature 0 (p is one-hot on the argmax)
+    filtered: bool  # host: some row uses top-k or top-p
 
     @classmethod
     def from_params(
@@ -31,11 +34,13 @@ class SamplingTensors:
             temperature=torch.tensor([p.temperature for p in params], device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
+            greedy=tuple(p.greedy for p in params),
+            filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
         )
 
     @property
     def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
+        return all(self.greedy)
 
 
 def warp_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
@@ -48,10 +53,9 @@ def warp_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
     view = (-1,) + (1,) * (x.dim() - 1)  # broadcast [B] over the trailing dims
     temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
     x = x / temp.view(view)
-    use_k = (st.top_k > 0) & (st.top_k < x.shape[-1])
-    use_p = st.top_p < 1.0
-    if not bool((use_k | use_p).any()):
+    if not st.filtered:
         return x
+    use_k = (st.top_k > 0) & (st.top_k < x.shape[-1])
     sorted_x, order = x.sort(dim=-1, descending=True)  # [..., V]
     rank = torch.arange(x.shape[-1], device=x.device)
     k = torch.where(use_k, st.top_k, torch.full_like(st.top_k, x.shape[-1]))
@@ -71,11 +75,10 @@ def probs_from_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
     """
     warped = warp_logits(logits, st)
     probs = warped.softmax(dim=-1)
-    greedy = st.temperature == 0
-    if bool(greedy.any()):
+    if any(st.greedy):
         one_hot = torch.zeros_like(probs).scatter_(-1, warped.argmax(-1, keepdim=True), 1.0)
         view = (-1,) + (1,) * (probs.dim() - 1)
-        probs = torch.where(greedy.view(view), one_hot, probs)
+        probs = torch.where((st.temperature == 0).view(view), one_hot, probs)
     return probs
 
 

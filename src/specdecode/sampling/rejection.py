@@ -10,7 +10,7 @@ emitted tokens are then distributed exactly as if sampled from p one by one
 A deterministic drafter passes `draft_probs=None`: q is one-hot on the draft token, so x is accepted
 with probability p(x) and the residual is p with x removed. Greedy decoding needs no separate path:
 greedy p is one-hot on the argmax, so the same rule accepts while draft == argmax p and otherwise
-emits argmax p. Rows whose p is one-hot at every used position draw no random numbers at all.
+emits argmax p. Greedy rows (known from their sampling parameters) draw no random numbers at all.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ def verify_chain(
     draft_probs: Tensor | None,
     num_draft: Tensor,
     generators: Sequence[torch.Generator | None],
+    greedy: Sequence[bool] | None = None,
+    check: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Verify a batch of chain drafts against the target; vectorized over rows and positions.
 
@@ -44,7 +46,12 @@ def verify_chain(
         num_draft: [B] int64 in 0..K, the draft length of each row.
         generators: B generators, one per row (None = torch's default generator); the same
             object may repeat. Row b draws K + 1 uniforms from generators[b] (rows are served in
-            order), unless its p is one-hot at every used position (greedy): then it draws none.
+            order), unless it is greedy.
+        greedy: [B] host bools, True where the row's p is one-hot at every position (temperature
+            0, known from its sampling parameters): such a row draws no random numbers, since
+            the rule's outcome does not depend on them. None = no row is greedy.
+        check: validate shapes, dtypes and ranges first (host syncs; for tests and debugging:
+            the engine builds these inputs itself).
 
     Returns:
         num_accepted: [B] int64 in 0..num_draft[b].
@@ -54,11 +61,12 @@ def verify_chain(
     Same generator states give the same output; every emitted token has p > 0 at its position.
     """
     batch, k = draft_tokens.shape
-    _check_inputs(target_probs, draft_tokens, draft_probs, num_draft, generators)
+    if check:
+        check_chain_inputs(target_probs, draft_tokens, draft_probs, num_draft, generators)
     pos = torch.arange(k + 1, device=draft_tokens.device)  # [K + 1]
     valid = pos[:k] < num_draft[:, None]  # [B, K] True at real (non-padding) draft positions
     draft = torch.where(valid, draft_tokens, 0)  # [B, K] padding -> 0, safe to gather
-    uniforms = _uniforms(target_probs, num_draft, generators)  # [B, K + 1] float64
+    uniforms = _uniforms(target_probs, generators, greedy)  # [B, K + 1] float64
 
     p_x = target_probs[:, :k].gather(-1, draft[..., None]).squeeze(-1)  # [B, K] p_i(x_i)
     if draft_probs is None:
@@ -94,20 +102,19 @@ def _leading_true(mask: Tensor) -> Tensor:
 
 
 def _uniforms(
-    target_probs: Tensor, num_draft: Tensor, generators: Sequence[torch.Generator | None]
+    target_probs: Tensor,
+    generators: Sequence[torch.Generator | None],
+    greedy: Sequence[bool] | None,
 ) -> Tensor:
     """Draw K + 1 uniforms in [0, 1) per row from the row's generator -> [B, K + 1] float64.
 
-    target_probs: [B, K + 1, V]; num_draft: [B]. Rows whose p is one-hot at positions
-    0..num_draft[b] (greedy) get zeros and leave their generator untouched: with one-hot p,
-    `u * q < p` and sampling p do not depend on u. Uniforms: column i < K decides draft position
-    i, column K samples the recovered or bonus token.
+    target_probs: [B, K + 1, V]; greedy: [B] or None. Greedy rows get zeros and leave their
+    generator untouched: with one-hot p, `u * q < p` and sampling p do not depend on u.
+    Uniforms: column i < K decides draft position i, column K samples the recovered or bonus
+    token.
     """
     batch, width, _ = target_probs.shape
-    used = torch.arange(width, device=num_draft.device) <= num_draft[:, None]  # [B, K + 1]
-    one_hot = (target_probs > 0).sum(dim=-1) == 1  # [B, K + 1]
-    greedy = (one_hot | ~used).all(dim=-1)  # [B] p one-hot wherever the row looks
-    random_rows = (~greedy).nonzero().squeeze(1).tolist()
+    random_rows = [b for b in range(batch) if greedy is None or not greedy[b]]
     uniforms = torch.zeros(batch, width, dtype=torch.float64, device=target_probs.device)
     if not random_rows:
         return uniforms
@@ -174,14 +181,15 @@ def _sample_inverse_cdf(dist: Tensor, u: Tensor) -> Tensor:
     return torch.minimum(idx, last_positive)  # guards u * total rounding up to total (idx == V)
 
 
-def _check_inputs(
+def check_chain_inputs(
     target_probs: Tensor,
     draft_tokens: Tensor,
     draft_probs: Tensor | None,
     num_draft: Tensor,
     generators: Sequence[torch.Generator | None],
 ) -> None:
-    """Raise ValueError with a readable message if shapes, dtypes or ranges do not fit."""
+    """Raise ValueError with a readable message if verify_chain's inputs do not fit (shapes,
+    dtypes, ranges; the arguments as verify_chain's)."""
     if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long:
         raise ValueError(
             f"draft_tokens must be [B, K] int64, "

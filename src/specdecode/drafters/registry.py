@@ -1,0 +1,142 @@
+"""The drafter registry: speculative_config "method" -> (frozen config class, factory).
+
+The API (`LLM(speculative_config=...)`), the CLI (`--speculative-config`) and `specdecode bench`
+(method specs like `ngram:k=8`) all read this one table. Adding a drafter is one module (its
+config dataclass, validated in `__post_init__`, and its `Drafter`) plus one `DrafterMethod`
+line in `DRAFTERS`.
+
+Example: `parse_speculative_config({"method": "ngram", "num_speculative_tokens": 8})` is
+`NgramConfig(num_speculative_tokens=8, prompt_lookup_max=4, prompt_lookup_min=2)`, and
+`{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 3}` (a model without a method, as in
+vLLM) is a `DraftModelConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.draft_model import DraftModelConfig, build_draft_model_drafter
+from specdecode.drafters.ngram import NgramConfig, build_ngram_drafter
+from specdecode.errors import UserError
+from specdecode.model.tokenizer import Tokenizer
+from specdecode.model.transformer import Transformer
+
+
+class DrafterConfig(Protocol):
+    """What every method's config has (each is a frozen dataclass that validates itself)."""
+
+    @property
+    def num_speculative_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterContext:
+    """What a factory may use to build a drafter for one target.
+
+    target: the target model (its config: vocabulary size, layers, hidden size).
+    tokenizer: the target's tokenizer (EOS ids, the vocabulary a draft model must share).
+    load_model: (name, weight format or None for the target's) -> a loaded model and its
+        tokenizer; the caller shares loaded models between drafters.
+    """
+
+    target: Transformer
+    tokenizer: Tokenizer
+    load_model: Callable[[str, str | None], tuple[Transformer, Tokenizer]]
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterMethod:
+    """One registry entry.
+
+    name: the speculative_config "method" (vLLM's name where vLLM has the method).
+    config: the method's frozen config dataclass; its fields are the speculative_config keys.
+    build: (config, context) -> the drafter.
+    bench_name: the method's name in `specdecode bench` specs, e.g. "ngram" in `ngram:k=8`.
+    bench_options: short option in a bench spec -> config field (`k` is num_speculative_tokens
+        for every method).
+    model_field: the config field that a bench spec's positional MODEL fills (a draft model),
+        or None.
+    """
+
+    name: str
+    config: type
+    build: Callable[[Any, DrafterContext], Drafter]
+    bench_name: str
+    bench_options: Mapping[str, str]
+    model_field: str | None = None
+
+
+DRAFTERS: dict[str, DrafterMethod] = {
+    m.name: m
+    for m in (
+        DrafterMethod(
+            "ngram",
+            NgramConfig,
+            build_ngram_drafter,
+            "ngram",
+            {"k": "num_speculative_tokens", "max": "prompt_lookup_max", "min": "prompt_lookup_min"},
+        ),
+        DrafterMethod(
+            "draft_model",
+            DraftModelConfig,
+            build_draft_model_drafter,
+            "draft",
+            {"k": "num_speculative_tokens", "dq": "quantization"},
+            model_field="model",
+        ),
+    )
+}
+
+
+def method_of(config: DrafterConfig) -> DrafterMethod:
+    """The registry entry whose config class `config` is."""
+    for method in DRAFTERS.values():
+        if isinstance(config, method.config):
+            return method
+    raise UserError(f"{type(config).__name__} is not the config of a registered drafter")
+
+
+def parse_speculative_config(cfg: Mapping[str, Any]) -> DrafterConfig:
+    """vLLM's speculative_config dict -> the method's validated config (UserError if bad).
+
+    "method" picks the entry; a "model" without a "method" means "draft_model". Every other key
+    must be a field of that method's config; fields without a default are required.
+    """
+    if not isinstance(cfg, Mapping):
+        raise UserError(f"speculative_config must be a dict, got {type(cfg).__name__}")
+    name = cfg.get("method", "draft_model" if "model" in cfg else None)
+    if name not in DRAFTERS:
+        raise UserError(
+            f"speculative_config method {name!r} is not supported; use one of "
+            f"{', '.join(DRAFTERS)} (or give 'model' for a draft model)"
+        )
+    fields = dataclasses.fields(DRAFTERS[name].config)
+    allowed = {f.name for f in fields}
+    given = {k: v for k, v in cfg.items() if k != "method"}
+    unknown = sorted(set(given) - allowed)
+    if unknown:
+        raise UserError(
+            f"unknown speculative_config keys {unknown} for method {name!r}; "
+            f"allowed: {sorted(allowed | {'method'})}"
+        )
+    missing = [
+        f.name
+        for f in fields
+        if f.name not in given
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise UserError(
+            f"a {name!r} speculative_config needs {', '.join(repr(m) for m in missing)}"
+        )
+    return DRAFTERS[name].config(**given)
+
+
+def build_drafter(config: DrafterConfig, context: DrafterContext) -> Drafter:
+    """The drafter `config` describes, built by its method's factory."""
+    return method_of(config).build(config, context)

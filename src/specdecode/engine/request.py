@@ -1,0 +1,109 @@
+"""Per-request state, owned by the engine (a scheduler later): prompt, limits, generated
+tokens, finish state, timings and speculative counters. Text lives in the `OutputProcessor`.
+
+The committed length (prompt + generated tokens) is the one truth about a request's position.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from collections.abc import Sequence as Seq
+
+import torch
+
+from specdecode.errors import UserError
+from specdecode.metrics import SpecCounters
+from specdecode.types import SamplingParams, TargetFeatures
+
+
+class Request:
+    """One request being generated.
+
+    request_id: unique among the requests in flight.
+    prompt: the prompt text (None for a tokens prompt); reported back, never re-tokenized.
+    prompt_ids: the prompt's token ids (at least one, fewer than `max_context`).
+    params: how to sample and when to stop.
+    eos_ids: end-of-sequence token ids (ignored with `params.ignore_eos`).
+    max_context: the model's context; prompt + generated tokens never exceed it.
+    device: where the request's random generator lives.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        eos_ids: Collection[int],
+        max_context: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not prompt_ids:
+            raise UserError("the prompt is empty: it must contain at least one token")
+        if len(prompt_ids) >= max_context:
+            raise UserError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context is "
+                f"{max_context} tokens (prompt + generated tokens must fit); shorten the prompt"
+            )
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.max_new = min(params.max_tokens, max_context - len(prompt_ids))
+        self.eos_ids = frozenset(() if params.ignore_eos else eos_ids)
+        self.generator = (
+            None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
+        )
+        self.output_ids: list[int] = []
+        self.spec = SpecCounters()  # draft / accept counters of this request
+        self.features: TargetFeatures | None = None  # what the drafter asked to see
+        self.finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+        self.stop_reason: str | int | None = None  # the stop string or EOS id
+        self.t_start = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Committed tokens: prompt + generated (a new list)."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        """Committed tokens: prompt + generated."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def append(self, token_ids: Seq[int]) -> list[int]:
+        """Commit generated tokens in order until EOS or the token limit; return those taken.
+
+        Example: max_tokens 3, one token generated, append([5, 6, 7]) takes [5, 6] and
+        finishes with "length"; with EOS 6 it takes [5, 6] and finishes with "stop", 6.
+        """
+        taken: list[int] = []
+        for token in token_ids:
+            if self.finished:
+                break
+            self.output_ids.append(token)
+            taken.append(token)
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
+            if token in self.eos_ids:
+                self.finish("stop", token)
+            elif len(self.output_ids) >= self.max_new:
+                self.finish("length", None)
+        return taken
+
+    def stop_at(self, num_generated: int, stop: str) -> None:
+        """A stop string ended at generated token `num_generated - 1`: drop the later tokens
+        and finish with "stop" (whatever finished the request at a later token before)."""
+        del self.output_ids[num_generated:]
+        self.finish("stop", stop)
+
+    def finish(self, reason: str, stop_reason: str | int | None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.t_end = time.perf_counter()

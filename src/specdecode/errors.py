@@ -1,0 +1,18 @@
+"""Errors for people: raised at the boundary (API, CLI, server), each saying what was wrong and
+what is allowed. The CLI prints a `UserError` in one line; any other exception is a bug and
+keeps its traceback."""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """A problem the user can fix: bad input (a parameter, a prompt, a config), a missing model
+    or library, a failed download. A ValueError, so `except ValueError` still catches it."""
+
+
+class ModelNotFoundError(UserError, FileNotFoundError):
+    """A model alias that is not pulled, or a path that holds no model."""
+
+
+class MissingDependencyError(UserError, ImportError):
+    """An optional library a feature needs is not installed; the message says what to install."""
