@@ -2,7 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL ?= smollm2-135m
-PROMPT ?= Write a Python function that checks whether a number is prime.
+# The demo edits code given in the prompt (printf expands \n; write a literal % as %%), the kind
+# of request where prompt lookup pays; it runs the prompt with and without speculation.
+PROMPT ?= Add type hints to this Python function. Reply with the whole function only.\n\ndef is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n        if n %% d == 0:\n            return False\n    return True\n
+SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
 .PHONY: install demo test lint bench bench-docs
 
@@ -17,7 +20,8 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	$(VENV)/bin/specdecode pull $(MODEL)
-	$(VENV)/bin/specdecode generate --model $(MODEL) --chat --max-tokens 128 --prompt "$(PROMPT)"
+	$(VENV)/bin/specdecode generate --model $(MODEL) --chat --max-tokens 128 \
+	    --prompt "$$(printf '$(PROMPT)')" --speculative-config '$(SPEC)' --compare
 
 test: install
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -54,3 +54,36 @@ def test_bad_speculative_config_json(tiny_model_dir: Path) -> None:
     args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi"]
     with pytest.raises(SystemExit):
         main([*args, "--speculative-config", "{not json"])
+
+
+def test_plain_summary_has_no_speculative_counters(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4"]
+    assert main([*args, "--dtype", "float32"]) == 0
+    err = capsys.readouterr().err
+    assert "tokens/s" in err and "acceptance" not in err and "tau" not in err
+
+
+def test_compare_runs_plain_decoding_beside_speculation(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabc", "--compare"]
+    args += ["--max-tokens", "12", "--dtype", "float32", "--speculative-config", config]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "[speculative: " in err and "acceptance" in err and "tau" in err
+    assert "[plain decoding: " in err and "same text: yes" in err and "speedup" in err
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plain"]["identical"] is True and out["plain"]["speedup"] > 0
+    assert out["plain"]["num_generated_tokens"] == out["num_generated_tokens"]
+
+
+def test_compare_needs_a_speculative_config(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--compare"]
+    assert main(args) == 2
+    assert "--compare needs --speculative-config" in capsys.readouterr().err

@@ -102,3 +102,16 @@ def test_cli_rejects_bad_sampling_values(
     assert "max_tokens must be a positive int" in capsys.readouterr().err
     assert main([*args, "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_cli_keeps_the_traceback_of_a_bug(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only UserError is a one-line error; anything else is a bug and propagates."""
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise TypeError("a bug deep inside")
+
+    monkeypatch.setattr("specdecode.cli.LLM", broken)
+    with pytest.raises(TypeError, match="a bug deep inside"):
+        main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi"])

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from specdecode.errors import UserError
@@ -60,6 +61,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'',
     )
     p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="with --speculative-config: run the prompt again with plain decoding on the same "
+        "weights and report whether the tokens are identical and the speedup",
+    )
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -174,24 +181,65 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if args.system is not None:
             messages.insert(0, {"role": "system", "content": args.system})
         prompt = llm.chat_prompt(messages)
+    if args.compare and llm.spec_config is None:
+        raise UserError("--compare needs --speculative-config: it compares it with plain decoding")
+    if args.compare:  # untimed warm-up: first-call costs (allocations, lazy init) count for none
+        llm.with_speculative_config(None).generate(prompt, replace(params, max_tokens=4))
     if args.json:
         (out,) = llm.generate(prompt, params)
-        print(json.dumps(_result_json(out)))
+        result = _result_json(out)
+        if args.compare:
+            result["plain"] = _comparison(llm, prompt, params, out)
+        print(json.dumps(result))
         return 0
     out, printed = None, 0
     for out in llm.stream(prompt, params):
         print(out.text[printed:], end="", flush=True)
         printed = len(out.text)
     assert out is not None and out.metrics is not None
-    m, reason = out.metrics, out.outputs[0].finish_reason
-    print(
-        f"\n[{m.num_generated_tokens} tokens in {m.elapsed_s:.2f} s, "
-        f"{m.tokens_per_s:.2f} tokens/s, first token {m.time_to_first_token_s * 1000:.0f} ms, "
-        f"acceptance {m.spec.acceptance_rate:.2f}, tau {m.spec.mean_acceptance_length:.2f}, "
-        f"finish: {reason}]",
-        file=sys.stderr,
-    )
+    label = "speculative: " if args.compare else ""
+    print(f"\n[{label}{_summary(out, llm.spec_config is not None)}]", file=sys.stderr)
+    if args.compare:
+        plain = _comparison(llm, prompt, params, out)
+        print(
+            f"[plain decoding: {plain['num_generated_tokens']} tokens in "
+            f"{plain['elapsed_s']:.2f} s, {plain['tokens_per_s']:.2f} tokens/s; same text: "
+            f"{'yes' if plain['identical'] else 'NO'}; speedup {plain['speedup']:.2f}x "
+            "(one run each: `specdecode bench` gives medians)]",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _summary(out: RequestOutput, speculative: bool) -> str:
+    """One line on a finished request: tokens, time, speed, first token, speculative counters
+    (only when it speculated), finish reason."""
+    m = out.metrics
+    assert m is not None
+    spec = (
+        f"acceptance {m.spec.acceptance_rate:.2f}, tau {m.spec.mean_acceptance_length:.2f}, "
+        if speculative
+        else ""
+    )
+    return (
+        f"{m.num_generated_tokens} tokens in {m.elapsed_s:.2f} s, {m.tokens_per_s:.2f} tokens/s, "
+        f"first token {m.time_to_first_token_s * 1000:.0f} ms, {spec}"
+        f"finish: {out.outputs[0].finish_reason}"
+    )
+
+
+def _comparison(
+    llm: LLM, prompt: object, params: SamplingParams, speculative: RequestOutput
+) -> dict[str, object]:
+    """Run `prompt` with plain decoding on the same weights; its metrics, whether its tokens
+    equal `speculative`'s, and the speedup (speculative tokens/s over plain's)."""
+    (plain,) = llm.with_speculative_config(None).generate(prompt, params)
+    assert plain.metrics is not None and speculative.metrics is not None
+    return {
+        **plain.metrics.as_dict(),
+        "identical": plain.token_ids == speculative.token_ids,
+        "speedup": speculative.metrics.tokens_per_s / plain.metrics.tokens_per_s,
+    }
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

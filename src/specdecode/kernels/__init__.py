@@ -57,7 +57,7 @@ def native() -> ModuleType:
     log.info("loading the CPU kernels (compiled on first use: ~30 s, once per machine)")
     try:
         return load(
-            name="specdecode_matmul",
+            name="specdecode_cpu_kernels",
             sources=[str(path) for path in SOURCES],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],

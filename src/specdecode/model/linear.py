@@ -42,9 +42,8 @@ class DenseLinear(nn.Module):
 class PackedLinear(nn.Module):
     """bf16 y = x @ W^T + b with W pre-packed once into oneDNN's blocked layout (CPU).
 
-    This is the kernel torch.compile's CPU weight-freezing pass uses. Measured here (2 cores,
-    1536 x 8960 bf16 matrices beyond the cache): 1.4-1.5 ms per matrix for a 1-token pass vs
-    1.7-2.2 ms with `F.linear`, and 1.2-1.3 ms vs 1.9-2.1 ms for 8 tokens; identical outputs.
+    This is the kernel torch.compile's CPU weight-freezing pass uses; it is faster than
+    `F.linear` for decode-sized passes with identical outputs (figures: docs/quantization.md).
     The dense weight is dropped after packing, so memory does not grow.
     """
 

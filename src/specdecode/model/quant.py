@@ -9,8 +9,7 @@
   input channels (asymmetric). Activations stay in the model's dtype; the kernel
   (`aten._weight_int4pack_mm_for_cpu`) dequantizes groups as it multiplies.
 
-Measured here per 8960 x 1536 matrix (`benchmarks/linear_formats.py`, numbers in
-docs/quantization.md).
+Their speed per matrix (`benchmarks/linear_formats.py`) is in docs/quantization.md.
 
 Every format is a module mapping [..., in] -> [..., out] in the activations' dtype, with
 `dequantized()` (the [out, in] fp32 weight it stands for), `weight_bytes` (what one pass reads)
