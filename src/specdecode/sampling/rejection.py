@@ -1,6 +1,6 @@
 """Chain verification: exact speculative (rejection) sampling, greedy as its one-hot special case.
 
-Vocabulary (see DESIGN.md): the target's distribution is `p`, the drafter's is `q`. At draft
+Vocabulary (docs/design.md): the target's distribution is `p`, the drafter's is `q`. At draft
 position i with draft token x the verifier accepts x with probability min(1, p_i(x) / q_i(x)).
 At the first rejection j it emits a **recovered** token drawn from norm(max(p_j - q_j, 0)); after a
 fully accepted draft it emits a **bonus** token drawn from p at the position after the draft. The
