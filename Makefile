@@ -31,8 +31,12 @@ lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
+# Our plain decoding vs HF transformers' generate() on the same weights, per model.
 bench: install
-	$(PY) benchmarks/plain_decode.py --models smollm2-135m,qwen2.5-coder-1.5b
+	for m in smollm2-135m qwen2.5-coder-1.5b; do \
+	    $(VENV)/bin/specdecode pull $$m && \
+	    $(VENV)/bin/specdecode bench --model $$m --preset plain-vs-hf --out bench_out/plain-vs-hf/$$m \
+	    || exit 1; done
 
 # The run behind docs/benchmarks.md (~60 min here): every method and peer, every prompt set.
 SETS := code,chat,translation,summarize,qa,math,rag,edit

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pytest
 
@@ -25,12 +26,21 @@ from specdecode.bench.llamacpp import gguf_of
 from specdecode.bench.methods import MethodSpec, parse_methods
 from specdecode.bench.plan import PlanConfig, plan_text, run_plan
 from specdecode.bench.plots import plot_all
+from specdecode.bench.presets import BENCH_PRESETS, bench_options
 from specdecode.bench.prompts import BenchPrompt, available_sets, load_prompts
-from specdecode.bench.report import best_table, markdown
-from specdecode.bench.run import BenchConfig, run_bench, save
+from specdecode.bench.records import Run, Timing
+from specdecode.bench.report import best_table, markdown, token_table
+from specdecode.bench.run import BenchConfig, as_json, resummarize, run_bench, save
 from specdecode.bench.runners import load_hf
-from specdecode.bench.stats import ALL, first_divergence, summarize
-from specdecode.cli import main
+from specdecode.bench.stats import (
+    ALL,
+    decode_ms_per_token,
+    first_divergence,
+    inter_token_ms,
+    median_itl_ms,
+    summarize,
+)
+from specdecode.cli import build_parser, main
 from specdecode.metrics import SpecCounters
 from specdecode.model.loading import load_model
 from specdecode.types import SamplingParams
@@ -215,9 +225,9 @@ class FakeRunner:
         self.spec = MethodSpec.parse(name)
         self.calls = calls
 
-    def run(self, ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    def run(self, ids: list[int], params: SamplingParams) -> Timing:
         self.calls.append((self.spec.name, params.max_tokens))
-        return {"wall_s": 1.0, "ttft_s": 0.1, "num_tokens": 4, "token_ids": ids, "spec": None}
+        return Timing(wall_s=1.0, ttft_s=0.1, token_ids=tuple(ids))
 
 
 class ScriptedLoad:
@@ -249,12 +259,12 @@ def test_interleaved_loop_warms_up_then_rotates_methods_per_group(
     config = LoopConfig(repeats=2, retries=1, quiet_wait_s=0, progress=False)
     kept, discarded = run_interleaved(runners, _prompts(2), params, config)
     assert calls[:2] == [("plain", harness.WARMUP_TOKENS), ("ngram:k=2", harness.WARMUP_TOKENS)]
-    order = [(r["repeat"], r["prompt_id"], r["method"]) for r in kept]
+    order = [(r.repeat, r.prompt_id, r.method) for r in kept]
     assert order == [
         (0, "p0", "plain"), (0, "p0", "ngram:k=2"), (0, "p1", "ngram:k=2"), (0, "p1", "plain"),
         (1, "p0", "ngram:k=2"), (1, "p0", "plain"), (1, "p1", "plain"), (1, "p1", "ngram:k=2"),
     ]  # fmt: skip
-    assert discarded == [] and not any(r["disturbed"] for r in kept)
+    assert discarded == [] and not any(r.disturbed for r in kept)
     assert all(n == 64 for _, n in calls[2:])
 
 
@@ -268,8 +278,8 @@ def test_a_disturbed_group_is_redone_and_the_last_attempt_kept(
     runners = [FakeRunner("plain", calls), FakeRunner("ngram:k=2", calls)]
     config = LoopConfig(repeats=1, retries=1, quiet_wait_s=0, progress=False)
     kept, discarded = run_interleaved(runners, _prompts(2), SamplingParams(), config)
-    assert [(r["prompt_id"], r["attempt"]) for r in discarded] == [("p0", 0)] * 2 + [("p1", 0)] * 2
-    assert [(r["prompt_id"], r["attempt"], r["disturbed"]) for r in kept] == [
+    assert [(r.prompt_id, r.attempt) for r in discarded] == [("p0", 0)] * 2 + [("p1", 0)] * 2
+    assert [(r.prompt_id, r.attempt, r.disturbed) for r in kept] == [
         ("p0", 1, False), ("p0", 1, False), ("p1", 1, False), ("p1", 1, True),
     ]  # fmt: skip
 
@@ -283,11 +293,21 @@ def test_first_divergence_examples() -> None:
     assert first_divergence([5], [5]) is None
 
 
-def _run(method: str, prompt: str, cat: str, rep: int, wall: float, tokens: list[int], spec=None):
-    return {
-        "method": method, "prompt_id": prompt, "category": cat, "repeat": rep, "wall_s": wall,
-        "ttft_s": 0.1, "num_tokens": len(tokens), "token_ids": tokens, "spec": spec,
-    }  # fmt: skip
+def _run(
+    method: str,
+    prompt: str,
+    cat: str,
+    rep: int,
+    wall: float,
+    tokens: list[int],
+    spec=None,
+    arrivals: tuple[tuple[float, int], ...] = (),
+) -> Run:
+    return Run(
+        wall_s=wall, ttft_s=0.1, token_ids=tuple(tokens), arrivals=arrivals, spec=spec,
+        method=method, prompt_id=prompt, category=cat, repeat=rep, attempt=0,
+        num_prompt_tokens=3, foreign_cores=0.0, disturbed=False,
+    )  # fmt: skip
 
 
 def _spec(steps: int, drafts: int, drafted: int, accepted: int, out: int, per_pos: list[int]):
@@ -364,6 +384,94 @@ def test_methods_in_another_format_are_exact_against_plain_in_that_format() -> N
     assert lines[4] == "| ours / llama.cpp | 0.50x | 0.50x |"
 
 
+def test_inter_token_latency_counts_each_token_of_an_arrival_at_its_share() -> None:
+    arrivals = ((0.10, 1), (0.14, 2), (0.22, 4))  # (s since the call, tokens so far)
+    assert inter_token_ms(arrivals) == pytest.approx([40.0, 40.0, 40.0])
+    # a 3-token step after two 10 ms tokens: gaps 10, 10, 20, 20, 20 -> median 20
+    run = _run("ngram:k=2", "a", "code", 0, 0.2, [1] * 6, arrivals=((0.1, 1), (0.11, 2),
+               (0.12, 3), (0.18, 6)))  # fmt: skip
+    assert median_itl_ms(run) == pytest.approx(20.0)
+    assert median_itl_ms(_run("hf", "a", "code", 0, 0.1, [1], arrivals=((0.1, 1),))) is None
+    assert median_itl_ms(_run("hf", "a", "code", 0, 0.3, [1, 2])) is None  # none recorded
+
+
+def test_timing_from_clock_readings() -> None:
+    timing = Timing.measured(10.0, 10.3, [(10.1, 1), (10.3, 3)], [7, 8, 9])
+    assert timing.wall_s == pytest.approx(0.3) and timing.ttft_s == pytest.approx(0.1)
+    assert [n for _, n in timing.arrivals] == [1, 3] and timing.num_tokens == 3
+    assert Timing.measured(1.0, 1.5, [], []).ttft_s == 0.5  # no token: TTFT is the wall time
+
+
+def test_runs_read_back_from_json_also_from_older_reports() -> None:
+    run = _run("plain", "a", "code", 1, 2.0, [1, 2], arrivals=((0.1, 1), (0.2, 2)))
+    assert Run.from_dict(json.loads(json.dumps(asdict(run)))) == run
+    old = {k: v for k, v in asdict(run).items() if k != "arrivals"} | {"num_tokens": 2}
+    assert Run.from_dict(old).arrivals == () and Run.from_dict(old).num_tokens == 2
+
+
+def test_decode_ms_per_token_share_of_floor_and_determinism() -> None:
+    toks = [1, 2, 3, 4, 5]
+    runs = [  # 4 tokens after the first in wall - TTFT (0.1 s): 0.4 s -> 100 ms/token
+        _run("plain", "a", "code", 0, 0.5, toks),
+        _run("plain", "a", "code", 1, 0.9, toks),  # 200 ms/token
+        _run("hf", "a", "code", 0, 0.9, toks),
+        _run("hf", "a", "code", 1, 0.9, [1, 2, 3, 4, 6]),  # not deterministic
+        _run("plain:q=int8", "a", "code", 0, 0.3, toks),  # 50 ms/token
+        _run("ngram:k=2", "a", "code", 0, 0.3, toks, _spec(2, 2, 4, 2, 5, [2])),
+    ]
+    assert decode_ms_per_token(runs[0]) == pytest.approx(100.0)
+    assert decode_ms_per_token(_run("plain", "a", "code", 0, 0.5, [1])) is None
+    specs = parse_methods("plain,hf,plain:q=int8,ngram:k=2")
+    floors = {"none": 30.0, "int8": 20.0}
+    methods = summarize(runs, specs, greedy=True, floors=floors)["methods"]
+    assert methods["plain"]["cells"][ALL]["decode_ms_per_token"]["median"] == pytest.approx(150)
+    assert methods["plain"]["share_of_floor"] == pytest.approx(30 / 150)
+    assert methods["hf"]["share_of_floor"] == pytest.approx(30 / 200)  # the bf16 floor
+    assert methods["plain:q=int8"]["share_of_floor"] == pytest.approx(20 / 50)
+    assert methods["ngram:k=2"]["share_of_floor"] is None  # not plain decoding
+    assert [methods[n]["deterministic"] for n in ("plain", "hf", "ngram:k=2")] == [
+        True,
+        False,
+        None,  # one repeat: nothing to compare
+    ]
+    assert summarize(runs, specs, greedy=True)["methods"]["plain"]["share_of_floor"] is None
+    table = token_table({"methods": methods})
+    assert table[2] == "| plain | 150.0 (100.0-200.0) | - | 20% | yes |"
+
+
+# --- presets --------------------------------------------------------------------------------
+
+
+def test_preset_sets_defaults_and_flags_given_still_win() -> None:
+    parse = build_parser().parse_args
+    plain = bench_options(parse(["bench", "--model", "m"]))
+    assert (plain.methods, plain.prompts, plain.max_tokens, plain.repeats) == (
+        "plain,ngram:k=8",
+        ("code", "chat", "summarize", "edit"),
+        128,
+        2,
+    )
+    assert plain.ignore_eos is False and plain.per_set == 3
+    preset = bench_options(parse(["bench", "--model", "m", "--preset", "plain-vs-hf"]))
+    assert (preset.methods, preset.prompts, preset.ignore_eos) == ("plain,hf", ("chat",), True)
+    assert (preset.max_tokens, preset.repeats) == (64, 3)
+    args = ["bench", "--max-tokens", "16", "--preset", "plain-vs-hf", "--no-ignore-eos"]
+    mine = bench_options(parse([*args, "--repeats", "1", "--methods", "plain"]))
+    assert (mine.max_tokens, mine.repeats, mine.ignore_eos, mine.methods) == (16, 1, False, "plain")
+    assert mine.prompts == ("chat",)
+    assert set(BENCH_PRESETS) == {"plain-vs-hf"}
+
+
+def test_bench_help_spells_out_each_preset(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "plain-vs-hf = --methods plain,hf --prompts chat --ignore-eos --max-tokens 64 "
+        "--repeats 3" in help_text
+    )
+
+
 # --- end to end on a tiny model -------------------------------------------------------------
 
 
@@ -396,9 +504,13 @@ def test_bench_end_to_end_on_a_tiny_model(
         loop=LoopConfig(repeats=2, retries=0, quiet_wait_s=0, progress=False),
     )
     report = run_bench(config, log=False)
-    assert json.loads(json.dumps(report))["runs"] == report["runs"]  # plain JSON throughout
+    saved = json.loads(json.dumps(as_json(report)))  # plain JSON throughout
+    assert [Run.from_dict(r) for r in saved["runs"]] == report["runs"]
     assert len(report["runs"]) == 6 * 4 * 2
-    assert {r["num_tokens"] for r in report["runs"]} == {12}
+    assert {r.num_tokens for r in report["runs"]} == {12}
+    # every runner streams: the arrivals count up to the last token (HF's drafting methods
+    # push several tokens at once), the first arrival is the first token
+    assert all(r.arrivals[-1][1] == 12 and r.arrivals[0][0] == r.ttft_s for r in report["runs"])
     summary = report["summary"]
     assert summary["categories"] == ["echo", "other"]
     for name in ("ngram:k=3", f"draft:{model}:k=2"):  # ours is exact in fp32
@@ -417,9 +529,25 @@ def test_bench_end_to_end_on_a_tiny_model(
     for name in ("ngram:k=3", f"draft:{model}:k=2"):  # one prediction per run of the method
         assert predicted[name]["n"] == 4 * 2 and predicted[name]["min"] > 0
     assert report["roofline"]["none"]["measured_ms"] == costs["target_ms"][0]
+    shares = {n: m["share_of_floor"] for n, m in summary["methods"].items()}
+    assert shares["plain"] > 0 and shares["hf"] > 0  # plain decoding: ours, HF's, same weights
+    assert {n for n, share in shares.items() if share is None} == set(shares) - {"plain", "hf"}
+    for name, method in summary["methods"].items():
+        # HF times each push; ours each stream event, which comes when text lands (the random
+        # bytes of a tiny model may all land at the end: one event, no gap)
+        itl_runs = method["cells"][ALL]["median_itl_ms"]["n"]
+        assert itl_runs == 4 * 2 if name.startswith("hf") else 1 <= itl_runs <= 4 * 2
+        assert method["deterministic"] is True  # greedy, fp32: the same tokens every repeat
+    assert summary["peers"][0]["decode_ratio"]["n"] == 8 and summary["peers"][0]["itl_ratio"]
     text = markdown(report)
     assert "| ngram:k=3 | " in text and "Ours / peer library" in text
-    assert "- roofline (float32): " in text and "; plain decoding in the runs: " in text
+    assert "- roofline (float32): " in text
+    assert (
+        "; decode in the runs, median ms/token after the first (share of the floor speed): plain "
+        in text
+        and "%), hf " in text
+    )
+    assert "| method | decode ms/token | median ITL ms | share of floor |" in text
     assert "Cost model (see `specdecode plan`) vs measured" in text
     paths = plot_all(report, tmp_path / "plots")
     assert [p.name for p in paths] == ["speedup.png", "acceptance.png", "speedup_vs_k.png"]
@@ -441,12 +569,20 @@ def test_cli_bench_writes_json_and_reprints_it(
     captured = capsys.readouterr()
     assert captured.out == printed
     assert f"plots: {out / 'speedup.png'}" in captured.err
-    # a report saved before weight formats and pass costs existed still re-reads
+    # a report saved before weight formats, pass costs and arrival times existed still re-reads
     old = json.loads((out / "bench.json").read_text())
     del old["config"]["quantization"], old["costs"], old["roofline"]
+    for run in old["runs"] + old["discarded"]:
+        del run["arrivals"]
+        run["num_tokens"] = len(run["token_ids"])  # a key of older versions
     (out / "old.json").write_text(json.dumps(old))
     assert main(["bench", "--report", str(out / "old.json")]) == 0
-    assert "Speedup vs plain decoding" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Speedup vs plain decoding" in printed
+    rows = [line for line in printed.splitlines() if line.startswith("| plain | ")]
+    assert any(row.endswith(" | - | - | - |") for row in rows)  # no ITL, floor, 2nd repeat
+    plain = resummarize(old)["summary"]["methods"]["plain"]
+    assert plain["cells"][ALL]["median_itl_ms"] is None and plain["share_of_floor"] is None
 
 
 def test_cli_bench_runs_quantized_targets(
@@ -629,7 +765,7 @@ def test_missing_peer_libraries_are_skipped_with_what_to_install(
         loop=LoopConfig(repeats=1, retries=0, quiet_wait_s=0, progress=False),
     )
     report = run_bench(config, log=False)
-    assert {r["method"] for r in report["runs"]} == {"plain"}
+    assert {r.method for r in report["runs"]} == {"plain"}
     reasons = {s["method"]: s["reason"] for s in report["skipped"]}
     assert "pip install transformers" in reasons["hf"]
     assert "pip install llama-cpp-python==0.3.36" in reasons["llamacpp-lookup:k=4"]
@@ -661,7 +797,8 @@ def test_llamacpp_peers_run_on_the_real_gguf(smollm2_dir: Path) -> None:
     )
     report = run_bench(config, log=False)
     assert report["skipped"] == []
-    runs = {r["method"]: r for r in report["runs"]}
-    assert {r["num_tokens"] for r in runs.values()} == {16}
-    assert all(0 <= t < 49152 for r in runs.values() for t in r["token_ids"])
+    runs = {r.method: r for r in report["runs"]}
+    assert {r.num_tokens for r in runs.values()} == {16}
+    assert all(0 <= t < 49152 for r in runs.values() for t in r.token_ids)
+    assert all(median_itl_ms(r) is not None for r in runs.values())  # llama.cpp streams too
     assert [p["peer"] for p in report["summary"]["peers"]] == ["llamacpp"]  # no ngram:k=4 here

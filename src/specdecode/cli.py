@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from specdecode.bench.presets import BENCH_DEFAULTS, BENCH_PRESETS, as_flags, bench_options
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.loading import DTYPES
@@ -75,24 +76,48 @@ def _csv(text: str) -> tuple[str, ...]:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
+    presets = "; ".join(f"{name} = {as_flags(o)}" for name, o in BENCH_PRESETS.items())
     p = sub.add_parser(
         "bench",
         help="benchmark methods side by side, interleaved, vs plain decoding",
         description="Methods: plain, ngram:k=8[:max=4][:min=2], draft:MODEL:k=4; peers: hf, "
         "hf-assisted:MODEL:k=4, hf-lookup:k=8[:max=2], llamacpp, llamacpp-lookup:k=10[:max=2] "
         "(a peer whose library is missing is skipped). Prompt sets: code (HumanEval), chat, "
-        "translation, summarize, qa, math, rag, edit, or a .jsonl file.",
+        "translation, summarize, qa, math, rag, edit, or a .jsonl file. "
+        f"Presets: {presets}.",
     )
+    default = BENCH_DEFAULTS
     p.add_argument("--model", help="target: alias, Hugging Face folder or .gguf file")
-    p.add_argument("--methods", default="plain,ngram:k=8", help="comma-separated method specs")
-    p.add_argument("--prompts", type=_csv, default=("code", "chat", "summarize", "edit"))
+    p.add_argument(
+        "--preset",
+        choices=sorted(BENCH_PRESETS),
+        help="a named set of the options below (see the description); flags given still win",
+    )
+    p.add_argument(
+        "--methods", help=f"comma-separated method specs (default: {default['methods']})"
+    )
+    p.add_argument(
+        "--prompts", type=_csv, help=f"prompt sets (default: {','.join(default['prompts'])})"
+    )
     p.add_argument("--per-set", type=int, default=3, help="prompts taken from each set")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        help=f"new tokens per request at most (default: {default['max_tokens']})",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help=f"timed runs of every method and prompt (default: {default['repeats']})",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampled runs")
-    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        help="always generate --max-tokens (default: stop at EOS)",
+    )
     p.add_argument("--device", default="cpu")
     _add_quantization(p)
     p.add_argument("--retries", type=int, default=2, help="redo a group disturbed by others")
@@ -254,6 +279,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise UserError("bench needs --model (or --report FILE to re-print a saved run)")
+    args = bench_options(args)
     if args.repeats < 1 or args.retries < 0 or args.max_tokens < 1:
         raise UserError("bench needs --repeats >= 1, --retries >= 0 and --max-tokens >= 1")
     loop = LoopConfig(args.repeats, args.retries, args.quiet_wait, not args.no_progress)

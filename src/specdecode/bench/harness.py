@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
 
 from tqdm import tqdm
 
 from specdecode.bench.machine import QUIET_CORES, wait_until_quiet, with_foreign_load
 from specdecode.bench.prompts import BenchPrompt
+from specdecode.bench.records import Run
 from specdecode.bench.runners import Runner
 from specdecode.types import SamplingParams
 
@@ -53,21 +53,18 @@ def run_interleaved(
     prompts: Sequence[tuple[BenchPrompt, list[int]]],
     params: SamplingParams,
     config: LoopConfig,
-    log: Callable[[dict[str, Any]], None] | None = None,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Run every runner on every (prompt, token ids); return (kept runs, discarded runs).
-
-    Each run dict is the runner's result plus method, prompt_id, category, repeat, attempt,
-    num_prompt_tokens, foreign_cores and disturbed.
-    """
+    log: Callable[[Run], None] | None = None,
+) -> tuple[list[Run], list[Run]]:
+    """Run every runner on every (prompt, token ids); return (kept runs, discarded runs), each
+    `Run` the runner's `Timing` with the method, prompt, repeat, attempt and load it ran at."""
     by_name = {r.spec.name: r for r in runners}
     warm = replace(params, max_tokens=min(params.max_tokens, WARMUP_TOKENS))
     for runner in runners:  # warm-up: first-call costs (allocations, lazy init) are not timed
         runner.run(prompts[0][1], warm)
     total = config.repeats * len(prompts) * len(runners)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not config.progress)
-    kept: list[dict[str, Any]] = []
-    discarded: list[dict[str, Any]] = []
+    kept: list[Run] = []
+    discarded: list[Run] = []
     for repeat in range(config.repeats):
         for index, (prompt, ids) in enumerate(prompts):
             order = method_order(list(by_name), repeat + index)
@@ -76,14 +73,22 @@ def run_interleaved(
                     wait_until_quiet(config.quiet_wait_s)
                 group = []
                 for name in order:
-                    run = with_foreign_load(partial(by_name[name].run, ids, params))
-                    run.update(method=name, prompt_id=prompt.id, category=prompt.category)
-                    run.update(repeat=repeat, attempt=attempt, num_prompt_tokens=len(ids))
-                    run["disturbed"] = run["foreign_cores"] >= QUIET_CORES
+                    timing, load = with_foreign_load(partial(by_name[name].run, ids, params))
+                    run = Run.of(
+                        timing,
+                        method=name,
+                        prompt_id=prompt.id,
+                        category=prompt.category,
+                        repeat=repeat,
+                        attempt=attempt,
+                        num_prompt_tokens=len(ids),
+                        foreign_cores=load,
+                        disturbed=load >= QUIET_CORES,
+                    )
                     if log is not None:
                         log(run)
                     group.append(run)
-                if not any(r["disturbed"] for r in group) or attempt == config.retries:
+                if not any(r.disturbed for r in group) or attempt == config.retries:
                     kept += group
                     break
                 discarded += group

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from specdecode.bench.methods import MethodSpec
+from specdecode.bench.records import Timing
 from specdecode.errors import MissingDependencyError, ModelNotFoundError
 from specdecode.types import SamplingParams
 
@@ -72,27 +72,21 @@ class LlamaCppRunner:
             verbose=False,
         )
 
-    def run(self, ids: list[int], params: SamplingParams) -> dict[str, Any]:
-        """One request from an empty cache (no prefix reuse between runs); keys as in runners."""
+    def run(self, ids: list[int], params: SamplingParams) -> Timing:
+        """One request from an empty cache (no prefix reuse between runs), an arrival per
+        token."""
         self.model.reset()  # forget the previous request, so its prefix is not reused
         if params.seed is not None:
             self.model.set_seed(params.seed)
         top_k = params.top_k if params.top_k > 0 else 0
         new: list[int] = []
-        first = None
+        stamps: list[tuple[float, int]] = []
         t0 = time.perf_counter()
         for token in self.model.generate(
             ids, temp=params.temperature, top_k=top_k, top_p=params.top_p, min_p=0.0, reset=True
         ):
-            first = first or time.perf_counter()
             new.append(int(token))
+            stamps.append((time.perf_counter(), len(new)))
             if (int(token) in self.eos and not params.ignore_eos) or len(new) >= params.max_tokens:
                 break
-        wall = time.perf_counter() - t0
-        return {
-            "wall_s": wall,
-            "ttft_s": (first or time.perf_counter()) - t0,
-            "num_tokens": len(new),
-            "token_ids": new,
-            "spec": None,
-        }
+        return Timing.measured(t0, time.perf_counter(), stamps, new)

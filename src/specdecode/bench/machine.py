@@ -1,8 +1,9 @@
 """The machine a benchmark runs on: what it is, and whether other processes are using it.
 
-This machine is shared: another process on one of two cores slows a 2-thread OpenMP decode by
-10-40x (threads spin at barriers waiting for a descheduled partner), so every timed run records
-the other processes' CPU load and a disturbed group of runs is redone.
+Machines are shared: another process on one of the cores slows a multi-threaded OpenMP decode
+many times over (threads spin at barriers waiting for a descheduled partner; figures in
+docs/design.md), so every timed run records the other processes' CPU load and a disturbed
+group of runs is redone.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,6 +22,7 @@ import specdecode
 
 QUIET_CORES = 0.2  # CPU (in cores) other processes may use while a run still counts as clean
 _CLK = os.sysconf("SC_CLK_TCK")
+T = TypeVar("T")
 
 
 def source_digest() -> str:
@@ -80,14 +82,13 @@ class ForeignLoad:
         return max(0.0, (t1[1] - self._t0[1]) - (t1[2] - self._t0[2])) / wall
 
 
-def with_foreign_load(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Call `run()` and add to its result "foreign_cores": the other processes' mean CPU load,
-    in cores, while it ran."""
+def with_foreign_load(run: Callable[[], T]) -> tuple[T, float]:
+    """Call `run()`; return its result and the other processes' mean CPU load, in cores, while
+    it ran."""
     load = ForeignLoad()
     load.start()
     result = run()
-    result["foreign_cores"] = load.stop()
-    return result
+    return result, load.stop()
 
 
 def wait_until_quiet(max_wait_s: float, window_s: float = 1.0) -> float:

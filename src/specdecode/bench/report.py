@@ -109,21 +109,45 @@ def prediction_table(report: dict[str, Any]) -> list[str]:
 
 
 def roofline_lines(report: dict[str, Any]) -> list[str]:
-    """Per weight format: the 1-token floor (`bench.roofline`) and how close our plain decoding
-    in that format came in the runs."""
-    methods = report["summary"]["methods"].values()
+    """Per weight format: the 1-token floor (`bench.roofline`) and how close the plain decoding
+    it bounds (ours in that format; "hf" for "none") came in the runs."""
+    methods = report["summary"]["methods"]
     lines = []
     for name, roof in report["roofline"].items():
         line = f"- {roofline_text(roof)}"
-        plain = [m for m in methods if m["kind"] == "plain" and m["weight_format"] == name]
-        decode = plain[0]["cells"][ALL]["decode_tokens_per_s"] if plain else None
-        if decode is not None:
-            ms = 1e3 / decode["median"]
+        measured = [
+            f"{method} {m['cells'][ALL]['decode_ms_per_token']['median']:.1f} ms/token "
+            f"({m['share_of_floor']:.0%})"
+            for method, m in methods.items()
+            if m["floor_format"] == name and m["share_of_floor"] is not None
+        ]
+        if measured:
             line += (
-                f"; plain decoding in the runs: {ms:.1f} ms/token after the first (median), "
-                f"{roof['floor_ms'] / ms:.0%} of the floor speed"
+                "; decode in the runs, median ms/token after the first (share of the floor "
+                f"speed): {', '.join(measured)}"
             )
         lines.append(line + ".")
+    return lines
+
+
+def _yes_no(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "no")
+
+
+def token_table(summary: dict[str, Any]) -> list[str]:
+    """Every method over all prompts: decode ms/token, median inter-token latency, share of the
+    roofline floor (plain decoding only), and whether every repeat gave the same tokens."""
+    lines = [
+        "| method | decode ms/token | median ITL ms | share of floor | same tokens every repeat |",
+        "|---|---|---|---|---|",
+    ]
+    for name, method in summary["methods"].items():
+        cell = method["cells"][ALL]
+        share = method["share_of_floor"]
+        lines.append(
+            f"| {name} | {fmt(cell['decode_ms_per_token'], 1)} | {fmt(cell['median_itl_ms'], 1)} "
+            f"| {'-' if share is None else f'{share:.0%}'} | {_yes_no(method['deterministic'])} |"
+        )
     return lines
 
 
@@ -164,13 +188,17 @@ def best_table(summary: dict[str, Any]) -> list[str]:
 
 
 def peer_table(summary: dict[str, Any]) -> list[str]:
-    """Ours / peer tokens/s for each peer method with a corresponding method of ours."""
+    """Ours / peer tokens/s for each peer method with a corresponding method of ours, per
+    category, then over all prompts the decode phase's ratio and the median ITL's (peer / ours:
+    > 1 where ours is faster too)."""
     if not summary["peers"]:
         return []
     cats = [*summary["categories"], ALL]
-    lines = ["| ours / peer | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
+    head = ["ours / peer", *cats, f"{ALL}, decode", f"{ALL}, ITL"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for pair in summary["peers"]:
         cells = [fmt(pair["ratio"].get(c), unit="x") for c in cats]
+        cells += [fmt(pair["decode_ratio"], unit="x"), fmt(pair["itl_ratio"], unit="x")]
         lines.append(f"| {pair['ours']} / {pair['peer']} | " + " | ".join(cells) + " |")
     return lines
 
@@ -202,6 +230,12 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("roofline"):
         parts += ["", "Roofline of a 1-token step, per weight format of ours:", ""]
         parts += roofline_lines(report)
+    parts += [
+        "",
+        "Per token, all prompts (decode: after the first token; ITL: inter-token latency):",
+        "",
+        *token_table(summary),
+    ]
     parts += ["", "Per method and category:", "", *detail_table(summary)]
     exact = exactness_table(summary)
     if len(exact) > 2:

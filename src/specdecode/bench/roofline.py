@@ -10,8 +10,8 @@ bytes / bandwidth. Bytes per token (`bytes_per_token`):
 - the KV cache at `context` cached tokens (keys and values of every layer).
 Bandwidth (`measure_bandwidth`): the best of a few sums over a 1 GiB fp32 tensor, far beyond the
 caches (a streaming read, the most a decode can hope for). fp32, not bf16: summing bf16 widens
-every value first, which on this 2-core CPU caps the sum at ~30 GB/s where an fp32 sum reads
-~44 GB/s, and the int8 and bf16 kernels stream faster than 30 GB/s.
+every value first, which can make the sum compute-bound below what the kernels stream (figures
+for the reference machine: docs/design.md).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from specdecode.bench.harness import WARMUP_TOKENS, LoopConfig, run_interleaved
 from specdecode.bench.machine import machine_facts, wait_until_quiet
 from specdecode.bench.methods import parse_methods
 from specdecode.bench.prompts import load_prompts
+from specdecode.bench.records import Run
 from specdecode.bench.report import markdown
 from specdecode.bench.roofline import measure_bandwidth, roofline
 from specdecode.bench.runners import OursRunner, Runner, build_runners
@@ -49,24 +50,25 @@ class BenchConfig:
     loop: LoopConfig = field(default_factory=LoopConfig)
 
 
-def _log(run: dict[str, Any]) -> None:
+def _log(run: Run) -> None:
     """One line per run on stderr."""
-    spec = run["spec"]
+    spec = run.spec
     accept = (
         ""
         if spec is None
         else f" accept {spec['acceptance_rate']:.2f} tau {spec['mean_acceptance_length']:.2f}"
     )
     print(
-        f"  r{run['repeat']} {run['prompt_id']:<13} {run['method']:<28} {run['num_tokens']:4d} tok "
-        f"{run['num_tokens'] / run['wall_s']:6.2f} tok/s{accept} load {run['foreign_cores']:.2f}",
+        f"  r{run.repeat} {run.prompt_id:<13} {run.method:<28} {run.num_tokens:4d} tok "
+        f"{run.num_tokens / run.wall_s:6.2f} tok/s{accept} load {run.foreign_cores:.2f}",
         file=sys.stderr,
         flush=True,
     )
 
 
 def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
-    """Run the benchmark; return the report (config, machine, prompts, runs, summary)."""
+    """Run the benchmark; return the report (config, machine, prompts, runs and discarded runs
+    as `Run`s, pass costs, roofline per weight format of ours, summary)."""
     specs = parse_methods(config.methods)
     prompts = load_prompts(list(config.prompt_sets), config.per_set)
     params = SamplingParams(
@@ -100,13 +102,23 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
         "skipped": skipped,
         "runs": runs,
         "discarded": discarded,
-        "disturbed_kept": sum(r["disturbed"] for r in runs),
+        "disturbed_kept": sum(r.disturbed for r in runs),
         "costs": costs,
         "roofline": roof,
         "summary": summarize(
-            runs, specs, config.temperature == 0, costs=costs, default_format=config.quantization
+            runs,
+            specs,
+            config.temperature == 0,
+            costs=costs,
+            default_format=config.quantization,
+            floors=_floors(roof),
         ),
     }
+
+
+def _floors(roof: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Weight format -> floor ms of a 1-token step, from `run_bench`'s roofline entries."""
+    return {name: entry["floor_ms"] for name, entry in roof.items()}
 
 
 def _format(llm: LLM) -> str:
@@ -132,19 +144,29 @@ def measure_costs(runners: list[Runner], context: int, quiet_wait_s: float) -> d
 
 
 def resummarize(report: dict[str, Any]) -> dict[str, Any]:
-    """`report` with its summary recomputed from its raw runs and pass costs (a saved run is
-    re-read with this version's statistics)."""
-    ran = {r["method"] for r in report["runs"]}
+    """A report read back from `bench.json` (`as_json`'s form): its runs as `Run`s and its
+    summary recomputed from them, the pass costs and the roofline, with this version's
+    statistics. Reports of older versions lack some entries; what needs them is left out."""
+    runs = [Run.from_dict(r) for r in report["runs"]]
+    discarded = [Run.from_dict(r) for r in report["discarded"]]
+    ran = {r.method for r in runs}
     specs = [s for s in parse_methods(report["config"]["methods"]) if s.name in ran]
     greedy = report["config"]["temperature"] == 0
     default = report["config"].get("quantization", "none")  # absent before formats existed
-    costs = report.get("costs")
-    summary = summarize(report["runs"], specs, greedy, costs, default_format=default)
-    return {**report, "summary": summary}
+    floors = _floors(report.get("roofline", {}))
+    summary = summarize(runs, specs, greedy, report.get("costs"), default, floors)
+    return {**report, "runs": runs, "discarded": discarded, "summary": summary}
+
+
+def as_json(report: dict[str, Any]) -> dict[str, Any]:
+    """`report` as plain JSON values: its runs and discarded runs as dicts."""
+    runs = {key: [asdict(r) for r in report[key]] for key in ("runs", "discarded")}
+    return {**report, **runs}
 
 
 def save(report: dict[str, Any], out: Path) -> None:
-    """Write `bench.json` (every raw measurement) and `bench.md` (the tables) into `out`."""
+    """Write `bench.json` (every raw measurement, `as_json`) and `bench.md` (the tables) into
+    `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=1))
+    (out / "bench.json").write_text(json.dumps(as_json(report), indent=1))
     (out / "bench.md").write_text(markdown(report))

@@ -1,12 +1,8 @@
 """Runners: one method bound to loaded weights, timing one request at a time.
 
-Every runner's `run(ids, params)` returns a dict with the same keys, so ours and a peer's
-runs are measured and reported alike:
-    wall_s        seconds from the call to the last token (prefill included)
-    ttft_s        seconds to the first output token
-    num_tokens    new tokens generated
-    token_ids     the new tokens
-    spec          our speculative counters (`SpecCounters.as_dict()`), None for a peer
+Every runner's `run(ids, params)` returns a `Timing` (`records.py`), so ours and a peer's runs
+are measured and reported alike: wall and first-token times, the new tokens, when each arrived,
+and our speculative counters (None for a peer).
 """
 
 from __future__ import annotations
@@ -19,6 +15,7 @@ import torch
 
 from specdecode.bench.llamacpp import LlamaCppRunner
 from specdecode.bench.methods import MethodSpec
+from specdecode.bench.records import Timing
 from specdecode.errors import MissingDependencyError
 from specdecode.llm import LLM
 from specdecode.model.quant import parse_quantization
@@ -31,47 +28,46 @@ HF_REQUIREMENT = "transformers>=4.45 accelerate>=0.34"
 class Runner(Protocol):
     spec: MethodSpec
 
-    def run(self, ids: list[int], params: SamplingParams) -> dict[str, Any]: ...
+    def run(self, ids: list[int], params: SamplingParams) -> Timing: ...
 
 
 class OursRunner:
-    """Our engine with the method's speculative_config, streaming to time the first token."""
+    """Our engine with the method's speculative_config, streaming to time each token's arrival."""
 
     def __init__(self, spec: MethodSpec, llm: LLM) -> None:
         self.spec = spec
         self.llm = llm
 
-    def run(self, ids: list[int], params: SamplingParams) -> dict[str, Any]:
-        """One request; see the module docstring for the keys."""
-        first, out = None, None
+    def run(self, ids: list[int], params: SamplingParams) -> Timing:
+        """One request, an arrival per stream event (a held-back token arrives with the next)."""
+        stamps, out = [], None
         t0 = time.perf_counter()
-        for event in self.llm.stream({"prompt_token_ids": ids}, params):
-            first = first or time.perf_counter()
-            out = event
-        wall = time.perf_counter() - t0
-        assert first is not None and out is not None  # the stream always yields the final output
-        ttft = first - t0
-        return {
-            "wall_s": wall,
-            "ttft_s": ttft,
-            "num_tokens": len(out.token_ids),
-            "token_ids": list(out.token_ids),
-            "spec": out.metrics.spec.as_dict(),
-        }
+        for out in self.llm.stream({"prompt_token_ids": ids}, params):
+            stamps.append((time.perf_counter(), len(out.token_ids)))
+        end = time.perf_counter()
+        assert out is not None  # the stream always yields the final output
+        return Timing.measured(t0, end, stamps, out.token_ids, out.metrics.spec.as_dict())
 
 
-class _FirstTokenTimer:
-    """A `generate(streamer=...)` hook noting when the first new token arrives."""
+class _ArrivalTimer:
+    """A `generate(streamer=...)` hook noting when new tokens arrive.
+
+    HF pushes the prompt first, then the new tokens: one per step, several per step when it
+    drafts (value: [1, n] int64). stamps: (`time.perf_counter()`, new tokens so far) per push.
+    """
 
     def __init__(self) -> None:
-        self.pushes = 0
-        self.first: float | None = None
+        self.stamps: list[tuple[float, int]] = []
+        self._pushes = 0
+        self._tokens = 0
 
     def put(self, value: torch.Tensor) -> None:
-        """HF pushes the prompt first, then new tokens."""
-        self.pushes += 1
-        if self.pushes == 2:
-            self.first = time.perf_counter()
+        """Called by HF with the prompt, then with each step's new tokens."""
+        now = time.perf_counter()
+        self._pushes += 1
+        if self._pushes > 1:  # the first push is the prompt
+            self._tokens += value.numel()
+            self.stamps.append((now, self._tokens))
 
     def end(self) -> None:
         """Called by HF at the end of generation."""
@@ -109,12 +105,12 @@ class HFRunner:
         return kwargs
 
     @torch.inference_mode()
-    def run(self, ids: list[int], params: SamplingParams) -> dict[str, Any]:
-        """One request; see the module docstring for the keys."""
+    def run(self, ids: list[int], params: SamplingParams) -> Timing:
+        """One request, an arrival per streamer push."""
         if params.seed is not None:
             torch.manual_seed(params.seed)
         input_ids = torch.tensor([ids], device=self.model.device)
-        timer = _FirstTokenTimer()
+        timer = _ArrivalTimer()
         t0 = time.perf_counter()
         out = self.model.generate(
             input_ids,
@@ -123,15 +119,8 @@ class HFRunner:
             pad_token_id=self.eos[0] if self.eos else 0,
             **self._kwargs(params),
         )
-        wall = time.perf_counter() - t0
-        new = out[0, len(ids) :].tolist()
-        return {
-            "wall_s": wall,
-            "ttft_s": (timer.first or time.perf_counter()) - t0,
-            "num_tokens": len(new),
-            "token_ids": new,
-            "spec": None,
-        }
+        end = time.perf_counter()
+        return Timing.measured(t0, end, timer.stamps, out[0, len(ids) :].tolist())
 
 
 def load_hf(path: Path, dtype: torch.dtype, device: str) -> Any:

@@ -43,7 +43,7 @@ class Engine:
         capacity = max(r.length + r.max_new for r in reqs) + MAX_SPECULATIVE_TOKENS
         cache = self.model.new_cache(len(reqs), capacity)
         meta = AttentionMetadata.prefill(lengths, device)
-        layers = self.drafter.hidden_layers
+        layers = self.drafter.hidden_layers or None  # () asks for nothing too
         logits, hidden = self.model(
             tokens.to(device), meta, cache, logits_index=last.to(device), hidden_layers=layers
         )

@@ -124,5 +124,5 @@ def speculative_step(
     """Draft, verify and commit once for every request; returns each one's new text."""
     limits = [min(MAX_SPECULATIVE_TOKENS, r.max_new - len(r.output_ids) - 1) for r in reqs]
     drafts = drafter.propose(reqs, limits)
-    verdicts = verify(model, cache, reqs, drafts, st, drafter.hidden_layers)
+    verdicts = verify(model, cache, reqs, drafts, st, drafter.hidden_layers or None)
     return commit(reqs, drafts, verdicts, drafter, outputs)
