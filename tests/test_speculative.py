@@ -11,6 +11,7 @@ import torch
 from spec_cases import GREEDY, PROMPTS, assert_fully_accepted
 
 from specdecode.drafters.base import SeqView
+from specdecode.drafters.registry import DRAFTERS
 from specdecode.llm import LLM
 from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
@@ -262,3 +263,28 @@ def test_a_drafter_must_be_a_drafter(tiny_model_dir: Path) -> None:
     config = {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="either speculative_config or drafter"):
         LLM(str(tiny_model_dir), speculative_config=config, drafter=RandomDrafter(2, 300))
+
+
+def _example_config(method: str, model_dir: Path) -> dict[str, object]:
+    """A speculative_config of each registered method for the tiny models."""
+    examples: dict[str, dict[str, object]] = {
+        "ngram": {"num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        "draft_model": {"model": str(model_dir), "num_speculative_tokens": 3},
+    }
+    assert method in examples, f"give the new drafter {method!r} an example config here"
+    return {"method": method, **examples[method]}
+
+
+@pytest.mark.parametrize("method", sorted(DRAFTERS))
+def test_every_registered_drafter_is_lossless(
+    tiny_model_dir: Path, expected: list[list[int]], method: str
+) -> None:
+    """The contract test over the registry: greedy output equals plain decoding, batched and
+    alone, and sampling with a seed is reproducible."""
+    config = _example_config(method, tiny_model_dir)
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    assert [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert list(llm.generate(PROMPTS[1], GREEDY)[0].token_ids) == expected[1]
+    params = SamplingParams(temperature=0.9, max_tokens=20, seed=5, ignore_eos=True)
+    first, second = llm.generate(PROMPTS, params), llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]

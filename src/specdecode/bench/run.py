@@ -51,12 +51,12 @@ class BenchConfig:
 
 
 def _log(run: Run) -> None:
-    """One line per run on stderr."""
+    """One line per run on stderr (acceptance and tau only for a run that drafted)."""
     spec = run.spec
     accept = (
-        ""
-        if spec is None
-        else f" accept {spec['acceptance_rate']:.2f} tau {spec['mean_acceptance_length']:.2f}"
+        f" accept {spec['acceptance_rate']:.2f} tau {spec['mean_acceptance_length']:.2f}"
+        if spec is not None and spec["num_drafts"] > 0
+        else ""
     )
     print(
         f"  r{run.repeat} {run.prompt_id:<13} {run.method:<28} {run.num_tokens:4d} tok "
