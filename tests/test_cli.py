@@ -87,3 +87,24 @@ def test_compare_needs_a_speculative_config(
     args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--compare"]
     assert main(args) == 2
     assert "--compare needs --speculative-config" in capsys.readouterr().err
+
+
+def test_compare_under_sampling_does_not_compare_tokens(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "abcabc", "--compare"]
+    args += ["--max-tokens", "8", "--temperature", "0.8", "--seed", "1"]
+    assert main([*args, "--speculative-config", config]) == 0
+    assert "same text: not compared (sampling" in capsys.readouterr().err
+
+
+def test_bench_report_that_cannot_be_read_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "--report", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read the saved report" in capsys.readouterr().err
+    broken = tmp_path / "bench.json"
+    broken.write_text("{not json")
+    assert main(["bench", "--report", str(broken)]) == 2
+    assert "cannot read the saved report" in capsys.readouterr().err

@@ -109,3 +109,10 @@ def test_same_seed_same_draws() -> None:
 def test_bad_sampling_params_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_top_k_beyond_the_vocabulary_leaves_the_distribution_alone() -> None:
+    logits = (torch.randn(1, 50, generator=torch.Generator().manual_seed(3)) * 30).expand(2, -1)
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=50)]
+    probs = probs_from_logits(logits, SamplingTensors.from_params(params, "cpu"))
+    assert torch.equal(probs[0], probs[1])  # the sorted path keeps every token too

@@ -196,6 +196,8 @@ def test_verdicts_slice_each_row() -> None:
         ({"target_probs": torch.full((1, 2, 5), 0.2)}, "target_probs must be"),
         ({"draft_probs": torch.full((1, 2, 4), 0.25)}, "draft_probs must be"),
         ({"generators": []}, "one generator"),
+        ({"greedy": [True, False]}, "greedy needs one entry per row"),
+        ({"greedy": [True]}, "marked greedy but its target_probs are not one-hot"),
     ],
 )
 def test_bad_input_raises_clear_error(kwargs: dict, message: str) -> None:

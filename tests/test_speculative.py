@@ -288,3 +288,53 @@ def test_every_registered_drafter_is_lossless(
     params = SamplingParams(temperature=0.9, max_tokens=20, seed=5, ignore_eos=True)
     first, second = llm.generate(PROMPTS, params), llm.generate(PROMPTS, params)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
+
+
+class ReleaseCounter(RandomDrafter):
+    """Random drafts; counts the releases of each request id."""
+
+    def __init__(self, k: int, vocab: int) -> None:
+        super().__init__(k, vocab)
+        self.released: dict[str, int] = {}
+
+    def release(self, request_id: str) -> None:
+        self.released[request_id] = self.released.get(request_id, 0) + 1
+
+
+def test_each_request_is_released_once(tiny_model_dir: Path) -> None:
+    drafter = ReleaseCounter(3, 300)
+    llm = _with_drafter(tiny_model_dir, drafter)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    outs = llm.generate(PROMPTS, params)
+    assert drafter.released == {o.request_id: 1 for o in outs}
+    assert llm.engine.outputs._texts == {}
+
+
+def test_stopping_a_stream_early_releases_everything(tiny_model_dir: Path) -> None:
+    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 2}
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    stream = llm.stream(PROMPTS[0], params)
+    out = next(stream)
+    while not llm.engine.drafter._caches:  # until the drafter holds state for the request
+        out = next(stream)
+    assert not out.finished
+    stream.close()
+    assert llm.engine.outputs._texts == {} and not llm.engine.drafter._caches
+
+
+class LongDrafter(RandomDrafter):
+    """Breaks the contract: drafts more tokens than allowed."""
+
+    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+        return [Draft(torch.zeros(m + 1, dtype=torch.long)) for m in max_tokens]
+
+
+def test_drafts_that_break_the_contract_are_refused(tiny_model_dir: Path) -> None:
+    llm = _with_drafter(tiny_model_dir, LongDrafter(3, 300))
+    with pytest.raises(ValueError, match=r"draft 0 must be a 1-D int64 tensor of at most"):
+        llm.generate(PROMPTS[0], GREEDY)
+    bad = RandomDrafter(2, 300)
+    bad.hidden_layers = (99,)
+    with pytest.raises(ValueError, match=r"hidden_layers must be None or a tuple of block"):
+        _with_drafter(tiny_model_dir, bad)

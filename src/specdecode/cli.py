@@ -185,6 +185,8 @@ def _result_json(out: RequestOutput) -> dict[str, object]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.compare and args.speculative_config is None:
+        raise UserError("--compare needs --speculative-config: it compares it with plain decoding")
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -206,8 +208,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if args.system is not None:
             messages.insert(0, {"role": "system", "content": args.system})
         prompt = llm.chat_prompt(messages)
-    if args.compare and llm.spec_config is None:
-        raise UserError("--compare needs --speculative-config: it compares it with plain decoding")
     if args.compare:  # untimed warm-up: first-call costs (allocations, lazy init) count for none
         llm.with_speculative_config(None).generate(prompt, replace(params, max_tokens=4))
     if args.json:
@@ -223,13 +223,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         printed = len(out.text)
     assert out is not None and out.metrics is not None
     label = "speculative: " if args.compare else ""
-    print(f"\n[{label}{_summary(out, llm.spec_config is not None)}]", file=sys.stderr)
+    print(f"\n[{label}{_summary(out, llm.drafter_config is not None)}]", file=sys.stderr)
     if args.compare:
         plain = _comparison(llm, prompt, params, out)
         print(
             f"[plain decoding: {plain['num_generated_tokens']} tokens in "
             f"{plain['elapsed_s']:.2f} s, {plain['tokens_per_s']:.2f} tokens/s; same text: "
-            f"{'yes' if plain['identical'] else 'NO'}; speedup {plain['speedup']:.2f}x "
+            f"{_same_text(plain['identical'])}; speedup {plain['speedup']:.2f}x "
             "(one run each: `specdecode bench` gives medians)]",
             file=sys.stderr,
         )
@@ -253,16 +253,24 @@ def _summary(out: RequestOutput, speculative: bool) -> str:
     )
 
 
+def _same_text(identical: bool | None) -> str:
+    """yes / NO for greedy runs; sampled runs share a distribution, not their tokens."""
+    if identical is None:
+        return "not compared (sampling: the same distribution, not the same tokens)"
+    return "yes" if identical else "NO"
+
+
 def _comparison(
     llm: LLM, prompt: object, params: SamplingParams, speculative: RequestOutput
 ) -> dict[str, object]:
     """Run `prompt` with plain decoding on the same weights; its metrics, whether its tokens
-    equal `speculative`'s, and the speedup (speculative tokens/s over plain's)."""
+    equal `speculative`'s (greedy only, else None), and the speedup (speculative tokens/s over
+    plain's)."""
     (plain,) = llm.with_speculative_config(None).generate(prompt, params)
     assert plain.metrics is not None and speculative.metrics is not None
     return {
         **plain.metrics.as_dict(),
-        "identical": plain.token_ids == speculative.token_ids,
+        "identical": plain.token_ids == speculative.token_ids if params.greedy else None,
         "speedup": speculative.metrics.tokens_per_s / plain.metrics.tokens_per_s,
     }
 
@@ -273,7 +281,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.run import BenchConfig, resummarize, run_bench, save
 
     if args.report is not None:
-        report = resummarize(json.loads(args.report.read_text()))
+        try:
+            saved = json.loads(args.report.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise UserError(f"cannot read the saved report {args.report}: {err}") from err
+        report = resummarize(saved)
         print(markdown(report), end="")
         _plots(report, args.report.parent)
         return 0

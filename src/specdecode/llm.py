@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Iterator, Mapping
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 
 from specdecode.drafters.base import Drafter, check_drafter
 from specdecode.drafters.registry import (
+    DRAFTERS,
     DrafterConfig,
     DrafterContext,
     build_drafter,
@@ -27,6 +29,14 @@ from specdecode.model.registry import resolve_model
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 from specdecode.types import RequestOutput, SamplingParams
+
+
+def _drafter_config(config: Mapping[str, Any] | DrafterConfig) -> DrafterConfig:
+    """A registry config as it is, or a speculative_config dict parsed and validated."""
+    if isinstance(config, tuple(method.config for method in DRAFTERS.values())):
+        return config
+    return parse_speculative_config(config)
+
 
 # A prompt: text, or vLLM's tokens form {"prompt_token_ids": [...]}.
 Prompt = str | Mapping[str, Any]
@@ -62,11 +72,7 @@ class LLM:
     ) -> None:
         if speculative_config is not None and drafter is not None:
             raise UserError("give either speculative_config or drafter, not both")
-        spec_config = None
-        if speculative_config is not None:
-            spec_config = parse_speculative_config(speculative_config)
-        if drafter is not None:
-            check_drafter(drafter)
+        config = None if speculative_config is None else _drafter_config(speculative_config)
         path = resolve_model(model)
         self.model_name = model  # as given: an alias, a folder or a .gguf file
         self.model_path = path
@@ -79,32 +85,35 @@ class LLM:
             )
         # (path, format) -> loaded draft model and tokenizer, shared with derived LLMs
         self._loaded: dict[tuple[Path, str | None], tuple[Transformer, Tokenizer]] = {}
-        self._use_drafter(spec_config, drafter)
+        if drafter is not None:
+            check_drafter(drafter, self.model.config.num_layers)
+        self._use_drafter(config, drafter)
         self._ids = itertools.count()
 
-    def with_speculative_config(self, speculative_config: Mapping[str, Any] | None) -> LLM:
+    def with_speculative_config(
+        self, speculative_config: Mapping[str, Any] | DrafterConfig | None
+    ) -> LLM:
         """Another LLM on this one's loaded target and tokenizer, with its own drafter.
 
         Nothing is loaded twice: the target's weights are shared, and so is every draft model
         that this LLM or one derived from it has loaded. Metrics start from zero. Used to compare
-        methods on one set of weights (`specdecode bench`).
+        methods on one set of weights (`specdecode bench`). `speculative_config` may also be an
+        already validated config of the registry (`DrafterConfig`).
         """
         other = copy.copy(self)
-        config = (
-            None if speculative_config is None else parse_speculative_config(speculative_config)
-        )
+        config = None if speculative_config is None else _drafter_config(speculative_config)
         other._use_drafter(config, None)
         other._ids = itertools.count()
         return other
 
-    def _use_drafter(self, spec_config: DrafterConfig | None, drafter: Drafter | None) -> None:
-        """Build the engine around `drafter`, or the one `spec_config` describes (neither:
-        plain decoding); metrics start from zero."""
-        self.spec_config = spec_config
+    def _use_drafter(self, config: DrafterConfig | None, drafter: Drafter | None) -> None:
+        """Build the engine around `drafter`, or the one `config` describes (neither: plain
+        decoding); metrics start from zero."""
+        self.drafter_config = config  # the validated speculative_config, or None
         self.draft_model: Transformer | None = None  # the draft model the drafter runs, if any
-        if spec_config is not None:
+        if config is not None:
             context = DrafterContext(self.model, self.tokenizer, self._load_draft_model)
-            drafter = build_drafter(spec_config, context)
+            drafter = build_drafter(config, context)
         self.engine = Engine(self.model, self.tokenizer, drafter)
         self.spec_metrics = SpecCounters()  # all requests of this LLM added together
 
@@ -180,8 +189,9 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding a cumulative `RequestOutput` whenever text lands."""
         (req,) = self._requests(prompt, sampling_params)
-        for _, _delta in self.engine.stream([req]):
-            yield self.engine.outputs.output(req)
+        with closing(self.engine.stream([req])) as events:  # released even if we stop early
+            for _, _delta in events:
+                yield self.engine.outputs.output(req)
         self.spec_metrics += req.spec
 
     def chat_prompt(self, messages: Messages) -> dict[str, list[int]]:

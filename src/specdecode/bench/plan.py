@@ -9,6 +9,7 @@ from typing import Any
 from specdecode.bench.costs import bench_costs, expected_tokens_per_step, predicted_from_costs
 from specdecode.bench.prompts import load_prompts
 from specdecode.bench.roofline import measure_bandwidth, roofline, roofline_text
+from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.types import SamplingParams
@@ -53,9 +54,17 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
     """Step costs, the acceptance used, and per K the expected tokens/step and speedup."""
     if config.acceptance is not None and not 0.0 <= config.acceptance <= 1.0:
         raise UserError(f"--acceptance must be in [0, 1], got {config.acceptance}")
-    if not 1 <= config.max_k <= 64:
-        raise UserError(f"--max-k must be in 1..64, got {config.max_k}")
+    if not 1 <= config.max_k <= MAX_SPECULATIVE_TOKENS:
+        raise UserError(f"--max-k must be in 1..{MAX_SPECULATIVE_TOKENS}, got {config.max_k}")
+    if config.context < 1:
+        raise UserError(f"--context must be >= 1 cached token, got {config.context}")
     target = LLM(config.model, config.dtype, device=config.device, quantization=config.quantization)
+    room = target.model.config.max_position_embeddings
+    if config.context + config.max_k + 1 > room:
+        raise UserError(
+            f"--context {config.context} + a pass of --max-k {config.max_k} + 1 tokens exceeds "
+            f"the model's context of {room} tokens"
+        )
     llm = target.with_speculative_config(config.speculative_config)
     draft = llm.draft_model
     drafts = {} if draft is None else {"draft": draft}

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+from dataclasses import fields
 from types import MappingProxyType
 
-# bench's options that a preset may set (argparse dest -> value without a preset or flag)
+from specdecode.bench.harness import LoopConfig
+from specdecode.bench.run import BenchConfig
+
+# bench's options that a preset may set (argparse dest -> value without a preset or flag):
+# the defaults of the configs they fill
+_BENCH = {f.name: f.default for f in fields(BenchConfig)}
 BENCH_DEFAULTS: Mapping[str, object] = MappingProxyType(
     {
-        "methods": "plain,ngram:k=8",
-        "prompts": ("code", "chat", "summarize", "edit"),
-        "max_tokens": 128,
-        "repeats": 2,
-        "ignore_eos": False,
+        "methods": _BENCH["methods"],
+        "prompts": _BENCH["prompt_sets"],
+        "max_tokens": _BENCH["max_tokens"],
+        "repeats": next(f.default for f in fields(LoopConfig) if f.name == "repeats"),
+        "ignore_eos": _BENCH["ignore_eos"],
     }
 )
 # `bench --preset NAME`: values for some of BENCH_DEFAULTS' options; a flag given still wins.

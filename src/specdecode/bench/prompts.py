@@ -91,7 +91,12 @@ def load_jsonl(path: Path | Any) -> list[BenchPrompt]:
     prompts = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
-            prompts.append(_check_row(json.loads(line), f"{path.name} line {number}"))
+            where = f"{path.name} line {number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UserError(f"{where} is not a JSON object: {err}") from err
+            prompts.append(_check_row(row, where))
     return prompts
 
 

@@ -170,9 +170,7 @@ def build_runners(
                 runners.append(_peer_runner(spec, llm, hf, eos, n_ctx))
             else:
                 target = ours(spec.quantization)
-                runners.append(
-                    OursRunner(spec, target.with_speculative_config(spec.speculative_config()))
-                )
+                runners.append(OursRunner(spec, target.with_speculative_config(spec.config)))
         except ImportError as err:
             if not spec.is_peer:
                 raise

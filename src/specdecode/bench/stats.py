@@ -1,6 +1,6 @@
 """Statistics of benchmark runs: per method x category, paired against plain decoding.
 
-Definitions (docs/design.md):
+Definitions (speedup, acceptance and tau as in docs/design.md's vocabulary):
 - tokens/s of a run = new tokens / wall seconds (prefill included: end to end).
 - speedup of a run = its tokens/s / tokens/s of plain decoding on the same prompt in the same
   repeat (the runs of one group ran back to back, so machine drift cancels in the ratio).

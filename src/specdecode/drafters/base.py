@@ -14,7 +14,7 @@ MAX_SPECULATIVE_TOKENS = 64  # the longest draft; the engine keeps this many spa
 
 
 class SeqView(Protocol):
-    """What a drafter may read of a sequence (the engine's `Sequence` satisfies it)."""
+    """What a drafter may read of a sequence (the engine's `Request` satisfies it)."""
 
     @property
     def request_id(self) -> str: ...
@@ -85,12 +85,15 @@ class Drafter(Protocol):
         ...
 
     def release(self, request_id: str) -> None:
-        """Forget everything about a finished sequence."""
+        """Forget everything about a finished sequence; called once per sequence the engine
+        ran (an id the drafter never saw, e.g. a request that finished at its first token,
+        must be ignored)."""
         ...
 
 
-def check_drafter(drafter: object) -> None:
-    """Refuse an object that does not have the `Drafter` protocol's members, naming them."""
+def check_drafter(drafter: object, num_layers: int) -> None:
+    """Refuse an object that lacks the `Drafter` protocol's members (naming them), or asks for
+    hidden states of layers the target (of `num_layers` blocks) does not have."""
     members = ("propose", "commit", "release", "hidden_layers")
     missing = [name for name in members if not hasattr(drafter, name)]
     if missing:
@@ -98,3 +101,34 @@ def check_drafter(drafter: object) -> None:
             f"{type(drafter).__name__} is not a Drafter: it lacks {', '.join(missing)} "
             f"(a Drafter has {', '.join(members)}; see specdecode.drafters.base)"
         )
+    layers = drafter.hidden_layers  # type: ignore[attr-defined]
+    if layers is not None and not (
+        isinstance(layers, tuple)
+        and all(isinstance(i, int) and 0 <= i <= num_layers for i in layers)
+    ):
+        raise UserError(
+            f"{type(drafter).__name__}.hidden_layers must be None or a tuple of block indices "
+            f"in 0..{num_layers} ({num_layers} = the final-normed output), got {layers!r}"
+        )
+
+
+def check_drafts(drafts: Sequence[Draft], max_tokens: Sequence[int], vocab_size: int) -> None:
+    """Refuse drafts that break `propose`'s contract (host-side metadata only, no device sync):
+    one draft per sequence, a 1-D int64 tensor of at most max_tokens[i] tokens, and q None or
+    [k_i, vocab_size]."""
+    if len(drafts) != len(max_tokens):
+        raise ValueError(
+            f"the drafter returned {len(drafts)} drafts for {len(max_tokens)} sequences"
+        )
+    for i, (draft, limit) in enumerate(zip(drafts, max_tokens, strict=True)):
+        tokens = draft.tokens
+        if tokens.dim() != 1 or tokens.dtype != torch.long or tokens.numel() > limit:
+            raise ValueError(
+                f"draft {i} must be a 1-D int64 tensor of at most {limit} tokens, got "
+                f"{tuple(tokens.shape)} {tokens.dtype}"
+            )
+        if draft.probs is not None and tuple(draft.probs.shape) != (tokens.numel(), vocab_size):
+            raise ValueError(
+                f"draft {i}'s probs must be [{tokens.numel()}, {vocab_size}] or None, got "
+                f"{tuple(draft.probs.shape)}"
+            )

@@ -77,15 +77,21 @@ class Engine:
             return
         for req in reqs:
             self.outputs.add(req)
+        live = {req.request_id for req in reqs}  # added and not yet released
         try:
-            yield from self._run(reqs)
-        finally:
-            for req in reqs:
-                self.drafter.release(req.request_id)
-                self.outputs.release(req.request_id)
+            yield from self._run(reqs, live)
+        finally:  # also when the consumer stops early or a step fails
+            for request_id in list(live):
+                self._release(request_id, live)
 
-    def _run(self, reqs: list[Request]) -> Iterator[tuple[Request, str]]:
-        """The decode loop of `stream`."""
+    def _release(self, request_id: str, live: set[str]) -> None:
+        """The drafter and the output processor forget a request, once."""
+        live.discard(request_id)
+        self.drafter.release(request_id)
+        self.outputs.release(request_id)
+
+    def _run(self, reqs: list[Request], live: set[str]) -> Iterator[tuple[Request, str]]:
+        """The decode loop of `stream`; finished requests leave `live` as they are released."""
         logits, cache = self._prefill(reqs)
         active = list(reqs)
         st = SamplingTensors.from_params([r.params for r in active], self.model.device)
@@ -97,8 +103,7 @@ class Engine:
             keep = [row for row, req in enumerate(active) if not req.finished]
             for req in active:
                 if req.finished:
-                    self.drafter.release(req.request_id)
-                    self.outputs.release(req.request_id)
+                    self._release(req.request_id, live)
             if not keep:
                 return
             if len(keep) < len(active):

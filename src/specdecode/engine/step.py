@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
-from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
+from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter, check_drafts
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.request import Request
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
@@ -124,5 +124,6 @@ def speculative_step(
     """Draft, verify and commit once for every request; returns each one's new text."""
     limits = [min(MAX_SPECULATIVE_TOKENS, r.max_new - len(r.output_ids) - 1) for r in reqs]
     drafts = drafter.propose(reqs, limits)
+    check_drafts(drafts, limits, model.config.vocab_size)
     verdicts = verify(model, cache, reqs, drafts, st, drafter.hidden_layers or None)
     return commit(reqs, drafts, verdicts, drafter, outputs)

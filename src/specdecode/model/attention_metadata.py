@@ -135,7 +135,8 @@ class AttentionMetadata:
 
         Slot s is visible iff `s < starts[b]` (the cached prefix) or the new token
         `r = s - starts[b]` is allowed: causal `r <= t`, or `tree_mask[b, t, r]` in TREE mode.
-        None when every query may read every slot it is given (one row, one new token).
+        None when every query may read every slot it is given (one new token per row and
+        every row at the same start).
         Example: starts (2,), T = 2 -> query 0 sees slots 0, 1, 2 and query 1 sees 0..3.
         """
         if self.mode is not AttentionMode.TREE and self.width == 1 and len(set(self.starts)) == 1:

@@ -332,8 +332,11 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    with path.open(encoding="utf-8") as handle:
-        return json.load(handle)
+    try:
+        with path.open(encoding="utf-8") as handle:
+            return json.load(handle)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON: {err}") from err
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

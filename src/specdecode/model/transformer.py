@@ -61,7 +61,7 @@ class Rotary(nn.Module):
 
 # bf16/fp16 on the CPU: at most SHORT_QUERY new tokens over at least LONG_SPAN cached slots use
 # `_grouped_attention` (decode and draft verification over a long context); the rest use SDPA.
-# Where the crossover lies on the reference machine: docs/design.md, "Attention".
+# Where the crossover lies on the reference machine: docs/design.md, "Figures measured".
 SHORT_QUERY = 16
 LONG_SPAN = 256
 

@@ -63,7 +63,9 @@ def warp_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
     sorted_x = sorted_x.masked_fill(remove, float("-inf"))
     sorted_p = sorted_x.softmax(dim=-1)
     before = sorted_p.cumsum(dim=-1) - sorted_p  # probability mass strictly above each token
-    remove = remove | (before >= st.top_p.view(view))  # the top token always has before == 0
+    # The top token always has before == 0; rows with top_p 1 keep their tail (before may round
+    # up to 1.0 there).
+    remove = remove | ((before >= st.top_p.view(view)) & (st.top_p < 1.0).view(view))
     sorted_x = sorted_x.masked_fill(remove, float("-inf"))
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
 

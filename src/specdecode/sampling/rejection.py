@@ -62,7 +62,7 @@ def verify_chain(
     """
     batch, k = draft_tokens.shape
     if check:
-        check_chain_inputs(target_probs, draft_tokens, draft_probs, num_draft, generators)
+        check_chain_inputs(target_probs, draft_tokens, draft_probs, num_draft, generators, greedy)
     pos = torch.arange(k + 1, device=draft_tokens.device)  # [K + 1]
     valid = pos[:k] < num_draft[:, None]  # [B, K] True at real (non-padding) draft positions
     draft = torch.where(valid, draft_tokens, 0)  # [B, K] padding -> 0, safe to gather
@@ -187,9 +187,10 @@ def check_chain_inputs(
     draft_probs: Tensor | None,
     num_draft: Tensor,
     generators: Sequence[torch.Generator | None],
+    greedy: Sequence[bool] | None = None,
 ) -> None:
     """Raise ValueError with a readable message if verify_chain's inputs do not fit (shapes,
-    dtypes, ranges; the arguments as verify_chain's)."""
+    dtypes, ranges, one-hot p on greedy rows; the arguments as verify_chain's)."""
     if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long:
         raise ValueError(
             f"draft_tokens must be [B, K] int64, "
@@ -213,6 +214,12 @@ def check_chain_inputs(
         raise ValueError(f"num_draft must be in 0..K = 0..{k}, got {num_draft.tolist()}")
     if len(generators) != batch:
         raise ValueError(f"need one generator (or None) per row: {batch}, got {len(generators)}")
+    if greedy is not None and len(greedy) != batch:
+        raise ValueError(f"greedy needs one entry per row: {batch}, got {len(greedy)}")
+    for row in [] if greedy is None else [b for b in range(batch) if greedy[b]]:
+        used = target_probs[row, : int(num_draft[row]) + 1]  # [n + 1, V]
+        if not bool(((used > 0).sum(-1) == 1).all()):
+            raise ValueError(f"row {row} is marked greedy but its target_probs are not one-hot")
     valid = torch.arange(k, device=num_draft.device) < num_draft[:, None]  # [B, K]
     used = draft_tokens[valid]
     if used.numel() and not bool(((used >= 0) & (used < vocab)).all()):
