@@ -13,7 +13,6 @@ import torch
 
 from specdecode.drafters.base import Drafter, check_drafter
 from specdecode.drafters.registry import (
-    DRAFTERS,
     DrafterConfig,
     DrafterContext,
     build_drafter,
@@ -29,14 +28,6 @@ from specdecode.model.registry import resolve_model
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 from specdecode.types import RequestOutput, SamplingParams
-
-
-def _drafter_config(config: Mapping[str, Any] | DrafterConfig) -> DrafterConfig:
-    """A registry config as it is, or a speculative_config dict parsed and validated."""
-    if isinstance(config, tuple(method.config for method in DRAFTERS.values())):
-        return config
-    return parse_speculative_config(config)
-
 
 # A prompt: text, or vLLM's tokens form {"prompt_token_ids": [...]}.
 Prompt = str | Mapping[str, Any]
@@ -72,7 +63,9 @@ class LLM:
     ) -> None:
         if speculative_config is not None and drafter is not None:
             raise UserError("give either speculative_config or drafter, not both")
-        config = None if speculative_config is None else _drafter_config(speculative_config)
+        config = (
+            None if speculative_config is None else parse_speculative_config(speculative_config)
+        )
         path = resolve_model(model)
         self.model_name = model  # as given: an alias, a folder or a .gguf file
         self.model_path = path
@@ -101,7 +94,9 @@ class LLM:
         already validated config of the registry (`DrafterConfig`).
         """
         other = copy.copy(self)
-        config = None if speculative_config is None else _drafter_config(speculative_config)
+        config = (
+            None if speculative_config is None else parse_speculative_config(speculative_config)
+        )
         other._use_drafter(config, None)
         other._ids = itertools.count()
         return other

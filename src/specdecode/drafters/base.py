@@ -39,9 +39,14 @@ class SeqView(Protocol):
         ...
 
 
+def is_positive_int(value: object) -> bool:
+    """An int >= 1 (a bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def check_draft_length(k: object) -> None:
     """Refuse a num_speculative_tokens that is not an int in 1..MAX_SPECULATIVE_TOKENS."""
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+    if not is_positive_int(k) or k > MAX_SPECULATIVE_TOKENS:  # type: ignore[operator]
         raise UserError(
             f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
         )

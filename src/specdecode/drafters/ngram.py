@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.drafters.base import SeqView, check_draft_length, check_draft_limits
+from specdecode.drafters.base import (
+    SeqView,
+    check_draft_length,
+    check_draft_limits,
+    is_positive_int,
+)
 from specdecode.errors import UserError
 from specdecode.types import Draft, Verdict
 
@@ -36,18 +41,14 @@ class NgramConfig:
 
     def __post_init__(self) -> None:
         check_draft_length(self.num_speculative_tokens)
-        if self.prompt_lookup_min is None and _positive_int(self.prompt_lookup_max):
+        if self.prompt_lookup_min is None and is_positive_int(self.prompt_lookup_max):
             object.__setattr__(self, "prompt_lookup_min", min(2, self.prompt_lookup_max))
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if not (_positive_int(lo) and _positive_int(hi) and lo <= hi):
+        if not (is_positive_int(lo) and is_positive_int(hi) and lo <= hi):
             raise UserError(
                 "prompt_lookup_min and prompt_lookup_max must be ints with "
                 f"1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
             )
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 class _SuffixIndex:

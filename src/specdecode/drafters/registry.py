@@ -100,12 +100,15 @@ def method_of(config: DrafterConfig) -> DrafterMethod:
     raise UserError(f"{type(config).__name__} is not the config of a registered drafter")
 
 
-def parse_speculative_config(cfg: Mapping[str, Any]) -> DrafterConfig:
-    """vLLM's speculative_config dict -> the method's validated config (UserError if bad).
+def parse_speculative_config(cfg: Mapping[str, Any] | DrafterConfig) -> DrafterConfig:
+    """vLLM's speculative_config dict -> the method's validated config (UserError if bad); a
+    config of a registered method (validated when it was built) is returned as it is.
 
     "method" picks the entry; a "model" without a "method" means "draft_model". Every other key
     must be a field of that method's config; fields without a default are required.
     """
+    if any(isinstance(cfg, method.config) for method in DRAFTERS.values()):
+        return cfg
     if not isinstance(cfg, Mapping):
         raise UserError(f"speculative_config must be a dict, got {type(cfg).__name__}")
     name = cfg.get("method", "draft_model" if "model" in cfg else None)
