@@ -10,6 +10,22 @@ import torch
 TINY_VOCAB = 300
 
 
+@pytest.fixture(params=["vector", "amx"])
+def matmul_path(request: pytest.FixtureRequest):
+    """Runs a test once on the AVX-512 / portable matmuls and once on AMX (skipped where this
+    machine has no AMX), then restores the default."""
+    import os
+
+    from specdecode import kernels
+
+    default = os.environ.get("SPECDECODE_AMX") != "0"
+    if not kernels.set_amx(request.param == "amx") and request.param == "amx":
+        kernels.set_amx(default)
+        pytest.skip("no AMX on this machine")
+    yield request.param
+    kernels.set_amx(default)
+
+
 def build_tiny_model(path: Path, architecture: str, seed: int = 0) -> Path:
     """Save a tiny random Hugging Face model (+ a byte-level tokenizer) into `path`."""
     from tiny_tokenizer import make_byte_tokenizer

@@ -16,6 +16,7 @@ import pytest
 
 from specdecode.bench import harness, machine
 from specdecode.bench.costs import (
+    PASS_TABLE_WIDTH,
     expected_tokens_per_step,
     forward_seconds,
     predicted_from_counters,
@@ -525,8 +526,9 @@ def test_bench_end_to_end_on_a_tiny_model(
         ("ngram:k=3", "hf-lookup:k=3"),
         (f"draft:{model}:k=2", f"hf-assisted:{model}:k=2"),
     ]
-    costs = report["costs"]["none"]  # target passes over 1..4 tokens (K up to 3), one draft
-    assert len(costs["target_ms"]) == 4 and list(costs["draft_ms"]) == [model]
+    costs = report["costs"]["none"]  # target passes over 1..16 tokens (the table), one draft
+    assert len(costs["target_ms"]) == PASS_TABLE_WIDTH and list(costs["draft_ms"]) == [model]
+    assert costs["kernels"].startswith("int8: ")
     predicted = {n: m["predicted_speedup"] for n, m in summary["methods"].items()}
     assert predicted["plain"] is None and predicted["hf"] is None
     for name in ("ngram:k=3", f"draft:{model}:k=2"):  # one prediction per run of the method
@@ -706,11 +708,14 @@ def test_plan_measures_acceptance_and_predicts_each_k(
     plan = run_plan(config)
     assert plan["acceptance_source"] == "measured"
     assert plan["acceptance"] == 1.0  # the draft model is the target itself
-    assert plan["draft_ms"] > 0 and set(plan["target_ms"]) == {1, 2, 3, 4}
+    assert plan["draft_ms"] > 0 and set(plan["target_ms"]) == set(range(1, PASS_TABLE_WIDTH + 1))
     assert [r["k"] for r in plan["rows"]] == [1, 2, 3]
     assert [r["expected_tokens_per_step"] for r in plan["rows"]] == [2.0, 3.0, 4.0]
     assert plan["best_k"] == max(plan["rows"], key=lambda r: r["predicted_speedup"])["k"]
     assert "| K | E[tokens/step] |" in plan_text(plan)
+    assert f"| {PASS_TABLE_WIDTH} | " in plan_text(
+        plan
+    ) and "| T | ms | t(T) / t(1) |" in plan_text(plan)
     roof = plan["roofline"]  # the floor of a 1-token step next to the measured one
     assert roof["measured_ms"] == plan["target_ms"][1] and roof["floor_ms"] > 0
     assert plan_text(plan).startswith("roofline (float32): ")

@@ -36,11 +36,15 @@ def _int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias:
     return (dots * (absmax / 127 * scale) + bias).to(x.dtype)
 
 
-@pytest.mark.parametrize(("out", "inp", "rows"), [(96, 256, 1), (97, 200, 9), (13, 77, 5)])
+@pytest.mark.parametrize(
+    ("out", "inp", "rows"),
+    [(96, 256, 1), (97, 200, 9), (13, 77, 5), (130, 192, 16), (130, 192, 40)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_kernel_equals_the_reference_bit_for_bit(
-    out: int, inp: int, rows: int, dtype: torch.dtype
+    out: int, inp: int, rows: int, dtype: torch.dtype, matmul_path: str
 ) -> None:
+    """On every path (AMX takes 192 and 256 input features, in chunks of 16 tokens)."""
     case = _int8_case(out, inp)
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(1)).to(dtype)
     x[0] *= 40  # rows of very different ranges: each must use its own scale
@@ -79,12 +83,14 @@ def test_kernel_arguments_are_checked() -> None:
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize("dim", [40, 64, 128])
 def test_decode_attention_matches_causal_attention_per_query(
-    dtype: torch.dtype, tolerance: float
+    dtype: torch.dtype, tolerance: float, dim: int
 ) -> None:
-    """Rows of different lengths, grouped heads, a head size that is not a multiple of 16."""
+    """Rows of different lengths, grouped heads; head sizes with a path of their own (64, 128)
+    and one that is not a multiple of 16."""
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, new, dim, slots = 6, 2, 4, 40, 50
+    heads, kv_heads, new, slots = 6, 2, 4, 50
     q = torch.randn(2, heads, new, dim, generator=gen).to(dtype)
     k = torch.randn(2, kv_heads, slots, dim, generator=gen).to(dtype)
     v = torch.randn(2, kv_heads, slots, dim, generator=gen).to(dtype)
@@ -104,11 +110,15 @@ def test_decode_attention_matches_causal_attention_per_query(
         torch.testing.assert_close(got[b : b + 1].float(), want, atol=tolerance, rtol=tolerance)
 
 
-def test_decode_attention_gives_each_query_what_a_one_token_call_gives() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [40, 64, 128])
+def test_decode_attention_gives_each_query_what_a_one_token_call_gives(
+    dtype: torch.dtype, dim: int
+) -> None:
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 4, 9, 64, generator=gen).bfloat16()
-    k = torch.randn(1, 2, 300, 64, generator=gen).bfloat16()
-    v = torch.randn(1, 2, 300, 64, generator=gen).bfloat16()
+    q = torch.randn(1, 4, 9, dim, generator=gen).to(dtype)
+    k = torch.randn(1, 2, 300, dim, generator=gen).to(dtype)
+    v = torch.randn(1, 2, 300, dim, generator=gen).to(dtype)
     together = kernels.decode_attention(q, k, v, [250])
     for t in range(9):
         alone = kernels.decode_attention(q[:, :, t : t + 1], k, v, [250 + t])

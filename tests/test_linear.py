@@ -48,7 +48,7 @@ def test_bf16_modules_match_dense(module_type: type, shape: tuple[int, ...]) -> 
 
 
 @pytest.mark.parametrize(("out", "inp"), [(300, 64), (5, 3), (130, 97)])
-def test_bf16_kernel_sums_in_fp32_and_pads_odd_shapes(out: int, inp: int) -> None:
+def test_bf16_kernel_sums_in_fp32_and_pads_odd_shapes(out: int, inp: int, matmul_path: str) -> None:
     weight, bias = _case(out, inp)
     x = torch.randn(9, inp, generator=torch.Generator().manual_seed(2)).bfloat16()
     got = Bf16Linear(weight, bias)(x)
@@ -57,8 +57,9 @@ def test_bf16_kernel_sums_in_fp32_and_pads_odd_shapes(out: int, inp: int) -> Non
 
 
 @pytest.mark.parametrize("rows", [9, 70])
-def test_bf16_kernel_is_row_exact(rows: int) -> None:
-    """Each row of a pass gets the bits a 1-row pass gives it (verification needs this)."""
+def test_bf16_kernel_is_row_exact(rows: int, matmul_path: str) -> None:
+    """Each row of a pass gets the bits a 1-row pass gives it (verification needs this), on
+    every path (AMX takes 96 input features, 70 rows in chunks of 16)."""
     weight, bias = _case(130, 96)
     module = Bf16Linear(weight, bias)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(3)).bfloat16()

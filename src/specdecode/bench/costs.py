@@ -27,9 +27,14 @@ from typing import Any
 
 import torch
 
+from specdecode import kernels
 from specdecode.metrics import SpecCounters
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.transformer import Transformer
+
+# Pass costs are measured for T = 1 .. at least this many new tokens: the pass table that shows
+# how a verification pass grows with its width (t(T) / t(1)), whatever K is planned.
+PASS_TABLE_WIDTH = 16
 
 
 def expected_tokens_per_step(acceptance: float, k: int) -> float:
@@ -91,9 +96,12 @@ def bench_costs(
     context: int,
     repeats: int = 5,
 ) -> dict[str, Any]:
-    """Pass costs for the cost model, in ms: the target over T = 1..max_k + 1 new tokens
-    ("target_ms"[T - 1]) and each named draft model over one token ("draft_ms"[name])."""
-    target_s = forward_seconds(target, context, range(1, max_k + 2), repeats)
+    """Pass costs for the cost model, in ms: the target over T = 1..max(max_k + 1,
+    PASS_TABLE_WIDTH) new tokens ("target_ms"[T - 1]), each named draft model over one token
+    ("draft_ms"[name]), and what the matmuls ran on ("kernels", see `kernels.isa`)."""
+    widths = range(1, max(max_k + 1, PASS_TABLE_WIDTH) + 1)
+    target_s = forward_seconds(target, context, widths, repeats)
+    on_cpu = target.device.type == "cpu" and kernels.available()
     return {
         "context": context,
         "target_ms": [target_s[t] * 1e3 for t in sorted(target_s)],
@@ -101,7 +109,30 @@ def bench_costs(
             name: forward_seconds(model, context, [1], repeats)[1] * 1e3
             for name, model in drafts.items()
         },
+        "kernels": kernels.isa() if on_cpu else target.device.type,
     }
+
+
+def pass_ratios(costs: Mapping[str, Any]) -> list[float]:
+    """t(T) / t(1) for T = 1, 2, ... from `bench_costs`' target_ms."""
+    one = costs["target_ms"][0]
+    return [ms / one for ms in costs["target_ms"]]
+
+
+def pass_table_text(costs: Mapping[str, Any]) -> str:
+    """The target's pass costs as a markdown table: T, ms, t(T) / t(1)."""
+    lines = [
+        f"target pass over T new tokens at {costs['context']} cached tokens "
+        f"(matmuls: {costs['kernels']})",
+        "",
+        "| T | ms | t(T) / t(1) |",
+        "|---|---|---|",
+    ]
+    for width, (ms, ratio) in enumerate(
+        zip(costs["target_ms"], pass_ratios(costs), strict=True), 1
+    ):
+        lines.append(f"| {width} | {ms:.1f} | {ratio:.2f} |")
+    return "\n".join(lines)
 
 
 def predicted_from_costs(

@@ -6,7 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.bench.costs import bench_costs, expected_tokens_per_step, predicted_from_costs
+from specdecode.bench.costs import (
+    PASS_TABLE_WIDTH,
+    bench_costs,
+    expected_tokens_per_step,
+    pass_table_text,
+    predicted_from_costs,
+)
 from specdecode.bench.prompts import load_prompts
 from specdecode.bench.roofline import measure_bandwidth, roofline, roofline_text
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
@@ -60,10 +66,11 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
         raise UserError(f"--context must be >= 1 cached token, got {config.context}")
     target = LLM(config.model, config.dtype, device=config.device, quantization=config.quantization)
     room = target.model.config.max_position_embeddings
-    if config.context + config.max_k + 1 > room:
+    widest = max(config.max_k + 1, PASS_TABLE_WIDTH)
+    if config.context + widest > room:
         raise UserError(
-            f"--context {config.context} + a pass of --max-k {config.max_k} + 1 tokens exceeds "
-            f"the model's context of {room} tokens"
+            f"--context {config.context} + a pass of {widest} tokens (the pass table's widest, "
+            f"or --max-k + 1) exceeds the model's context of {room} tokens"
         )
     llm = target.with_speculative_config(config.speculative_config)
     draft = llm.draft_model
@@ -85,6 +92,7 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
         for k in range(1, config.max_k + 1)
     ]
     return {
+        "costs": costs,
         "target_ms": {t + 1: ms for t, ms in enumerate(costs["target_ms"])},
         "draft_ms": draft_ms,
         "acceptance": acceptance,
@@ -99,10 +107,12 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
 
 def plan_text(plan: dict[str, Any]) -> str:
     """The plan as a short markdown report."""
-    target = ", ".join(f"T={t}: {ms:.1f}" for t, ms in plan["target_ms"].items())
     lines = [
         roofline_text(plan["roofline"]),
-        f"target pass ms ({target}); draft token ms: {plan['draft_ms']:.1f}",
+        "",
+        pass_table_text(plan["costs"]),
+        "",
+        f"draft token ms: {plan['draft_ms']:.1f}",
         f"acceptance {plan['acceptance']:.3f} ({plan['acceptance_source']})",
         "",
         "| K | E[tokens/step] | step ms | predicted speedup |",

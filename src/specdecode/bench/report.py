@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from specdecode.bench.costs import pass_ratios
 from specdecode.bench.roofline import roofline_text
 from specdecode.bench.stats import ALL
 
@@ -83,16 +84,7 @@ def prediction_table(report: dict[str, Any]) -> list[str]:
     rows = [(n, m) for n, m in methods.items() if m.get("predicted_speedup") is not None]
     if not rows:
         return []
-    lines = []
-    for name, costs in report.get("costs", {}).items():
-        target = ", ".join(f"{ms:.0f}" for ms in costs["target_ms"])
-        drafts = ", ".join(f"{d} {ms:.0f}" for d, ms in costs["draft_ms"].items()) or "none"
-        lines.append(
-            f"- {name}: pass costs at {costs['context']} cached tokens, ms: target over "
-            f"T = 1, 2, ... tokens: {target}; draft model, one token: {drafts}."
-        )
-    lines += [
-        "",
+    lines = [
         "| method | acceptance | tau | decode speedup, predicted | decode speedup, measured "
         "| end-to-end speedup |",
         "|---|---|---|---|---|---|",
@@ -104,6 +96,24 @@ def prediction_table(report: dict[str, Any]) -> list[str]:
             f"| {name} | {_num(cell['acceptance_rate'])} | {_num(cell['tau'])} | "
             + " | ".join(fmt(s, unit="x") for s in speedups)
             + " |"
+        )
+    return lines
+
+
+def pass_cost_lines(report: dict[str, Any]) -> list[str]:
+    """Per weight format of ours: the target's pass over T = 1, 2, ... new tokens (ms, and
+    t(T) / t(1)), what the matmuls ran on, and each draft model's 1-token pass."""
+    lines = []
+    for name, costs in report.get("costs", {}).items():
+        target = ", ".join(
+            f"{ms:.0f} ({ratio:.2f})"
+            for ms, ratio in zip(costs["target_ms"], pass_ratios(costs), strict=True)
+        )
+        drafts = ", ".join(f"{d} {ms:.0f}" for d, ms in costs["draft_ms"].items()) or "none"
+        lines.append(
+            f"- {name} (matmuls: {costs.get('kernels', 'not recorded')}), at "
+            f"{costs['context']} cached tokens: target over T = 1, 2, ... tokens, ms "
+            f"(t(T) / t(1)): {target}; draft model, one token, ms: {drafts}."
         )
     return lines
 
@@ -227,6 +237,9 @@ def markdown(report: dict[str, Any]) -> str:
     if predicted:
         parts += ["", "Cost model (see `specdecode plan`) vs measured, all prompts:", ""]
         parts += predicted
+    costs = pass_cost_lines(report)
+    if costs:
+        parts += ["", "Pass costs, per weight format of ours:", "", *costs]
     if report.get("roofline"):
         parts += ["", "Roofline of a 1-token step, per weight format of ours:", ""]
         parts += roofline_lines(report)

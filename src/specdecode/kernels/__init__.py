@@ -4,9 +4,11 @@ RMSNorm and RoPE (`pointwise.cpp`): each one call where torch needs several, and
 
 `native()` builds (once per machine and source version; torch caches the build under
 ~/.cache/torch_extensions) and returns the extension module; `pack` lays a weight out the way
-the kernels read it. The build targets the machine it runs on (-march=native): AVX-512 VNNI /
-BF16 instructions where the CPU has them, portable C++ elsewhere, same results either way
-for int8 (integer sums).
+the kernels read it. The build targets the machine it runs on (-march=native): AMX tiles, then
+AVX-512 VNNI / BF16 instructions where the CPU has them, portable C++ elsewhere; int8 gives the
+same results on every path (integer sums), bf16 may differ in the last bit between machines but
+never between passes of one machine. `set_amx(False)` (or SPECDECODE_AMX=0) keeps the matmuls
+off AMX, e.g. to compare the paths in one run.
 """
 
 from __future__ import annotations
@@ -109,6 +111,17 @@ def int8_linear(
 def bf16_linear(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tensor:
     """x [..., K] bf16 -> [..., n] bf16; see matmul.cpp `bf16_linear`."""
     return native().bf16_linear(x, packed, bias, n)
+
+
+def set_amx(wanted: bool) -> bool:
+    """Use AMX for the matmuls where it can be (True) or never (False); returns whether AMX is
+    now used (False where the CPU, the compiler or the OS does not offer it)."""
+    return native().set_amx(wanted)
+
+
+def isa() -> str:
+    """What the matmuls run on, per format, e.g. "int8: amx, bf16: amx"."""
+    return native().isa()
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, starts: list[int]) -> Tensor:

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -119,6 +120,97 @@ void attend_one(const scalar_t* q, const scalar_t* k, int64_t k_row, const scala
   for (int64_t d = 0; d < D; ++d) out[d] = scalar_t(acc[d] * inv);
 }
 
+#if defined(__AVX512F__)
+// attend_one for D = 16 * C with the query and the output kept in registers: the same products
+// summed in the same order (so the same bits), without a trip through memory per slot.
+template <int C, typename scalar_t>
+void attend_one_registers(const scalar_t* q, const scalar_t* k, int64_t k_row, const scalar_t* v,
+                          int64_t v_row, int64_t span, float scale, scalar_t* out,
+                          std::vector<float>& scores) {
+  constexpr int64_t D = C * V;
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) {
+    alignas(64) float chunk[V];
+    for (int64_t d = 0; d < V; ++d) chunk[d] = widen(q[c * V + d]) * scale;
+    qv[c] = _mm512_load_ps(chunk);
+  }
+  scores.resize(span);
+  for (int64_t s = 0; s < span; ++s) {
+    const scalar_t* key = k + s * k_row;
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) sum = _mm512_fmadd_ps(qv[c], load16(key + c * V), sum);
+    scores[s] = _mm512_reduce_add_ps(sum);
+  }
+  const float total = exp_shifted(scores.data(), span);
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < span; ++s) {
+    const __m512 p = _mm512_set1_ps(scores[s]);
+    const scalar_t* value = v + s * v_row;
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(value + c * V), acc[c]);
+  }
+  const float inv = 1.f / total;
+  alignas(64) float result[D];
+  for (int c = 0; c < C; ++c) _mm512_store_ps(result + c * V, acc[c]);
+  for (int64_t d = 0; d < D; ++d) out[d] = scalar_t(result[d] * inv);
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// attend_one for bf16 and D = 32 * C, in registers: the scores as bf16 pair dot products of q
+// and k as they are (products exact in fp32, q's scale applied to the sum), the values widened
+// by shifts (even and odd values in separate lanes) and summed over the slots in order.
+template <int C>
+void attend_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t k_row,
+                 const at::BFloat16* v, int64_t v_row, int64_t span, float scale,
+                 at::BFloat16* out, std::vector<float>& scores) {
+  constexpr int64_t PAIRS = 2 * V;  // bf16 values per vector
+  __m512bh qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + c * PAIRS);
+  auto score = [&](const at::BFloat16* key) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c)
+      sum = _mm512_dpbf16_ps(sum, qv[c], (__m512bh)_mm512_loadu_si512(key + c * PAIRS));
+    return _mm512_reduce_add_ps(sum) * scale;
+  };
+  scores.resize(span);
+  int64_t s = 0;
+  for (; s + 4 <= span; s += 4) {  // four independent sums at a time: the same values
+    __m512 sum[4];
+    for (int j = 0; j < 4; ++j) sum[j] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < 4; ++j)
+        sum[j] = _mm512_dpbf16_ps(
+            sum[j], qv[c], (__m512bh)_mm512_loadu_si512(k + (s + j) * k_row + c * PAIRS));
+    for (int j = 0; j < 4; ++j) scores[s + j] = _mm512_reduce_add_ps(sum[j]) * scale;
+  }
+  for (; s < span; ++s) scores[s] = score(k + s * k_row);
+  const float total = exp_shifted(scores.data(), span);
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  __m512 even[C], odd[C];
+  for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+  for (s = 0; s < span; ++s) {
+    const __m512 p = _mm512_set1_ps(scores[s]);
+    const at::BFloat16* value = v + s * v_row;
+    for (int c = 0; c < C; ++c) {
+      const __m512i raw = _mm512_loadu_si512(value + c * PAIRS);
+      even[c] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), even[c]);
+      odd[c] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_and_si512(raw, high)), odd[c]);
+    }
+  }
+  const float inv = 1.f / total;
+  alignas(64) float evens[V], odds[V];
+  for (int c = 0; c < C; ++c) {
+    _mm512_store_ps(evens, even[c]);
+    _mm512_store_ps(odds, odd[c]);
+    for (int64_t i = 0; i < V; ++i) {
+      out[c * PAIRS + 2 * i] = at::BFloat16(evens[i] * inv);
+      out[c * PAIRS + 2 * i + 1] = at::BFloat16(odds[i] * inv);
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 // q [B, H, T, D]; k, v [B, Hkv, S, D] (any strides but a contiguous last dim); starts [B]:
@@ -155,9 +247,30 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / (H * T), h = task / T % H, t = task % T;
         const int64_t kvh = h / group;
-        attend_one(qp + task * D, kp + b * k.stride(0) + kvh * k.stride(1), k.stride(2),
-                   vp + b * v.stride(0) + kvh * v.stride(1), v.stride(2), starts[b] + t + 1, D,
-                   scale, op + task * D, qf, scores, acc);
+        const scalar_t* keys = kp + b * k.stride(0) + kvh * k.stride(1);
+        const scalar_t* values = vp + b * v.stride(0) + kvh * v.stride(1);
+        const int64_t span = starts[b] + t + 1;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          if (D == 64 || D == 128) {
+            auto attend = D == 64 ? attend_bf16<2> : attend_bf16<4>;
+            attend(qp + task * D, keys, k.stride(2), values, v.stride(2), span, scale,
+                   op + task * D, scores);
+            continue;
+          }
+        }
+#endif
+#if defined(__AVX512F__)
+        if (D == 64 || D == 128) {
+          auto attend = D == 64 ? attend_one_registers<4, scalar_t>
+                                : attend_one_registers<8, scalar_t>;
+          attend(qp + task * D, keys, k.stride(2), values, v.stride(2), span, scale,
+                 op + task * D, scores);
+          continue;
+        }
+#endif
+        attend_one(qp + task * D, keys, k.stride(2), values, v.stride(2), span, D, scale,
+                   op + task * D, qf, scores, acc);
       }
     });
   };

@@ -17,6 +17,18 @@
 // accumulates one (row, token) pair by itself: no horizontal sums, and the same order of
 // summation whatever the tile shape. Compiled with -ffp-contract=off so the fp32 epilogue
 // rounds exactly as the Python reference does.
+//
+// AMX (Intel's tile matrix unit, where the compiler targets it and the OS grants it): a tile
+// multiply-add takes up to 16 tokens x 64 bytes of K against 16 rows, so a pass over 2-16 tokens
+// costs about what a 1-token pass does (both stream the weights once; the vector path above
+// spends a multiply-add per token and weight vector). The packed layout above is already AMX's
+// B-tile layout (16 lanes x P values of 16 consecutive k-groups, 256 bytes apart), so both paths
+// read the same weights. int8: exact integer sums, the same bits as the vector path. bf16: AMX
+// sums a lane's pairs in its own fixed order, so when AMX runs a weight it runs it for every
+// token count (a token's bits never depend on the pass), and results may differ from the
+// vector path's in the last bit. Weights whose input width is not a multiple of one tile's K
+// (64 int8 / 32 bf16 values) take the vector path. `set_amx(false)` (or SPECDECODE_AMX=0 at
+// load) selects the vector path everywhere.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +36,7 @@
 #include "dispatch.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -32,6 +45,14 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__linux__)
+#define SPECDECODE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #endif
 
 // Full unrolling of the tile loops lets the compiler keep every accumulator in a register.
@@ -88,20 +109,114 @@ void dot_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp,
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define SPECDECODE_VECTOR_EPILOGUE 1
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {  // bf16 -> fp32: a 16-bit shift
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+// Rounds to bf16 as c10::BFloat16 does (nearest even; NaN -> 0x7FC0), denormals included.
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i top = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(top));
+}
+inline __mmask16 first(int64_t count) {  // the first min(count, 16) lanes
+  return count >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+}
+#endif
+
 // x row [K] -> u8 codes [Kp] = q + 128 (q = round(x * 127 / absmax) in [-127, 127], 0 past K)
 // and its scale absmax / 127.
 template <typename scalar_t>
 void quantize_row(const scalar_t* x, int64_t K, int64_t Kp, uint8_t* codes, float* scale) {
   float absmax = 0.f;
-  for (int64_t k = 0; k < K; ++k) absmax = std::max(absmax, std::abs(float(x[k])));
+  int64_t k = 0;
+#if defined(SPECDECODE_VECTOR_EPILOGUE)
+  __m512 top = _mm512_setzero_ps();
+  for (; k < K; k += LANES) top = _mm512_max_ps(top, _mm512_abs_ps(load16(x + k, first(K - k))));
+  absmax = _mm512_reduce_max_ps(top);
+#endif
+  for (; k < K; ++k) absmax = std::max(absmax, std::abs(float(x[k])));
   absmax = std::max(absmax, 1e-8f);
   const float inv = 127.f / absmax;
-  for (int64_t k = 0; k < K; ++k) {
+  k = 0;
+#if defined(SPECDECODE_VECTOR_EPILOGUE)
+  const __m512 vinv = _mm512_set1_ps(inv), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+  for (; k < K; k += LANES) {
+    const __mmask16 mask = first(K - k);
+    const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(load16(x + k, mask), vinv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i code = _mm512_add_epi32(
+        _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, q))), _mm512_set1_epi32(128));
+    _mm_mask_storeu_epi8(codes + k, mask, _mm512_cvtepi32_epi8(code));
+  }
+#endif
+  for (; k < K; ++k) {
     const float q = std::nearbyint(float(x[k]) * inv);
     codes[k] = uint8_t(int32_t(std::min(127.f, std::max(-127.f, q))) + 128);
   }
   std::fill(codes + K, codes + Kp, uint8_t(128));
   *scale = absmax / 127.f;
+}
+
+// y[t][n] = out_t(float(acc[t][n] - 128 * wsum[n]) * (x_scale[t] * ws[n]) (+ b[n])) for the 16
+// rows n0 .. n0 + 15 (those < N) of T tokens: acc [T, LANES] int32 at stride LANES, y [T, N].
+template <typename out_t>
+void int8_epilogue(const int32_t* acc, int64_t T, int64_t n0, int64_t N, const int32_t* wsum,
+                   const float* ws, const float* b, const float* x_scale, out_t* y) {
+  const int64_t count = std::min(LANES, N - n0);
+#if defined(SPECDECODE_VECTOR_EPILOGUE)
+  const __mmask16 mask = first(count);
+  const __m512i zero_point = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, wsum + n0),
+                                                _mm512_set1_epi32(128));
+  const __m512 w_scale = _mm512_maskz_loadu_ps(mask, ws + n0);
+  const __m512 bias = b == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, b + n0);
+  for (int64_t t = 0; t < T; ++t) {
+    const __m512i dot = _mm512_sub_epi32(_mm512_loadu_si512(acc + t * LANES), zero_point);
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
+                             _mm512_mul_ps(_mm512_set1_ps(x_scale[t]), w_scale));
+    if (b != nullptr) v = _mm512_add_ps(v, bias);
+    store16(y + t * N + n0, v, mask);
+  }
+#else
+  for (int64_t l = 0; l < count; ++l) {
+    const int64_t n = n0 + l;
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t dot = acc[t * LANES + l] - 128 * wsum[n];  // codes carry +128
+      float v = float(dot) * (x_scale[t] * ws[n]);
+      if (b != nullptr) v = v + b[n];
+      y[t * N + n] = out_t(v);  // rounded once to y's dtype
+    }
+  }
+#endif
+}
+
+// y[t][n] = bf16(acc[t][n] (+ b[n])) for the rows n0 .. n0 + 15 (those < N) of T tokens.
+void bf16_epilogue(const float* acc, int64_t T, int64_t n0, int64_t N, const float* b,
+                   at::BFloat16* y) {
+  const int64_t count = std::min(LANES, N - n0);
+#if defined(SPECDECODE_VECTOR_EPILOGUE)
+  const __mmask16 mask = first(count);
+  const __m512 bias = b == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, b + n0);
+  for (int64_t t = 0; t < T; ++t) {
+    __m512 v = _mm512_loadu_ps(acc + t * LANES);
+    if (b != nullptr) v = _mm512_add_ps(v, bias);
+    store16(y + t * N + n0, v, mask);
+  }
+#else
+  for (int64_t l = 0; l < count; ++l)
+    for (int64_t t = 0; t < T; ++t) {
+      const float sum = acc[t * LANES + l];
+      y[t * N + n0 + l] = at::BFloat16(b != nullptr ? sum + b[n0 + l] : sum);
+    }
+#endif
 }
 
 // ---------------------------------------------------------------- bf16
@@ -141,6 +256,132 @@ void dot_bf16(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t
 #endif
 }
 
+// ---------------------------------------------------------------- AMX
+
+constexpr int64_t AMX_TOKENS = 16;   // A-tile rows: tokens per tile multiply
+constexpr int64_t AMX_K_BYTES = 64;  // A-tile columns: bytes of K per tile multiply
+
+#if defined(SPECDECODE_AMX)
+// The tile registers' shapes (the `ldtilecfg` operand, palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per row of each tile register
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the accumulators of the 4 row groups (M tokens x 16 lanes of 4 bytes); tile 4: A,
+// M tokens x 64 bytes of K; tiles 5 and 6: B, 16 k-groups x 64 bytes (taken in turns).
+void configure_tiles(int64_t M) {
+  TileConfig config;
+  for (int i = 0; i < 5; ++i) {
+    config.rows[i] = uint8_t(M);
+    config.colsb[i] = AMX_K_BYTES;
+  }
+  for (int i = 5; i < 7; ++i) {
+    config.rows[i] = 16;
+    config.colsb[i] = AMX_K_BYTES;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Linux hands out the tile registers' state only to a process that asks (once per process).
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
+    constexpr long XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+}
+
+// Whether to use AMX where it can be: SPECDECODE_AMX=0 at load, or set_amx, says no.
+std::atomic<bool> amx_wanted{[] {
+  const char* flag = std::getenv("SPECDECODE_AMX");
+  return flag == nullptr || std::string(flag) != "0";
+}()};
+
+// Prefetches the 4 KB k-step PREFETCH_STEPS ahead of the one at b (the hardware prefetchers stop
+// at page boundaries; a k-step is a page). Reading past a block's end is harmless.
+constexpr int64_t PREFETCH_STEPS = 2;
+inline void prefetch_ahead(const char* b) {
+  const char* ahead = b + PREFETCH_STEPS * ROWS * AMX_K_BYTES;
+  UNROLL for (int64_t line = 0; line < ROWS * AMX_K_BYTES; line += 64)
+    _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
+// Multiplies A (tile 4) by the B tile of each row group g of the k-step at byte address b (4 KB:
+// 16 k-groups of 64 rows x 4 bytes; group g's 64 bytes of each k-group at b + g * 64) into
+// accumulator g, with the tile multiply-add DP.
+#define SPECDECODE_AMX_GROUPS(DP, b)    \
+  _tile_loadd(5, (b) + 0 * 64, ROWS * 4); \
+  DP(0, 4, 5);                          \
+  _tile_loadd(6, (b) + 1 * 64, ROWS * 4); \
+  DP(1, 4, 6);                          \
+  _tile_loadd(5, (b) + 2 * 64, ROWS * 4); \
+  DP(2, 4, 5);                          \
+  _tile_loadd(6, (b) + 3 * 64, ROWS * 4); \
+  DP(3, 4, 6)
+
+// acc [GROUPS, M, LANES] = what dot_u8s8<M> gives, with the tiles configured for M tokens:
+// a u8 codes [M, lda]; b one packed block; Kp % 64 == 0.
+void amx_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp, int64_t M,
+              int32_t* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < Kp; k += AMX_K_BYTES, b += ROWS * AMX_K_BYTES) {
+    prefetch_ahead(reinterpret_cast<const char*>(b));
+    _tile_loadd(4, a + k, lda);
+    SPECDECODE_AMX_GROUPS(_tile_dpbusd, b);
+  }
+  const int64_t stride = LANES * sizeof(int32_t);
+  _tile_stored(0, acc + 0 * M * LANES, stride);
+  _tile_stored(1, acc + 1 * M * LANES, stride);
+  _tile_stored(2, acc + 2 * M * LANES, stride);
+  _tile_stored(3, acc + 3 * M * LANES, stride);
+}
+
+// acc [GROUPS, M, LANES] fp32 sums of a bf16 [M, lda] by one packed bf16 block; Kp % 32 == 0.
+void amx_bf16(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t Kp, int64_t M,
+              float* acc) {
+  constexpr int64_t step = AMX_K_BYTES / sizeof(at::BFloat16);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < Kp; k += step, b += ROWS * step) {
+    prefetch_ahead(reinterpret_cast<const char*>(b));
+    _tile_loadd(4, a + k, lda * sizeof(at::BFloat16));
+    SPECDECODE_AMX_GROUPS(_tile_dpbf16ps, reinterpret_cast<const char*>(b));
+  }
+  const int64_t stride = LANES * sizeof(float);
+  _tile_stored(0, acc + 0 * M * LANES, stride);
+  _tile_stored(1, acc + 1 * M * LANES, stride);
+  _tile_stored(2, acc + 2 * M * LANES, stride);
+  _tile_stored(3, acc + 3 * M * LANES, stride);
+}
+#else
+void amx_u8s8(const uint8_t*, int64_t, const int8_t*, int64_t, int64_t, int32_t*) {
+  TORCH_CHECK(false, "specdecode's kernels were built without AMX");
+}
+void amx_bf16(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64_t, float*) {
+  TORCH_CHECK(false, "specdecode's kernels were built without AMX");
+}
+#endif
+
+// Whether a weight of Kp packed bytes per row runs on AMX here.
+bool use_amx(int64_t row_bytes) {
+#if defined(SPECDECODE_AMX)
+  return amx_wanted && row_bytes % AMX_K_BYTES == 0 && amx_granted();
+#else
+  (void)row_bytes;
+  return false;
+#endif
+}
+
 // ---------------------------------------------------------------- tiling
 
 template <int V>
@@ -161,6 +402,28 @@ void for_each_tile(int64_t blocks, int64_t M, int64_t block_bytes, const Tile& t
           default: tile(Int<1>(), block, m0);
         }
       }
+  });
+}
+
+// for_each_tile for the AMX path: tile(block, m0, T) with T <= AMX_TOKENS and the tile
+// registers configured for T tokens (each thread configures its own, and releases them).
+template <class Tile>
+void for_each_amx_tile(int64_t blocks, int64_t M, int64_t block_bytes, const Tile& tile) {
+  const int64_t grain = std::max<int64_t>(1, TASK_BYTES / block_bytes);
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+#if defined(SPECDECODE_AMX)
+    int64_t configured = 0;
+    for (int64_t block = begin; block < end; ++block)
+      for (int64_t m0 = 0; m0 < M; m0 += AMX_TOKENS) {
+        const int64_t T = std::min(AMX_TOKENS, M - m0);
+        if (T != configured) configure_tiles(T);
+        configured = T;
+        tile(block, m0, T);
+      }
+    _tile_release();
+#else
+    (void)begin, (void)end, (void)tile;
+#endif
   });
 }
 
@@ -223,21 +486,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   auto run = [&](auto type_tag) {
     using out_t = decltype(type_tag);
     out_t* yp = y.data_ptr<out_t>();
+    // acc [GROUPS, T, LANES]: the integer sums of tokens m0 .. m0 + T - 1 by rows of `block`
+    auto store = [&](int64_t block, int64_t m0, int64_t T, const int32_t* acc) {
+      for (int64_t g = 0; g < GROUPS && block * ROWS + g * LANES < N; ++g)
+        int8_epilogue(acc + g * T * LANES, T, block * ROWS + g * LANES, N, wsum, ws, b,
+                      x_scale.data() + m0, yp + m0 * N);
+    };
+    if (use_amx(Kp)) {
+      for_each_amx_tile(w.size(0), M, ROWS * Kp, [&](int64_t block, int64_t m0, int64_t T) {
+        alignas(64) int32_t acc[GROUPS * AMX_TOKENS * LANES];
+        amx_u8s8(codes.data() + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, T, acc);
+        store(block, m0, T, acc);
+      });
+      return;
+    }
     for_each_tile(w.size(0), M, ROWS * Kp, [&](auto tokens, int64_t block, int64_t m0) {
       constexpr int T = decltype(tokens)::value;
       int32_t acc[GROUPS][T][LANES];
       dot_u8s8<T>(codes.data() + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, acc);
-      for (int64_t g = 0; g < GROUPS; ++g)
-        for (int64_t l = 0; l < LANES; ++l) {
-          const int64_t n = block * ROWS + g * LANES + l;
-          if (n >= N) break;
-          for (int t = 0; t < T; ++t) {
-            const int32_t dot = acc[g][t][l] - 128 * wsum[n];  // codes carry +128
-            float v = float(dot) * (x_scale[m0 + t] * ws[n]);
-            if (b != nullptr) v = v + b[n];
-            yp[(m0 + t) * N + n] = out_t(v);  // rounded once to x's dtype
-          }
-        }
+      store(block, m0, T, &acc[0][0][0]);
     });
   };
   fp32_or_bf16(rows.scalar_type(), "int8_linear", run);
@@ -259,22 +526,42 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w,
   const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  for_each_tile(w.size(0), M, ROWS * Kp * 2, [&](auto tokens, int64_t block, int64_t m0) {
-    constexpr int T = decltype(tokens)::value;
-    float acc[GROUPS][T][LANES];
-    dot_bf16<T>(xp + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, acc);
-    for (int64_t g = 0; g < GROUPS; ++g)
-      for (int64_t l = 0; l < LANES; ++l) {
-        const int64_t n = block * ROWS + g * LANES + l;
-        if (n >= N) break;
-        for (int t = 0; t < T; ++t)
-          yp[(m0 + t) * N + n] = at::BFloat16(b != nullptr ? acc[g][t][l] + b[n] : acc[g][t][l]);
-      }
-  });
+  // acc [GROUPS, T, LANES]: the fp32 sums of tokens m0 .. m0 + T - 1 by rows of `block`
+  auto store = [&](int64_t block, int64_t m0, int64_t T, const float* acc) {
+    for (int64_t g = 0; g < GROUPS && block * ROWS + g * LANES < N; ++g)
+      bf16_epilogue(acc + g * T * LANES, T, block * ROWS + g * LANES, N, b, yp + m0 * N);
+  };
+  if (use_amx(Kp * sizeof(at::BFloat16))) {
+    for_each_amx_tile(w.size(0), M, ROWS * Kp * 2, [&](int64_t block, int64_t m0, int64_t T) {
+      alignas(64) float acc[GROUPS * AMX_TOKENS * LANES];
+      amx_bf16(xp + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, T, acc);
+      store(block, m0, T, acc);
+    });
+  } else {
+    for_each_tile(w.size(0), M, ROWS * Kp * 2, [&](auto tokens, int64_t block, int64_t m0) {
+      constexpr int T = decltype(tokens)::value;
+      float acc[GROUPS][T][LANES];
+      dot_bf16<T>(xp + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, acc);
+      store(block, m0, T, &acc[0][0][0]);
+    });
+  }
   return y.view(out_shape(x, N));
 }
 
-// What the compiler targeted, per kernel: "avx512-vnni" / "avx512-bf16" or "portable".
+// Selects (true) or leaves (false) the AMX path; returns whether AMX is now used where it can be
+// (false where it is not compiled in or the OS refuses it).
+bool set_amx(bool wanted) {
+#if defined(SPECDECODE_AMX)
+  amx_wanted = wanted;
+  return wanted && amx_granted();
+#else
+  (void)wanted;
+  return false;
+#endif
+}
+
+// What the kernels run on, per format: "amx", "avx512-vnni" / "avx512-bf16" or "portable"
+// (AMX only for weights whose input width is a multiple of 64 int8 / 32 bf16 values).
 std::string isa() {
   std::string int8 = "portable", bf16 = "portable";
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -283,5 +570,6 @@ std::string isa() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   bf16 = "avx512-bf16";
 #endif
+  if (use_amx(AMX_K_BYTES)) int8 = bf16 = "amx";
   return "int8: " + int8 + ", bf16: " + bf16;
 }

@@ -14,6 +14,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
 std::string isa();
+bool set_amx(bool wanted);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = int8(x) @ w^T * scales + bias, per-token int8 x");
@@ -21,5 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "per-query causal attention over the cache");
   m.def("rms_norm", &rms_norm, "weight * x / rms(x), rms in fp32, row by row");
   m.def("rope_", &rope_, "RoPE in place on the first heads of each token of x [B, T, W]");
-  m.def("isa", &isa, "the instruction sets the kernels were compiled for");
+  m.def("isa", &isa, "the instruction sets the matmuls run on");
+  m.def("set_amx", &set_amx, "select or leave the AMX matmul path; returns whether it is used");
 }
