@@ -4,8 +4,10 @@
 // needs), in one call instead of one Python-level attention per token.
 //
 // Query t of batch row b reads slots 0 .. starts[b] + t. Scores q.k * scale, the softmax and the
-// weighted sum of values are all in fp32 (bf16 inputs are widened, never rounded in between);
-// the output is rounded once to q's dtype. Query head h reads KV head h / (H / Hkv).
+// weighted sum of values are all in fp32 (bf16 inputs are widened, never rounded in between;
+// bf16 scores of head size 64 / 128 are sums of exact bf16 products, scaled after the sum);
+// the output is rounded once to q's dtype. Query head h reads KV head h / (H / Hkv). A query's
+// arithmetic depends only on its own span, never on the other queries of the call.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
