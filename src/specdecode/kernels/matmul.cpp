@@ -24,7 +24,7 @@
 // spends a multiply-add per token and weight vector). The packed layout above is already AMX's
 // B-tile layout (16 lanes x P values of 16 consecutive k-groups, 256 bytes apart), so both paths
 // read the same weights. int8: exact integer sums, the same bits as the vector path, which
-// keeps 1-token passes (it streams them ~2% faster than AMX here). bf16: AMX
+// keeps 1-token passes (AMX measured 0-3% slower there). bf16: AMX
 // sums a lane's pairs in its own fixed order, so when AMX runs a weight it runs it for every
 // token count (a token's bits never depend on the pass), and results may differ from the
 // vector path's in the last bit. Weights whose input width is not a multiple of one tile's K
