@@ -65,8 +65,11 @@ def instrument(model: nn.Module, timers: Timers) -> None:
         if leaf in PROJECTIONS:
             module.forward = timers.wrap(leaf, module.forward)
     model.embed_tokens.forward = timers.wrap("embedding", model.embed_tokens.forward)
-    for fn in ("decode_attention", "rms_norm", "rope_"):
-        part = {"decode_attention": "attention", "rms_norm": "rms_norm", "rope_": "rope"}[fn]
+    for fn, part in (
+        ("decode_attention", "attention"),
+        ("rms_norm", "rms_norm"),
+        ("rope_", "rope"),
+    ):
         setattr(kernels, fn, timers.wrap(part, getattr(kernels, fn)))
     tf._attention = timers.wrap("attention", tf._attention)
     tf.F.silu = timers.wrap("silu", tf.F.silu)

@@ -325,44 +325,48 @@ inline void prefetch_ahead(const char* b) {
   _tile_loadd(6, (b) + 3 * 64, ROWS * 4); \
   DP(3, 4, 6)
 
-// acc [GROUPS, M, LANES] = what dot_u8s8<M> gives, with the tiles configured for M tokens:
-// a u8 codes [M, lda]; b one packed block; Kp % 64 == 0.
-void amx_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp, int64_t M,
-              int32_t* acc) {
+void zero_accumulators() {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t k = 0; k < Kp; k += AMX_K_BYTES, b += ROWS * AMX_K_BYTES) {
-    prefetch_ahead(reinterpret_cast<const char*>(b));
-    _tile_loadd(4, a + k, lda);
-    SPECDECODE_AMX_GROUPS(_tile_dpbusd, b);
-  }
-  const int64_t stride = LANES * sizeof(int32_t);
+}
+
+// acc [GROUPS, M, LANES] <- the accumulator tiles (4-byte int32 or fp32 lanes).
+template <typename acc_t>
+void store_accumulators(acc_t* acc, int64_t M) {
+  static_assert(sizeof(acc_t) == 4, "accumulator lanes are 4 bytes");
+  const int64_t stride = LANES * sizeof(acc_t);
   _tile_stored(0, acc + 0 * M * LANES, stride);
   _tile_stored(1, acc + 1 * M * LANES, stride);
   _tile_stored(2, acc + 2 * M * LANES, stride);
   _tile_stored(3, acc + 3 * M * LANES, stride);
 }
 
+// acc [GROUPS, M, LANES] = what dot_u8s8<M> gives, with the tiles configured for M tokens:
+// a u8 codes [M, lda]; b one packed block; Kp % 64 == 0.
+void amx_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp, int64_t M,
+              int32_t* acc) {
+  zero_accumulators();
+  for (int64_t k = 0; k < Kp; k += AMX_K_BYTES, b += ROWS * AMX_K_BYTES) {
+    prefetch_ahead(reinterpret_cast<const char*>(b));
+    _tile_loadd(4, a + k, lda);
+    SPECDECODE_AMX_GROUPS(_tile_dpbusd, b);
+  }
+  store_accumulators(acc, M);
+}
+
 // acc [GROUPS, M, LANES] fp32 sums of a bf16 [M, lda] by one packed bf16 block; Kp % 32 == 0.
 void amx_bf16(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t Kp, int64_t M,
               float* acc) {
   constexpr int64_t step = AMX_K_BYTES / sizeof(at::BFloat16);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_accumulators();
   for (int64_t k = 0; k < Kp; k += step, b += ROWS * step) {
     prefetch_ahead(reinterpret_cast<const char*>(b));
     _tile_loadd(4, a + k, lda * sizeof(at::BFloat16));
     SPECDECODE_AMX_GROUPS(_tile_dpbf16ps, reinterpret_cast<const char*>(b));
   }
-  const int64_t stride = LANES * sizeof(float);
-  _tile_stored(0, acc + 0 * M * LANES, stride);
-  _tile_stored(1, acc + 1 * M * LANES, stride);
-  _tile_stored(2, acc + 2 * M * LANES, stride);
-  _tile_stored(3, acc + 3 * M * LANES, stride);
+  store_accumulators(acc, M);
 }
 #else
 void amx_u8s8(const uint8_t*, int64_t, const int8_t*, int64_t, int64_t, int32_t*) {
