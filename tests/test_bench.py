@@ -59,19 +59,24 @@ def test_method_specs_parse_into_speculative_configs() -> None:
         "num_speculative_tokens": 8,
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
+        "tree_width": 1,
     }
     assert MethodSpec.parse("ngram:k=5:max=3:min=1").speculative_config() == {
         "method": "ngram",
         "num_speculative_tokens": 5,
         "prompt_lookup_max": 3,
         "prompt_lookup_min": 1,
+        "tree_width": 1,
     }
     draft = MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=4")
     assert draft.speculative_config() == {
         "method": "draft_model",
         "model": "qwen2.5-coder-0.5b",
         "num_speculative_tokens": 4,
+        "tree_width": 1,
     }
+    tree = MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=8:w=3:d=4").speculative_config()
+    assert tree is not None and (tree["tree_width"], tree["tree_depth"]) == (3, 4)
     assert draft.is_speculative and draft.num_speculative_tokens == 4
     assert not draft.is_peer
     peer = MethodSpec.parse("hf-assisted:qwen2.5-coder-0.5b:k=4")
@@ -111,12 +116,14 @@ def test_our_methods_take_a_weight_format() -> None:
         "method": "draft_model",
         "model": "m",
         "num_speculative_tokens": 3,
+        "tree_width": 1,
     }
     assert MethodSpec.parse("draft:m:k=3:q=int8:dq=int4").speculative_config() == {
         "method": "draft_model",
         "model": "m",
         "num_speculative_tokens": 3,
         "quantization": "int4",
+        "tree_width": 1,
     }
     with pytest.raises(ValueError, match="bad option 'dq=int4'"):
         MethodSpec.parse("ngram:k=8:dq=int4")

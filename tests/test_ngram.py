@@ -151,3 +151,32 @@ def test_config_validation(kwargs: dict[str, object], message: str) -> None:
     base = {"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     with pytest.raises(ValueError, match=message):
         NgramConfig(**(base | kwargs))
+
+
+def test_tokens_tree_merges_branches_into_a_trie() -> None:
+    from specdecode.drafters.ngram import tokens_tree
+
+    tokens, tree = tokens_tree([[5, 6, 7], [5, 8], [9]], 4)
+    assert tokens == [5, 6, 7, 8] and tree.parents == (-1, 0, 1, 0)
+    tokens, tree = tokens_tree([[5, 6, 7], [5, 8], [9]], 10)
+    assert tokens == [5, 6, 7, 8, 9] and tree.parents == (-1, 0, 1, 0, -1)
+
+
+def test_tree_width_drafts_several_continuations() -> None:
+    # suffix (1, 2) occurred with continuations 9 6 (latest), 8 5 and 7 1
+    tokens = [1, 2, 7, 1, 2, 8, 5, 1, 2, 9, 6, 3, 1, 2]
+    config = NgramConfig(8, prompt_lookup_max=2, prompt_lookup_min=2, tree_width=3, tree_depth=2)
+    draft = NgramDrafter(config, (EOS,)).propose([FakeSeq("r", tokens)], [8])[0]
+    assert draft.tokens.tolist() == [9, 6, 8, 5, 7, 1]
+    assert draft.tree.parents == (-1, 0, -1, 2, -1, 4) and draft.probs is None
+    narrow = NgramDrafter(NgramConfig(3, 2, 2, tree_width=3), (EOS,))
+    assert narrow.propose([FakeSeq("r", tokens)], [8])[0].tokens.tolist() == [9, 6, 3]
+
+
+def test_tree_width_one_is_the_chain() -> None:
+    random.seed(0)
+    for _ in range(50):
+        tokens = [random.randrange(4) for _ in range(30)]
+        chain = _drafter(k=4, lo=1, hi=3)
+        tree = NgramDrafter(NgramConfig(4, 3, 1, tree_width=1), (EOS,))
+        assert _propose(chain, tokens) == _propose(tree, tokens)

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
+from specdecode.tree.token_tree import TokenTree
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +59,24 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class Draft:
-    """The tokens a drafter proposes for one sequence in one step (a chain)."""
+    """The tokens a drafter proposes for one sequence in one step: a chain, or a tree.
 
-    tokens: Tensor  # [K] int64, K >= 0
-    probs: Tensor | None = None  # [K, V] float32 q of each token; None = deterministic (one-hot)
+    tokens: [K] int64, K >= 0: the chain's tokens in order, or the tree's nodes.
+    probs: [K, V] float32, the distribution each token was drawn from (for a tree node: given
+        its parent's path and its earlier siblings, e.g. q itself for i.i.d. children, q
+        without the earlier siblings for children drawn without replacement); None =
+        deterministic tokens (one-hot q).
+    tree: the tree's shape (`tree.num_nodes == K`), or None for a chain.
+    """
+
+    tokens: Tensor  # [K] int64
+    probs: Tensor | None = None  # [K, V] float32
+    tree: TokenTree | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        """A tree with a branch (a chain-shaped tree is verified as a chain)."""
+        return self.tree is not None and not self.tree.is_chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +99,7 @@ class Verdict:
 
     num_accepted: int  # accepted draft tokens, 0..K
     tokens: Tensor  # [num_accepted + 1] int64: accepted tokens + the recovered or bonus token
+    path: tuple[int, ...] | None = None  # tree drafts: the accepted nodes, root's child first
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,13 +95,16 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def _counters(runs: list[Run]) -> SpecCounters | None:
-    """Our counters of `runs` added together; None when the runs are a peer's."""
+    """Our counters of `runs` added together; None when the runs are a peer's. Counters a
+    record lacks (written before they existed) count 0."""
     counted = [r.spec for r in runs if r.spec is not None]
     if not counted:
         return None
     total = SpecCounters()
     for spec in counted:
-        total += SpecCounters(**{f.name: spec[f.name] for f in fields(SpecCounters)})
+        total += SpecCounters(
+            **{f.name: spec[f.name] for f in fields(SpecCounters) if f.name in spec}
+        )
     return total
 
 

@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from specdecode.errors import UserError
+from specdecode.tree.token_tree import TokenTree
 from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
 
 MAX_SPECULATIVE_TOKENS = 64  # the longest draft; the engine keeps this many spare cache slots
@@ -49,6 +50,20 @@ def check_draft_length(k: object) -> None:
     if not is_positive_int(k) or k > MAX_SPECULATIVE_TOKENS:  # type: ignore[operator]
         raise UserError(
             f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
+        )
+
+
+def check_tree_shape(width: object, depth: object, k: int) -> None:
+    """Refuse a tree_width that is not an int >= 1, or a tree_depth that is not None or an
+    int in 1..k (a tree cannot be deeper than its node count)."""
+    if not is_positive_int(width) or width > MAX_SPECULATIVE_TOKENS:  # type: ignore[operator]
+        raise UserError(
+            f"tree_width must be an int in 1..{MAX_SPECULATIVE_TOKENS} (1 = a chain), got {width!r}"
+        )
+    if depth is not None and (not is_positive_int(depth) or depth > k):  # type: ignore[operator]
+        raise UserError(
+            f"tree_depth must be None (= num_speculative_tokens) or an int in "
+            f"1..num_speculative_tokens = 1..{k}, got {depth!r}"
         )
 
 
@@ -119,8 +134,8 @@ def check_drafter(drafter: object, num_layers: int) -> None:
 
 def check_drafts(drafts: Sequence[Draft], max_tokens: Sequence[int], vocab_size: int) -> None:
     """Refuse drafts that break `propose`'s contract (host-side metadata only, no device sync):
-    one draft per sequence, a 1-D int64 tensor of at most max_tokens[i] tokens, and q None or
-    [k_i, vocab_size]."""
+    one draft per sequence, a 1-D int64 tensor of at most max_tokens[i] tokens (a tree's
+    nodes), q None or [k_i, vocab_size], and a tree None or of k_i nodes."""
     if len(drafts) != len(max_tokens):
         raise ValueError(
             f"the drafter returned {len(drafts)} drafts for {len(max_tokens)} sequences"
@@ -136,4 +151,10 @@ def check_drafts(drafts: Sequence[Draft], max_tokens: Sequence[int], vocab_size:
             raise ValueError(
                 f"draft {i}'s probs must be [{tokens.numel()}, {vocab_size}] or None, got "
                 f"{tuple(draft.probs.shape)}"
+            )
+        tree = draft.tree
+        if tree is not None and (not isinstance(tree, TokenTree) or tree.num_nodes != len(tokens)):
+            raise ValueError(
+                f"draft {i}'s tree must be a TokenTree of {tokens.numel()} nodes (one per "
+                f"token) or None, got {tree!r}"
             )

@@ -17,6 +17,13 @@ tokens t0..t4 (cache holds t0..t3, length 4):
 
 If every draft token is accepted plus a bonus b (committed t0..t4 d1 d2 d3 b, 9 tokens), the
 truncation keeps length 7 and the next propose catches up by feeding [d3, b] at positions 7, 8.
+
+With `tree_width` w > 1 the draft is EAGLE-2's dynamic tree (`drafters.dynamic_tree`): after the
+catch-up, each of `tree_depth` - 1 TREE passes feeds the w frontier nodes at once (each sees the
+committed tokens, its ancestors from earlier passes and itself: `tree_starts`), and the
+`num_speculative_tokens` best nodes by cumulative draft probability form the draft
+(deterministic nodes, `probs=None`). The tree's slots are dropped right after drafting (the
+cache holds the committed tokens); the next propose feeds the accepted tokens and the bonus.
 """
 
 from __future__ import annotations
@@ -29,13 +36,21 @@ import torch
 from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
-from specdecode.drafters.base import Drafter, SeqView, check_draft_length, check_draft_limits
+from specdecode.drafters.base import (
+    Drafter,
+    SeqView,
+    check_draft_length,
+    check_draft_limits,
+    check_tree_shape,
+)
+from specdecode.drafters.dynamic_tree import DynamicTree, log_confidence
 from specdecode.errors import UserError
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.quant import parse_quantization
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
+from specdecode.tree.token_tree import ROOT
 from specdecode.types import Draft, Verdict
 
 if TYPE_CHECKING:
@@ -47,18 +62,23 @@ class DraftModelConfig:
     """speculative_config of a draft model, method "draft_model" (vLLM's form: a "model" key).
 
     model: the draft model (alias, Hugging Face folder or .gguf), with the target's vocabulary.
-    num_speculative_tokens: draft at most this many tokens per step (K, 1..64).
+    num_speculative_tokens: draft at most this many tokens per step (K, 1..64; a tree's nodes).
     quantization: the draft model's weight format ("none", "int8", "int4"); None = the target's.
+    tree_width: children per expanded node of a dynamic tree (1 = a chain of sampled tokens).
+    tree_depth: levels of the tree, one draft pass each (default: K).
     """
 
     model: str
     num_speculative_tokens: int
     quantization: str | None = None
+    tree_width: int = 1
+    tree_depth: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise UserError(f"a draft_model needs 'model' (alias or path), got {self.model!r}")
         check_draft_length(self.num_speculative_tokens)
+        check_tree_shape(self.tree_width, self.tree_depth, self.num_speculative_tokens)
         if self.quantization is not None:
             parse_quantization(self.quantization)
 
@@ -84,7 +104,13 @@ def build_draft_model_drafter(config: DraftModelConfig, context: DrafterContext)
     """The registry's factory: load (or share) the draft model, check its vocabulary."""
     model, tokenizer = context.load_model(config.model, config.quantization)
     check_same_vocabulary(context.tokenizer, tokenizer, config.model)
-    return DraftModelDrafter(model, config.num_speculative_tokens, context.target.config.vocab_size)
+    return DraftModelDrafter(
+        model,
+        config.num_speculative_tokens,
+        context.target.config.vocab_size,
+        config.tree_width,
+        config.tree_depth,
+    )
 
 
 class DraftModelDrafter:
@@ -97,17 +123,25 @@ class DraftModelDrafter:
         model: the draft model; its vocabulary must be the target's (same ids, same size).
         num_speculative_tokens: draft at most this many tokens per step (K, 1..64).
         target_vocab_size: the target's vocabulary size, checked against the draft model's.
+        tree_width: children per expanded node of a dynamic tree (1 = chains).
+        tree_depth: levels of a tree (None = K).
 
     Raises:
-        UserError: K is out of range, or the vocabulary sizes differ.
+        UserError: K or the tree's shape is out of range, or the vocabulary sizes differ.
     """
 
     hidden_layers = None  # needs no hidden states of the target
 
     def __init__(
-        self, model: Transformer, num_speculative_tokens: int, target_vocab_size: int
+        self,
+        model: Transformer,
+        num_speculative_tokens: int,
+        target_vocab_size: int,
+        tree_width: int = 1,
+        tree_depth: int | None = None,
     ) -> None:
         check_draft_length(num_speculative_tokens)
+        check_tree_shape(tree_width, tree_depth, num_speculative_tokens)
         if model.config.vocab_size != target_vocab_size:
             raise UserError(
                 "the draft model's vocabulary size must equal the target's: draft model has "
@@ -115,21 +149,25 @@ class DraftModelDrafter:
             )
         self.model = model
         self.num_speculative_tokens = num_speculative_tokens
+        self.tree_width = tree_width
+        self.tree_depth = tree_depth or num_speculative_tokens
         self._caches: dict[str, KVCache] = {}
 
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        """One sampled draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
+        """One draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
 
         Args:
             seqs: the sequences to draft for.
             max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
 
         Returns:
-            drafts: `Draft(tokens [k_i] int64, probs [k_i, V] float32)` per sequence.
+            drafts: per sequence, a sampled chain `Draft(tokens [k_i] int64, probs [k_i, V]
+            float32)`, or with tree_width > 1 a tree `Draft(tokens [k_i], None, tree)`.
         """
         check_draft_limits(seqs, max_tokens)
+        propose = self._propose_one if self.tree_width == 1 else self._propose_tree
         with torch.inference_mode():
-            return [self._propose_one(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
+            return [propose(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
 
     def commit(self, seq: SeqView, verdict: Verdict) -> None:
         """Roll the cache back to the committed tokens but the last one.
@@ -169,10 +207,58 @@ class DraftModelDrafter:
             new = [token]
         return Draft(tokens, probs)
 
-    def _next_probs(
-        self, cache: KVCache, new: list[int], start: int, st: SamplingTensors
+    def _propose_tree(self, seq: SeqView, max_tokens: int) -> Draft:
+        """Catch up on the committed tokens, then grow a dynamic tree (module docstring)."""
+        ids = seq.token_ids
+        room = self.model.config.max_position_embeddings - len(ids) + 1  # deepest position
+        k = min(max_tokens, self.num_speculative_tokens, max(room, 0))
+        if k == 0 or not ids:
+            return Draft(torch.zeros(0, dtype=torch.long))
+        depth = min(self.tree_depth, k)
+        cache = self._cache_for(seq, len(ids) + self.tree_width * depth)
+        cached = min(cache.lengths[0], len(ids) - 1)
+        cache.truncate(cached)
+        tree = DynamicTree(self.tree_width, k)
+        tree.expand([ROOT], log_confidence(self._last_logits(cache, ids[cached:], cached)))
+        slots: dict[int, int] = {}  # fed candidate -> its slot, counted from len(ids)
+        for _ in range(depth - 1):
+            frontier = tree.frontier
+            tree.expand(frontier, log_confidence(self._feed_frontier(cache, tree, slots, ids)))
+        cache.truncate(len(ids))  # drop the tree's slots: the cache holds the committed tokens
+        tokens, shape = tree.draft()
+        return Draft(torch.tensor(tokens, dtype=torch.long), tree=shape)
+
+    def _feed_frontier(
+        self, cache: KVCache, tree: DynamicTree, slots: dict[int, int], ids: list[int]
     ) -> Tensor:
-        """Feed `new` at positions start.. and return q ([V] float32) after the last of them."""
+        """Feed the frontier's tokens in one TREE pass (each sees the committed tokens, its
+        fed ancestors and itself); record their slots; return their logits [F, V]."""
+        device = self.model.device
+        frontier = tree.frontier
+        start, tree_start = cache.lengths[0], len(ids)
+        offset = start - tree_start  # tree slots cached by earlier levels
+        mask = torch.zeros(1, len(frontier), offset + len(frontier), dtype=torch.bool)
+        for j, node in enumerate(frontier):
+            for ancestor in tree.path(node)[:-1]:
+                mask[0, j, slots[ancestor]] = True
+            slots[node] = offset + j
+            mask[0, j, offset + j] = True
+        cands = [tree.candidates[node] for node in frontier]
+        tokens = torch.tensor([[c.token for c in cands]], device=device)  # [1, F]
+        positions = torch.tensor([[tree_start - 1 + c.depth for c in cands]], device=device)
+        meta = AttentionMetadata(
+            AttentionMode.TREE,
+            (start,),
+            (len(frontier),),
+            positions,
+            mask.to(device),
+            tree_starts=(tree_start,),
+        )
+        logits, _ = self.model(tokens, meta, cache)  # [1, F, V]
+        return logits[0]
+
+    def _last_logits(self, cache: KVCache, new: list[int], start: int) -> Tensor:
+        """Feed `new` at positions start.. and return the logits ([1, V]) after the last."""
         device = self.model.device
         tokens = torch.tensor([new], dtype=torch.long, device=device)  # [1, T]
         # The prompt's first feed is a prefill; later feeds continue the cached prefix.
@@ -180,7 +266,13 @@ class DraftModelDrafter:
         meta = AttentionMetadata.contiguous(mode, [start], [len(new)], device)
         last = torch.tensor([[len(new) - 1]], device=device)  # [1, 1]
         logits, _ = self.model(tokens, meta, cache, logits_index=last)  # [1, 1, V]
-        return probs_from_logits(logits[:, 0], st)[0].cpu()  # [V]
+        return logits[:, 0]
+
+    def _next_probs(
+        self, cache: KVCache, new: list[int], start: int, st: SamplingTensors
+    ) -> Tensor:
+        """Feed `new` at positions start.. and return q ([V] float32) after the last of them."""
+        return probs_from_logits(self._last_logits(cache, new, start), st)[0].cpu()  # [V]
 
     @staticmethod
     def _draw(q: Tensor, st: SamplingTensors, generator: torch.Generator | None) -> int:

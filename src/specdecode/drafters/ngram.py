@@ -2,7 +2,9 @@
 
 A deterministic drafter (q is one-hot, so `Draft.probs` is None), like vLLM's `ngram` method and
 Hugging Face's `prompt_lookup_num_tokens`. Each sequence keeps an incremental index, so a propose
-costs a few dictionary look-ups whatever the history's length.
+costs a few dictionary look-ups whatever the history's length. With `tree_width` > 1 the draft
+is a tree: the continuations of several earlier occurrences (most recent first, longest suffix
+first) merged into a trie, so one verification pass tries them all.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from specdecode.drafters.base import (
     SeqView,
     check_draft_length,
     check_draft_limits,
+    check_tree_shape,
     is_positive_int,
 )
 from specdecode.errors import UserError
+from specdecode.tree.token_tree import ROOT, TokenTree
 from specdecode.types import Draft, Verdict
 
 if TYPE_CHECKING:
@@ -30,17 +34,23 @@ if TYPE_CHECKING:
 class NgramConfig:
     """speculative_config of the n-gram (prompt lookup) drafter, method "ngram".
 
-    num_speculative_tokens: draft at most this many tokens per step (K, 1..64).
+    num_speculative_tokens: draft at most this many tokens per step (K, 1..64; a tree's
+        nodes).
     prompt_lookup_max: the longest suffix (n-gram) looked up; tried first.
     prompt_lookup_min: the shortest suffix looked up; tried last (default min(2, max)).
+    tree_width: continuations merged into a tree draft (1 = a chain, the one continuation).
+    tree_depth: tokens per continuation (default: K).
     """
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int | None = None
+    tree_width: int = 1
+    tree_depth: int | None = None
 
     def __post_init__(self) -> None:
         check_draft_length(self.num_speculative_tokens)
+        check_tree_shape(self.tree_width, self.tree_depth, self.num_speculative_tokens)
         if self.prompt_lookup_min is None and is_positive_int(self.prompt_lookup_max):
             object.__setattr__(self, "prompt_lookup_min", min(2, self.prompt_lookup_max))
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -52,7 +62,8 @@ class NgramConfig:
 
 
 class _SuffixIndex:
-    """For one sequence: each n-gram (min <= n <= max) -> start of its last occurrence.
+    """For one sequence: each n-gram (min <= n <= max) -> start of its last occurrence (and,
+    with `keep_all`, the starts of all its occurrences).
 
     An n-gram is indexed only once the token after it is known, so the suffix of the history
     is never found as its own earlier occurrence. Worked example, min = max = 2:
@@ -69,14 +80,24 @@ class _SuffixIndex:
     Attributes:
         last_start: n-gram tuple -> start position of its most recent occurrence that has a
             continuation (tuples of different n never collide, so one dict serves every n).
+        all_starts: n-gram tuple -> starts of all its occurrences with a continuation, in
+            increasing order; None unless `keep_all` (tree drafts).
         num_indexed: length of the history already indexed (its continuations are all in).
     """
 
-    __slots__ = ("last_start", "num_indexed")
+    __slots__ = ("all_starts", "last_start", "num_indexed")
 
-    def __init__(self) -> None:
+    def __init__(self, keep_all: bool = False) -> None:
         self.last_start: dict[tuple[int, ...], int] = {}
+        self.all_starts: dict[tuple[int, ...], list[int]] | None = {} if keep_all else None
         self.num_indexed = 0
+
+    def occurrences(self, gram: tuple[int, ...], limit: int) -> list[int]:
+        """The starts of `gram`'s last `limit` occurrences, the most recent first."""
+        if self.all_starts is not None:
+            return self.all_starts.get(gram, [])[::-1][:limit]
+        start = self.last_start.get(gram)
+        return [] if start is None or limit < 1 else [start]
 
     def extend(self, tokens: list[int], min_n: int, max_n: int) -> None:
         """Index every n-gram whose continuation lies in `tokens[num_indexed:]`.
@@ -89,6 +110,8 @@ class _SuffixIndex:
         """
         if len(tokens) < self.num_indexed:  # the history was rolled back: start over
             self.last_start.clear()
+            if self.all_starts is not None:
+                self.all_starts.clear()
             self.num_indexed = 0
         end = len(tokens)
         for n in range(min_n, max_n + 1):
@@ -96,7 +119,11 @@ class _SuffixIndex:
             if first >= end - n:  # no new n-gram with a continuation (and no negative slices)
                 continue
             grams = zip(*(tokens[first + j : end - n + j] for j in range(n)), strict=True)
-            self.last_start.update(zip(grams, range(first, end - n), strict=True))
+            if self.all_starts is None:
+                self.last_start.update(zip(grams, range(first, end - n), strict=True))
+                continue
+            for gram, start in zip(grams, range(first, end - n), strict=True):
+                self.all_starts.setdefault(gram, []).append(start)
         self.num_indexed = end
 
 
@@ -107,7 +134,10 @@ class NgramDrafter:
     `token_ids` (prompt + committed output) are looked up; the first n with an earlier
     occurrence wins and its continuation is proposed, at most
     min(max_tokens[i], num_speculative_tokens) tokens, never past the end of the history and
-    cut just before the first EOS token. No match gives an empty draft.
+    cut just before the first EOS token. No match gives an empty draft. With
+    `tree_width` w > 1, the continuations (of at most `tree_depth` tokens each) of the last w
+    occurrences, longest suffix first, then the most recent, are merged into a trie of at most
+    min(max_tokens[i], num_speculative_tokens) nodes (`tokens_tree`).
 
     Args:
         config: draft length and n-gram range.
@@ -132,10 +162,15 @@ class NgramDrafter:
             drafts: `Draft(tokens [K_i] int64, probs=None)` per sequence, K_i may be 0.
         """
         check_draft_limits(seqs, max_tokens)
-        return [
-            Draft(tokens=torch.tensor(self._propose_one(seq, k), dtype=torch.long))
-            for seq, k in zip(seqs, max_tokens, strict=True)
-        ]
+        drafts = []
+        for seq, limit in zip(seqs, max_tokens, strict=True):
+            k = min(limit, self.config.num_speculative_tokens)
+            if self.config.tree_width == 1:
+                tokens, tree = self._propose_one(seq, k), None
+            else:
+                tokens, tree = tokens_tree(self._continuations(seq, k), k)
+            drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), tree=tree))
+        return drafts
 
     def commit(self, seq: SeqView, verdict: Verdict) -> None:
         """Index the tokens of `verdict`, already appended to `seq.token_ids`."""
@@ -149,16 +184,16 @@ class NgramDrafter:
         """The sequence's index, brought up to date with its history (built on first use)."""
         index = self._indexes.get(seq.request_id)
         if index is None:
-            index = self._indexes[seq.request_id] = _SuffixIndex()
+            index = _SuffixIndex(keep_all=self.config.tree_width > 1)
+            self._indexes[seq.request_id] = index
         tokens = seq.token_ids
         if index.num_indexed != len(tokens):
             index.extend(tokens, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         return index, tokens
 
-    def _propose_one(self, seq: SeqView, max_tokens: int) -> list[int]:
-        """The draft of one sequence as a list of token ids (possibly empty)."""
+    def _propose_one(self, seq: SeqView, k: int) -> list[int]:
+        """The chain draft of one sequence, at most k tokens (possibly none)."""
         index, tokens = self._sync(seq)
-        k = min(max_tokens, self.config.num_speculative_tokens)
         length = len(tokens)
         if k == 0:
             return []
@@ -170,12 +205,56 @@ class NgramDrafter:
                 return self._cut_at_eos(tokens[start + n : min(start + n + k, length)])
         return []
 
+    def _continuations(self, seq: SeqView, k: int) -> list[list[int]]:
+        """Up to `tree_width` continuations of the current suffix (longest n first, then the
+        most recent occurrence), each at most `tree_depth` (and k) tokens, cut at EOS."""
+        index, tokens = self._sync(seq)
+        width, length = self.config.tree_width, len(tokens)
+        depth = min(k, self.config.tree_depth or self.config.num_speculative_tokens)
+        found: list[list[int]] = []
+        if k == 0:
+            return found
+        for n in range(
+            min(self.config.prompt_lookup_max, length), self.config.prompt_lookup_min - 1, -1
+        ):
+            for start in index.occurrences(tuple(tokens[length - n :]), width):
+                cont = self._cut_at_eos(tokens[start + n : min(start + n + depth, length)])
+                if cont and cont not in found:
+                    found.append(cont)
+                if len(found) == width:
+                    return found
+        return found
+
     def _cut_at_eos(self, draft: list[int]) -> list[int]:
         """`draft` up to, not including, its first EOS token."""
         for i, token in enumerate(draft):
             if token in self.eos_token_ids:
                 return draft[:i]
         return draft
+
+
+def tokens_tree(branches: Sequence[Sequence[int]], budget: int) -> tuple[list[int], TokenTree]:
+    """Merge token sequences into a trie of at most `budget` nodes, in order (a branch that
+    does not fit is cut). Returns the node tokens and the tree's shape.
+
+    Example: [[5, 6, 7], [5, 8], [9]], budget 4 -> tokens [5, 6, 7, 8], parents
+    (-1, 0, 1, 0): 5 -> 6 -> 7 and 5 -> 8; [9] does not fit.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for branch in branches:
+        node = ROOT
+        for token in branch:
+            nxt = child.get((node, token))
+            if nxt is None:
+                if len(tokens) == budget:
+                    break
+                nxt = child[(node, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+            node = nxt
+    return tokens, TokenTree(tuple(parents))
 
 
 def build_ngram_drafter(config: NgramConfig, context: DrafterContext) -> NgramDrafter:

@@ -78,14 +78,25 @@ DRAFTERS: dict[str, DrafterMethod] = {
             NgramConfig,
             build_ngram_drafter,
             "ngram",
-            {"k": "num_speculative_tokens", "max": "prompt_lookup_max", "min": "prompt_lookup_min"},
+            {
+                "k": "num_speculative_tokens",
+                "max": "prompt_lookup_max",
+                "min": "prompt_lookup_min",
+                "w": "tree_width",
+                "d": "tree_depth",
+            },
         ),
         DrafterMethod(
             "draft_model",
             DraftModelConfig,
             build_draft_model_drafter,
             "draft",
-            {"k": "num_speculative_tokens", "dq": "quantization"},
+            {
+                "k": "num_speculative_tokens",
+                "dq": "quantization",
+                "w": "tree_width",
+                "d": "tree_depth",
+            },
             model_field="model",
         ),
     )

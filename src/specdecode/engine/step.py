@@ -1,10 +1,13 @@
 """One speculative step for a batch: draft -> verify -> commit.
 
 Cache invariant: a request's cache row holds all its committed tokens but the last one, which
-is fed as the first input of the next step. A step feeds [last, d_1 .. d_K] at positions
-L .. L + K (L = cached length) in one DECODE pass (each token attends as a one-token step
-would); the logits at those positions give p for d_1 .. d_K and for the bonus token. After the
-verdict the row is rolled back to L + 1 + accepted.
+is fed as the first input of the next step. A step of chains feeds [last, d_1 .. d_K] at
+positions L .. L + K (L = cached length) in one DECODE pass (each token attends as a one-token
+step would); the logits at those positions give p for d_1 .. d_K and for the bonus token. After
+the verdict the row is rolled back to L + 1 + accepted. A step with a tree draft in the batch
+feeds every row's [last, nodes...] in one TREE pass (`specdecode.tree.batch`; chains ride along
+as chain-shaped trees), verifies with `verify_tree` and keeps the accepted path with
+`KVCache.compact`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.transformer import Transformer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import verdicts, verify_chain
+from specdecode.sampling.tree import verify_tree
+from specdecode.tree.batch import kept_offsets, tree_metadata
+from specdecode.tree.token_tree import TokenTree
 from specdecode.types import Draft, TargetFeatures, Verdict
 
 
@@ -51,14 +57,16 @@ def pad_drafts(
 
 
 def keep_features(
-    reqs: Seq[Request], starts: Seq[int], counts: Seq[int], hidden: Tensor | None
+    reqs: Seq[Request], starts: Seq[int], kept: Seq[int | Seq[int]], hidden: Tensor | None
 ) -> None:
-    """Leave each request the hidden states its drafter asked for: row b's first counts[b]
-    positions of `hidden` ([B, T, F], None = none asked), for tokens from index starts[b]."""
+    """Leave each request the hidden states its drafter asked for, for tokens from index
+    starts[b]: of row b of `hidden` ([B, T, F], None = none asked), the first kept[b]
+    positions, or the positions kept[b] lists (a tree's kept path)."""
     if hidden is None:
         return
-    for row, (req, start, count) in enumerate(zip(reqs, starts, counts, strict=True)):
-        req.features = TargetFeatures(start, hidden[row, :count])
+    for row, (req, start, keep) in enumerate(zip(reqs, starts, kept, strict=True)):
+        states = hidden[row, :keep] if isinstance(keep, int) else hidden[row, list(keep)]
+        req.features = TargetFeatures(start, states)
 
 
 def verify(
@@ -69,29 +77,38 @@ def verify(
     st: SamplingTensors,
     hidden_layers: tuple[int, ...] | None = None,
 ) -> list[Verdict]:
-    """Run [last token, draft...] of every row through the target and verify the drafts;
-    with `hidden_layers`, keep the hidden states of the tokens kept (see `keep_features`)."""
+    """Run [last token, draft...] of every row through the target and verify the drafts
+    (chains, or trees when any draft is one); with `hidden_layers`, keep the hidden states of
+    the tokens kept (see `keep_features`)."""
     device = model.device
     draft_tokens, q, num_draft = pad_drafts(drafts, model.config.vocab_size, device)
     last = torch.tensor([r.output_ids[-1] for r in reqs], device=device)  # [B]
     tokens = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, K + 1]
-    meta = AttentionMetadata.contiguous(
-        AttentionMode.DECODE,
-        cache.lengths,
-        [1 + int(d.tokens.numel()) for d in drafts],
-        device,
-        width=tokens.shape[1],
-        max_positions=model.config.max_position_embeddings,
-    )
+    starts, limit = cache.lengths, model.config.max_position_embeddings
+    trees = None
+    if any(d.is_tree for d in drafts):
+        trees = [d.tree or TokenTree.chain(int(d.tokens.numel())) for d in drafts]
+        meta = tree_metadata(starts, trees, tokens.shape[1], device, limit)
+    else:
+        sizes = [1 + int(d.tokens.numel()) for d in drafts]
+        meta = AttentionMetadata.contiguous(
+            AttentionMode.DECODE, starts, sizes, device, tokens.shape[1], limit
+        )
     logits, hidden = model(tokens, meta, cache, hidden_layers=hidden_layers)  # [B, K + 1, V]
     p = probs_from_logits(logits, st)  # [B, K + 1, V]
-    num_accepted, out = verify_chain(
-        p, draft_tokens, q, num_draft, [r.generator for r in reqs], greedy=st.greedy
-    )
-    accepted = num_accepted.tolist()
-    cache.truncate([s + 1 + a for s, a in zip(meta.starts, accepted, strict=True)])
-    keep_features(reqs, meta.starts, [1 + a for a in accepted], hidden if hidden_layers else None)
-    return verdicts(num_accepted, out)
+    generators = [r.generator for r in reqs]
+    hidden = hidden if hidden_layers else None
+    if trees is None:
+        num_accepted, out = verify_chain(p, draft_tokens, q, num_draft, generators, st.greedy)
+        accepted = num_accepted.tolist()
+        cache.truncate([s + 1 + a for s, a in zip(meta.starts, accepted, strict=True)])
+        keep_features(reqs, meta.starts, [1 + a for a in accepted], hidden)
+        return verdicts(num_accepted, out)
+    num_accepted, out, paths = verify_tree(p, draft_tokens, q, trees, generators, st.greedy)
+    kept = kept_offsets(paths)
+    cache.compact(meta.starts, kept)
+    keep_features(reqs, meta.starts, kept, hidden)
+    return verdicts(num_accepted, out, paths)
 
 
 def commit(
@@ -106,9 +123,9 @@ def commit(
     for req, draft, verdict in zip(reqs, drafts, verdicts, strict=True):
         before = len(req.output_ids)
         texts.append(outputs.process(req, req.append(verdict.tokens.tolist())))
-        req.spec.record(
-            int(draft.tokens.numel()), verdict.num_accepted, len(req.output_ids) - before
-        )
+        depth = draft.tree.depth if draft.tree is not None else None
+        emitted = len(req.output_ids) - before
+        req.spec.record(int(draft.tokens.numel()), verdict.num_accepted, emitted, depth)
         drafter.commit(req, verdict)
     return texts
 

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -124,10 +125,19 @@ def isa() -> str:
     return native().isa()
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, starts: list[int]) -> Tensor:
-    """Per-query causal attention: q [B, H, T, D], k and v [B, Hkv, S, D]; query t of row b
-    reads slots 0 .. starts[b] + t. Returns [B, H, T, D]; see attention.cpp."""
-    return native().decode_attention(q, k, v, starts)
+def decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    starts: Sequence[int],
+    tree_starts: Sequence[int] = (),
+    tree_mask: Tensor | None = None,
+) -> Tensor:
+    """Per-query attention: q [B, H, T, D], k and v [B, Hkv, S, D]. Query t of row b reads
+    slots 0 .. starts[b] + t; with `tree_mask` ([B, T, M] bool) and `tree_starts` ([B]) it
+    reads slots 0 .. tree_starts[b] - 1 and tree_starts[b] + r where tree_mask[b, t, r].
+    Returns [B, H, T, D]; see attention.cpp."""
+    return native().decode_attention(q, k, v, list(starts), list(tree_starts), tree_mask)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -3,7 +3,10 @@
 // output is bit for bit independent of how many tokens the pass holds (what exact verification
 // needs), in one call instead of one Python-level attention per token.
 //
-// Query t of batch row b reads slots 0 .. starts[b] + t. Scores q.k * scale, the softmax and the
+// Query t of batch row b reads slots 0 .. starts[b] + t; in a tree pass it reads slots
+// 0 .. tree_starts[b] - 1 and then the slots tree_starts[b] + r that its mask row allows (its
+// ancestors and itself), in increasing order: the same keys in the same order as a chain pass
+// over its own path, so the same bits. Scores q.k * scale, the softmax and the
 // weighted sum of values are all in fp32 (bf16 inputs are widened, never rounded in between;
 // bf16 scores of head size 64 / 128 are sums of exact bf16 products, scaled after the sum);
 // the output is rounded once to q's dtype. Query head h reads KV head h / (H / Hkv). A query's
@@ -31,6 +34,22 @@ constexpr int64_t V = 16;  // fp32 lanes per vector
 
 inline float widen(float x) { return x; }
 inline float widen(at::BFloat16 x) { return float(x); }
+
+// The slots one query reads, in order. Contiguous: 0 .. n - 1 (decode and chain passes).
+struct Contiguous {
+  int64_t n;
+  int64_t size() const { return n; }
+  int64_t operator[](int64_t i) const { return i; }
+};
+
+// Tree: 0 .. prefix - 1, then prefix + extra[j] for j < count (extra increasing).
+struct Listed {
+  int64_t prefix;
+  const int64_t* extra;
+  int64_t count;
+  int64_t size() const { return prefix + count; }
+  int64_t operator[](int64_t i) const { return i < prefix ? i : prefix + extra[i - prefix]; }
+};
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -107,17 +126,18 @@ float exp_shifted(float* scores, int64_t n) {
   return total;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename Slots>
 void attend_one(const scalar_t* q, const scalar_t* k, int64_t k_row, const scalar_t* v,
-                int64_t v_row, int64_t span, int64_t D, float scale, scalar_t* out,
+                int64_t v_row, const Slots& slots, int64_t D, float scale, scalar_t* out,
                 std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t span = slots.size();
   qf.resize(D);
   for (int64_t d = 0; d < D; ++d) qf[d] = widen(q[d]) * scale;
   scores.resize(span);
-  for (int64_t s = 0; s < span; ++s) scores[s] = dot(qf.data(), k + s * k_row, D);
+  for (int64_t s = 0; s < span; ++s) scores[s] = dot(qf.data(), k + slots[s] * k_row, D);
   const float total = exp_shifted(scores.data(), span);
   acc.assign(D, 0.f);
-  for (int64_t s = 0; s < span; ++s) axpy(scores[s], v + s * v_row, acc.data(), D);
+  for (int64_t s = 0; s < span; ++s) axpy(scores[s], v + slots[s] * v_row, acc.data(), D);
   const float inv = 1.f / total;
   for (int64_t d = 0; d < D; ++d) out[d] = scalar_t(acc[d] * inv);
 }
@@ -125,11 +145,12 @@ void attend_one(const scalar_t* q, const scalar_t* k, int64_t k_row, const scala
 #if defined(__AVX512F__)
 // attend_one for D = 16 * C with the query and the output kept in registers: the same products
 // summed in the same order (so the same bits), without a trip through memory per slot.
-template <int C, typename scalar_t>
+template <int C, typename scalar_t, typename Slots>
 void attend_one_registers(const scalar_t* q, const scalar_t* k, int64_t k_row, const scalar_t* v,
-                          int64_t v_row, int64_t span, float scale, scalar_t* out,
+                          int64_t v_row, const Slots& slots, float scale, scalar_t* out,
                           std::vector<float>& scores) {
   constexpr int64_t D = C * V;
+  const int64_t span = slots.size();
   __m512 qv[C];
   for (int c = 0; c < C; ++c) {
     alignas(64) float chunk[V];
@@ -138,7 +159,7 @@ void attend_one_registers(const scalar_t* q, const scalar_t* k, int64_t k_row, c
   }
   scores.resize(span);
   for (int64_t s = 0; s < span; ++s) {
-    const scalar_t* key = k + s * k_row;
+    const scalar_t* key = k + slots[s] * k_row;
     __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < C; ++c) sum = _mm512_fmadd_ps(qv[c], load16(key + c * V), sum);
     scores[s] = _mm512_reduce_add_ps(sum);
@@ -148,7 +169,7 @@ void attend_one_registers(const scalar_t* q, const scalar_t* k, int64_t k_row, c
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t s = 0; s < span; ++s) {
     const __m512 p = _mm512_set1_ps(scores[s]);
-    const scalar_t* value = v + s * v_row;
+    const scalar_t* value = v + slots[s] * v_row;
     for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(value + c * V), acc[c]);
   }
   const float inv = 1.f / total;
@@ -162,11 +183,12 @@ void attend_one_registers(const scalar_t* q, const scalar_t* k, int64_t k_row, c
 // attend_one for bf16 and D = 32 * C, in registers: the scores as bf16 pair dot products of q
 // and k as they are (products exact in fp32, q's scale applied to the sum), the values widened
 // by shifts (even and odd values in separate lanes) and summed over the slots in order.
-template <int C>
+template <int C, typename Slots>
 void attend_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t k_row,
-                 const at::BFloat16* v, int64_t v_row, int64_t span, float scale,
+                 const at::BFloat16* v, int64_t v_row, const Slots& slots, float scale,
                  at::BFloat16* out, std::vector<float>& scores) {
   constexpr int64_t PAIRS = 2 * V;  // bf16 values per vector
+  const int64_t span = slots.size();
   __m512bh qv[C];
   for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + c * PAIRS);
   auto score = [&](const at::BFloat16* key) {
@@ -183,17 +205,17 @@ void attend_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t k_row,
     for (int c = 0; c < C; ++c)
       for (int j = 0; j < 4; ++j)
         sum[j] = _mm512_dpbf16_ps(
-            sum[j], qv[c], (__m512bh)_mm512_loadu_si512(k + (s + j) * k_row + c * PAIRS));
+            sum[j], qv[c], (__m512bh)_mm512_loadu_si512(k + slots[s + j] * k_row + c * PAIRS));
     for (int j = 0; j < 4; ++j) scores[s + j] = _mm512_reduce_add_ps(sum[j]) * scale;
   }
-  for (; s < span; ++s) scores[s] = score(k + s * k_row);
+  for (; s < span; ++s) scores[s] = score(k + slots[s] * k_row);
   const float total = exp_shifted(scores.data(), span);
   const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
   __m512 even[C], odd[C];
   for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
   for (s = 0; s < span; ++s) {
     const __m512 p = _mm512_set1_ps(scores[s]);
-    const at::BFloat16* value = v + s * v_row;
+    const at::BFloat16* value = v + slots[s] * v_row;
     for (int c = 0; c < C; ++c) {
       const __m512i raw = _mm512_loadu_si512(value + c * PAIRS);
       even[c] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), even[c]);
@@ -213,12 +235,42 @@ void attend_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t k_row,
 }
 #endif
 
+// One query: the attention over `slots` with the fastest exact routine for its dtype and D.
+template <typename scalar_t, typename Slots>
+void attend(const scalar_t* q, const scalar_t* keys, int64_t k_row, const scalar_t* values,
+            int64_t v_row, const Slots& slots, int64_t D, float scale, scalar_t* out,
+            std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    if (D == 64 || D == 128) {
+      auto run = D == 64 ? attend_bf16<2, Slots> : attend_bf16<4, Slots>;
+      run(q, keys, k_row, values, v_row, slots, scale, out, scores);
+      return;
+    }
+  }
+#endif
+#if defined(__AVX512F__)
+  if (D == 64 || D == 128) {
+    auto run = D == 64 ? attend_one_registers<4, scalar_t, Slots>
+                       : attend_one_registers<8, scalar_t, Slots>;
+    run(q, keys, k_row, values, v_row, slots, scale, out, scores);
+    return;
+  }
+#endif
+  attend_one(q, keys, k_row, values, v_row, slots, D, scale, out, qf, scores, acc);
+}
+
 }  // namespace
 
 // q [B, H, T, D]; k, v [B, Hkv, S, D] (any strides but a contiguous last dim); starts [B]:
-// query t of row b attends to slots 0 .. starts[b] + t. Returns [B, H, T, D] in q's dtype.
+// query t of row b attends to slots 0 .. starts[b] + t. Tree passes also give tree_starts [B]
+// and tree_mask [B, T, M] bool: query t of row b then attends to slots 0 .. tree_starts[b] - 1
+// and to tree_starts[b] + r wherever tree_mask[b, t, r] (which must hold for its own slot
+// starts[b] + t and for no later slot). Returns [B, H, T, D] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::vector<int64_t>& starts) {
+                            const std::vector<int64_t>& starts,
+                            const std::vector<int64_t>& tree_starts,
+                            const c10::optional<at::Tensor>& tree_mask) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
               "specdecode kernels run on the CPU");
@@ -234,6 +286,34 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   for (const int64_t start : starts)
     TORCH_CHECK(start >= 0 && start + T <= S, "start ", start, " + ", T,
                 " new tokens exceed the ", S, " cached slots");
+  // Tree passes: per (row, query), the increasing offsets r past tree_starts[b] it may read.
+  const bool tree = tree_mask.has_value();
+  std::vector<int64_t> extra, extra_begin(B * T + 1, 0);
+  if (tree) {
+    const at::Tensor mask = tree_mask->to(at::kBool).contiguous();
+    TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == T,
+                "tree_mask must be [B, T, M] = [", B, ", ", T, ", M], got ", mask.sizes());
+    TORCH_CHECK(int64_t(tree_starts.size()) == B, "one tree start per batch row");
+    const int64_t M = mask.size(2);
+    const bool* mp = mask.data_ptr<bool>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t offset = starts[b] - tree_starts[b];  // tree slots cached before the pass
+      TORCH_CHECK(offset >= 0 && offset + T <= M, "row ", b, ": tree start ", tree_starts[b],
+                  " must lie in 0 .. start ", starts[b], " and the mask must cover ",
+                  offset + T, " slots, got ", M);
+      for (int64_t t = 0; t < T; ++t) {
+        const bool* row = mp + (b * T + t) * M;
+        TORCH_CHECK(row[offset + t], "row ", b, ", query ", t, ": a query must see itself");
+        for (int64_t r = 0; r < M; ++r) {
+          if (!row[r]) continue;
+          TORCH_CHECK(r <= offset + t, "row ", b, ", query ", t, " may not see the later slot ",
+                      tree_starts[b] + r);
+          extra.push_back(r);
+        }
+        extra_begin[b * T + t + 1] = int64_t(extra.size());
+      }
+    }
+  }
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);  // [B, H, T, D]
   const int64_t group = H / Hkv;
@@ -251,28 +331,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         const int64_t kvh = h / group;
         const scalar_t* keys = kp + b * k.stride(0) + kvh * k.stride(1);
         const scalar_t* values = vp + b * v.stride(0) + kvh * v.stride(1);
-        const int64_t span = starts[b] + t + 1;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-          if (D == 64 || D == 128) {
-            auto attend = D == 64 ? attend_bf16<2> : attend_bf16<4>;
-            attend(qp + task * D, keys, k.stride(2), values, v.stride(2), span, scale,
-                   op + task * D, scores);
-            continue;
-          }
+        if (tree) {
+          const int64_t first = extra_begin[b * T + t], count = extra_begin[b * T + t + 1] - first;
+          const Listed slots{tree_starts[b], extra.data() + first, count};
+          attend(qp + task * D, keys, k.stride(2), values, v.stride(2), slots, D, scale,
+                 op + task * D, qf, scores, acc);
+        } else {
+          const Contiguous slots{starts[b] + t + 1};
+          attend(qp + task * D, keys, k.stride(2), values, v.stride(2), slots, D, scale,
+                 op + task * D, qf, scores, acc);
         }
-#endif
-#if defined(__AVX512F__)
-        if (D == 64 || D == 128) {
-          auto attend = D == 64 ? attend_one_registers<4, scalar_t>
-                                : attend_one_registers<8, scalar_t>;
-          attend(qp + task * D, keys, k.stride(2), values, v.stride(2), span, scale,
-                 op + task * D, scores);
-          continue;
-        }
-#endif
-        attend_one(qp + task * D, keys, k.stride(2), values, v.stride(2), span, D, scale,
-                   op + task * D, qf, scores, acc);
       }
     });
   };

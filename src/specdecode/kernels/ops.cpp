@@ -10,7 +10,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w,
                        const c10::optional<at::Tensor>& bias, int64_t N);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::vector<int64_t>& starts);
+                            const std::vector<int64_t>& starts,
+                            const std::vector<int64_t>& tree_starts,
+                            const c10::optional<at::Tensor>& tree_mask);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
 std::string isa();
@@ -19,7 +21,7 @@ bool set_amx(bool wanted);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = int8(x) @ w^T * scales + bias, per-token int8 x");
   m.def("bf16_linear", &bf16_linear, "y = x @ w^T + bias in bf16 with fp32 sums");
-  m.def("decode_attention", &decode_attention, "per-query causal attention over the cache");
+  m.def("decode_attention", &decode_attention, "per-query causal or tree attention over the cache");
   m.def("rms_norm", &rms_norm, "weight * x / rms(x), rms in fp32, row by row");
   m.def("rope_", &rope_, "RoPE in place on the first heads of each token of x [B, T, W]");
   m.def("isa", &isa, "the instruction sets the matmuls run on");

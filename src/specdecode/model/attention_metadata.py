@@ -29,7 +29,11 @@ class AttentionMode(Enum):
     DECODE: causal, and each new token attends by itself, exactly as a one-token step would
         (row-exact where the model's kernels allow it): decode steps, chain verification, a
         drafter's catch-up. Valid for any starts, so a batch may mix fresh and running rows.
-    TREE: new token t sees new token r iff `tree_mask[b, t, r]` (token trees).
+    TREE: each new token attends by itself (like DECODE) to the slots before `tree_starts[b]`
+        and to the slots `tree_starts[b] + r` where `tree_mask[b, t, r]`: token trees, whose
+        nodes see their ancestors and themselves. `tree_starts` defaults to `starts` (a tree
+        fed in one pass); a drafter that grows a tree over several passes sets it to where the
+        tree began, so its mask also covers the nodes earlier passes cached.
     """
 
     PREFILL = "prefill"
@@ -45,14 +49,17 @@ class AttentionMetadata:
     starts: per row, cached slots before this pass (= the slot of its first new token).
     num_new: per row, its real new tokens (0..T); the rest of the row is padding.
     positions: [B, T] int64 RoPE positions of the new tokens.
-    tree_mask: [B, T, T] bool, TREE only: new token t may attend new token r.
+    tree_mask: [B, T, M] bool, TREE only: new token t may attend slot tree_starts[b] + r;
+        M >= starts[b] - tree_starts[b] + T for every row (columns past a row's slots: False).
+    tree_starts: TREE only, per row the first slot the mask covers (default: starts).
     """
 
     mode: AttentionMode
     starts: tuple[int, ...]
     num_new: tuple[int, ...]
     positions: Tensor  # [B, T] int64
-    tree_mask: Tensor | None = None  # [B, T, T] bool
+    tree_mask: Tensor | None = None  # [B, T, M] bool
+    tree_starts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         batch, width = self.positions.shape
@@ -67,10 +74,19 @@ class AttentionMetadata:
             )
         if (self.mode is AttentionMode.TREE) != (self.tree_mask is not None):
             raise ValueError("a tree_mask is given exactly when the mode is TREE")
-        if self.tree_mask is not None and tuple(self.tree_mask.shape) != (batch, width, width):
+        if self.tree_mask is None:
+            if self.tree_starts is not None:
+                raise ValueError("tree_starts belong to a TREE pass")
+            return
+        if self.tree_starts is None:
+            object.__setattr__(self, "tree_starts", self.starts)
+        offsets = [s - t for s, t in zip(self.starts, self.tree_starts, strict=True)]
+        need = max(offsets) + width
+        shape = tuple(self.tree_mask.shape)
+        if min(offsets) < 0 or shape[:2] != (batch, width) or shape[2] < need:
             raise ValueError(
-                f"tree_mask must be [B, T, T] = [{batch}, {width}, {width}], "
-                f"got {tuple(self.tree_mask.shape)}"
+                f"tree_mask must be [B, T, M] = [{batch}, {width}, >= {need}] with tree_starts "
+                f"<= starts, got {shape}, tree_starts {self.tree_starts}, starts {self.starts}"
             )
 
     @classmethod
@@ -133,8 +149,9 @@ class AttentionMetadata:
     def attention_mask(self) -> Tensor | None:
         """[B, 1, T, S] bool: query t of row b may read slot s, for batched attention.
 
-        Slot s is visible iff `s < starts[b]` (the cached prefix) or the new token
-        `r = s - starts[b]` is allowed: causal `r <= t`, or `tree_mask[b, t, r]` in TREE mode.
+        Slot s is visible iff `s < starts[b]` (the cached prefix) and the new token
+        `r = s - starts[b]` is causal (`r <= t`); in TREE mode iff `s < tree_starts[b]` or
+        `tree_mask[b, t, s - tree_starts[b]]`.
         None when every query may read every slot it is given (one new token per row and
         every row at the same start).
         Example: starts (2,), T = 2 -> query 0 sees slots 0, 1, 2 and query 1 sees 0..3.
@@ -142,12 +159,14 @@ class AttentionMetadata:
         if self.mode is not AttentionMode.TREE and self.width == 1 and len(set(self.starts)) == 1:
             return None
         device = self.positions.device
-        start = torch.tensor(self.starts, device=device)  # [B]
-        rel = torch.arange(self.span, device=device)[None, None, :] - start[:, None, None]
-        query = torch.arange(self.width, device=device)[None, :, None]  # [1, T, 1]
+        slots = torch.arange(self.span, device=device)[None, None, :]  # [1, 1, S]
         if self.tree_mask is None:
-            allowed = rel <= query  # [B, T, S]
-        else:
-            idx = rel.clamp(0, self.width - 1).expand(-1, self.width, -1)  # [B, T, S]
-            allowed = (rel < 0) | ((rel < self.width) & self.tree_mask.gather(2, idx))
+            start = torch.tensor(self.starts, device=device)[:, None, None]  # [B, 1, 1]
+            query = torch.arange(self.width, device=device)[None, :, None]  # [1, T, 1]
+            return (slots - start <= query)[:, None]  # [B, 1, T, S]
+        assert self.tree_starts is not None  # set in __post_init__
+        rel = slots - torch.tensor(self.tree_starts, device=device)[:, None, None]  # [B, 1, S]
+        covered = self.tree_mask.shape[2]
+        idx = rel.clamp(0, covered - 1).expand(-1, self.width, -1)  # [B, T, S]
+        allowed = (rel < 0) | ((rel < covered) & self.tree_mask.to(device).gather(2, idx))
         return allowed[:, None]

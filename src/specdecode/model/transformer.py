@@ -108,8 +108,8 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class PassView:
     """What every layer of one pass shares, derived once from its `AttentionMetadata`.
 
-    per_query: each new token attends by itself with the native kernel (DECODE mode on
-        row-exact layers); then no mask is built.
+    per_query: each new token attends by itself with the native kernel (DECODE and TREE
+        modes on row-exact layers); then no mask is built.
     slots: [B, T] cache slots of the new tokens, or None when all rows start at one slot.
     mask: [B, 1, T, S] bool for batched attention, or None (per_query, or nothing to mask).
     """
@@ -170,7 +170,9 @@ class Attention(nn.Module):
         keys, values = cache.write(layer, k, v, meta, view.slots)  # [B, Hkv, S, D]
         if view.per_query:
             # Each new token attends by itself, as a 1-token step would: exact verification.
-            out = kernels.decode_attention(q, keys, values, meta.starts)  # [B, H, T, D]
+            out = kernels.decode_attention(
+                q, keys, values, meta.starts, meta.tree_starts or (), meta.tree_mask
+            )  # [B, H, T, D]
         else:
             out = _attention(q, keys, values, view.mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
@@ -304,7 +306,7 @@ class Transformer(nn.Module):
             )
         cache.check(meta)
         attn = self.layers[0].self_attn  # every layer has the same format
-        per_query = attn.per_query and meta.mode is AttentionMode.DECODE
+        per_query = attn.per_query and meta.mode is not AttentionMode.PREFILL
         view = PassView(per_query, meta.write_slots(), None if per_query else meta.attention_mask())
         cos, sin = self.rotary.tables(meta.positions, None if attn.native_rope else self.dtype)
         x = self.embed_tokens(tokens)  # [B, T, hidden]

@@ -66,7 +66,7 @@ def verify_chain(
     pos = torch.arange(k + 1, device=draft_tokens.device)  # [K + 1]
     valid = pos[:k] < num_draft[:, None]  # [B, K] True at real (non-padding) draft positions
     draft = torch.where(valid, draft_tokens, 0)  # [B, K] padding -> 0, safe to gather
-    uniforms = _uniforms(target_probs, generators, greedy)  # [B, K + 1] float64
+    uniforms = draw_uniforms(target_probs, generators, greedy)  # [B, K + 1] float64
 
     p_x = target_probs[:, :k].gather(-1, draft[..., None]).squeeze(-1)  # [B, K] p_i(x_i)
     if draft_probs is None:
@@ -77,7 +77,7 @@ def verify_chain(
     num_accepted = _leading_true(accept)  # [B]
 
     final_dist = _final_distribution(target_probs, draft, draft_probs, num_draft, num_accepted)
-    final = _sample_inverse_cdf(final_dist, uniforms[:, k])  # [B] recovered or bonus token
+    final = sample_inverse_cdf(final_dist, uniforms[:, k])  # [B] recovered or bonus token
 
     tokens = torch.where(pos[:k] < num_accepted[:, None], draft, PAD)  # [B, K] accepted prefix
     tokens = torch.cat([tokens, tokens.new_full((batch, 1), PAD)], dim=1)  # [B, K + 1]
@@ -85,12 +85,19 @@ def verify_chain(
     return num_accepted, tokens
 
 
-def verdicts(num_accepted: Tensor, tokens: Tensor) -> list[Verdict]:
-    """Slice verify_chain's batched output into one Verdict per row.
+def verdicts(
+    num_accepted: Tensor, tokens: Tensor, paths: Sequence[tuple[int, ...]] | None = None
+) -> list[Verdict]:
+    """Slice verify_chain's (or verify_tree's) batched output into one Verdict per row.
 
-    num_accepted: [B] int64; tokens: [B, K + 1] int64. Verdict b holds tokens[b, :n_b + 1].
+    num_accepted: [B] int64; tokens: [B, K + 1] int64; paths: per row, the accepted tree nodes
+    (None for chains). Verdict b holds tokens[b, :n_b + 1].
     """
-    return [Verdict(n, row[: n + 1]) for n, row in zip(num_accepted.tolist(), tokens, strict=True)]
+    counts = num_accepted.tolist()
+    paths = [None] * len(counts) if paths is None else paths
+    return [
+        Verdict(n, row[: n + 1], path) for n, row, path in zip(counts, tokens, paths, strict=True)
+    ]
 
 
 def _leading_true(mask: Tensor) -> Tensor:
@@ -101,7 +108,7 @@ def _leading_true(mask: Tensor) -> Tensor:
     return mask.long().cumprod(dim=-1).sum(dim=-1)
 
 
-def _uniforms(
+def draw_uniforms(
     target_probs: Tensor,
     generators: Sequence[torch.Generator | None],
     greedy: Sequence[bool] | None,
@@ -158,7 +165,7 @@ def _final_distribution(
     return torch.where(use_residual[:, None], residual, p_final)
 
 
-def _sample_inverse_cdf(dist: Tensor, u: Tensor) -> Tensor:
+def sample_inverse_cdf(dist: Tensor, u: Tensor) -> Tensor:
     """Sample one token per row of an unnormalized distribution by inverting its CDF.
 
     dist: [B, V] float32 >= 0 with a positive sum; u: [B] float64 in [0, 1) -> [B] int64.
