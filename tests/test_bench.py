@@ -698,7 +698,7 @@ def test_forward_seconds_times_each_width_on_the_same_context(tiny_model_dir: Pa
         forward_seconds(model, context=0, widths=[1])
 
 
-def test_plan_measures_acceptance_and_predicts_each_k(
+def test_plan_replays_chains_and_trees_and_picks_the_best(
     tiny_model_dir: Path, tiny_prompts: Path
 ) -> None:
     model = str(tiny_model_dir)
@@ -713,26 +713,31 @@ def test_plan_measures_acceptance_and_predicts_each_k(
         repeats=1,
     )
     plan = run_plan(config)
-    assert plan["acceptance_source"] == "measured"
-    assert plan["acceptance"] == 1.0  # the draft model is the target itself
+    assert plan["acceptance"] is None
     assert plan["draft_ms"] > 0 and set(plan["target_ms"]) == set(range(1, PASS_TABLE_WIDTH + 1))
-    assert [r["k"] for r in plan["rows"]] == [1, 2, 3]
-    assert [r["expected_tokens_per_step"] for r in plan["rows"]] == [2.0, 3.0, 4.0]
-    assert plan["best_k"] == max(plan["rows"], key=lambda r: r["predicted_speedup"])["k"]
-    assert "| K | E[tokens/step] |" in plan_text(plan)
-    assert f"| {PASS_TABLE_WIDTH} | " in plan_text(
-        plan
-    ) and "| T | ms | t(T) / t(1) |" in plan_text(plan)
+    chains = [r for r in plan["rows"] if r["tree_width"] == 1]
+    trees = [r for r in plan["rows"] if r["tree_width"] > 1]
+    assert [r["k"] for r in chains] == [1, 2, 3] and len(trees) == 15
+    assert all(r["k"] <= PASS_TABLE_WIDTH - 1 for r in trees)
+    # the draft model is the target itself: every chain step is accepted whole (only the
+    # text's last step may be shorter), so longer chains emit more per step
+    taus = [r["expected_tokens_per_step"] for r in chains]
+    assert taus == sorted(taus) and taus[0] >= 1.5 and taus[-1] <= 4
+    assert plan["best"] == max(plan["rows"], key=lambda r: r["predicted_speedup"])
+    text = plan_text(plan)
+    assert "| shape | E[tokens/step] |" in text and "| chain K=3" in text
+    assert "| tree K=6 w=2 d=3" in text and "chosen: " in text and "speculative_config: {" in text
+    assert f"| {PASS_TABLE_WIDTH} | " in text and "| T | ms | t(T) / t(1) |" in text
     roof = plan["roofline"]  # the floor of a 1-token step next to the measured one
     assert roof["measured_ms"] == plan["target_ms"][1] and roof["floor_ms"] > 0
-    assert plan_text(plan).startswith("roofline (float32): ")
+    assert text.startswith("roofline (float32): ")
 
 
 def test_plan_with_given_acceptance_and_a_free_drafter(tiny_model_dir: Path) -> None:
     ngram = {"method": "ngram", "num_speculative_tokens": 4}
     config = PlanConfig(str(tiny_model_dir), ngram, 0.5, context=8, max_k=2, dtype="float32")
     plan = run_plan(config)
-    assert plan["draft_ms"] == 0.0 and plan["acceptance_source"] == "given"
+    assert plan["draft_ms"] == 0.0 and plan["acceptance"] == 0.5
     row = plan["rows"][1]
     assert row["predicted_speedup"] == pytest.approx(
         1.75 * plan["target_ms"][1] / plan["target_ms"][3]

@@ -19,6 +19,7 @@ class SpecCounters:
     num_output_tokens: tokens the steps emitted (accepted + recovered/bonus, as committed).
     accepted_per_position: [i] = drafts whose first i + 1 tokens (tree: path down to depth
         i + 1) were all accepted.
+    draft_s: seconds the drafter spent proposing (a batch's time split evenly over its rows).
     """
 
     num_steps: int = 0
@@ -29,13 +30,20 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     num_output_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
 
     def record(
-        self, num_draft: int, num_accepted: int, num_emitted: int, depth: int | None = None
+        self,
+        num_draft: int,
+        num_accepted: int,
+        num_emitted: int,
+        depth: int | None = None,
+        draft_s: float = 0.0,
     ) -> None:
         """Count one verification step of one sequence; `depth` is a tree draft's depth
-        (None: a chain, whose depth is num_draft)."""
+        (None: a chain, whose depth is num_draft); `draft_s` the step's drafting seconds."""
         self.num_steps += 1
+        self.draft_s += draft_s
         self.num_output_tokens += num_emitted
         if num_draft == 0:
             return
@@ -63,6 +71,7 @@ class SpecCounters:
         self.num_draft_depth += other.num_draft_depth
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_output_tokens += other.num_output_tokens
+        self.draft_s += other.draft_s
         ours, theirs = self.accepted_per_position, other.accepted_per_position
         ours.extend([0] * max(0, len(theirs) - len(ours)))
         for i, count in enumerate(theirs):
@@ -112,4 +121,5 @@ class SpecCounters:
             "mean_accepted_depth": self.mean_accepted_depth,
             "mean_acceptance_length": self.mean_acceptance_length,
             "accepted_per_position": list(self.accepted_per_position),
+            "draft_s": self.draft_s,
         }

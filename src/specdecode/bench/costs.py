@@ -159,8 +159,10 @@ def predicted_from_counters(
 
     `counters` are summed over `num_requests` requests; each request's first step (prefill's
     token) is left out. The remaining S steps emitted N tokens; D of them carried drafts of
-    L tokens on average. Plain decoding spends N * target(1); the run spent
-    D * (L * draft(1) + target(L + 1)) + (S - D) * target(1). None when no decode step ran.
+    L tokens (chain tokens or tree nodes) on average. Plain decoding spends N * target(1); the
+    run spent its drafting time plus D * target(L + 1) + (S - D) * target(1). The drafting
+    time is the counters' `draft_s` where they measured it, else L * draft(1) per draft (a
+    chain drawn one token per pass). None when no decode step ran.
 
     Example: S = 10, N = 25, D = 5, L = 4, free drafts, target(1) = 100 ms, target(5) = 120 ms:
     25 * 100 / (5 * 120 + 5 * 100) = 2.27.
@@ -175,5 +177,7 @@ def predicted_from_counters(
     spent = (steps - drafting) * one
     if drafting:
         length = counters.num_draft_tokens / drafting
-        spent += drafting * (length * draft_ms + _target_ms(costs, length + 1))
+        spent += drafting * _target_ms(costs, length + 1)
+        measured = counters.draft_s * 1e3
+        spent += measured if measured > 0 else drafting * length * draft_ms
     return emitted * one / spent

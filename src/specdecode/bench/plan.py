@@ -1,8 +1,24 @@
-"""`specdecode plan`: measure step costs here and predict each K's speedup (see `costs.py`)."""
+"""`specdecode plan`: measure step costs here and predict which draft shape pays (chain K or a
+token tree), per drafter and weight format.
+
+Without --acceptance, the plan generates the target's greedy text on a few prompts and replays
+every candidate shape of the configured drafter over it (`replay.py`: the exact steps a greedy
+run would take, and the drafter's own time), then prices each step with the measured pass table:
+
+    predicted speedup = tokens * t(1) / (drafting time + sum over steps of t(draft size + 1))
+
+Sequoia's objective (expected tokens per step over the step's cost), with the expectation
+replaced by the replayed steps. Candidates: chains K = 1..max_k and, for drafters with tree
+keys, trees of width 2..4 and depth 2..8 with up to PASS_TABLE_WIDTH - 1 nodes. The best wins;
+where no tree beats the best chain, the chain is chosen. With --acceptance the chains are
+priced with the independent-acceptance formula of `costs.py` instead.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +30,10 @@ from specdecode.bench.costs import (
     predicted_from_costs,
 )
 from specdecode.bench.prompts import load_prompts
+from specdecode.bench.replay import ReplayStats, replay
 from specdecode.bench.roofline import measure_bandwidth, roofline, roofline_text
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
+from specdecode.drafters.registry import DrafterConfig, method_of, parse_speculative_config
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.types import SamplingParams
@@ -26,9 +44,10 @@ class PlanConfig:
     """What to plan for.
 
     model: the target (alias, folder or .gguf).
-    speculative_config: the method, in `LLM`'s form; its K is where acceptance is measured.
-    acceptance: the acceptance rate to plan with; None = measure it by generating greedily on
-        `per_set` prompts of each of `prompt_sets` (`max_tokens` each).
+    speculative_config: the method, in `LLM`'s form (its shape keys are what the plan varies).
+    acceptance: price chains K = 1..max_k with this acceptance rate; None = replay every
+        candidate shape over the target's greedy text on `per_set` prompts of each of
+        `prompt_sets` (`max_tokens` each).
     context: cached tokens before each timed pass (step costs grow with the context).
     max_k: plan for K = 1..max_k.
     quantization: the target's weight format (`LLM`'s quantization).
@@ -48,16 +67,91 @@ class PlanConfig:
     repeats: int = 5
 
 
-def measured_acceptance(llm: LLM, config: PlanConfig) -> float:
-    """Acceptance rate of `llm`'s drafter over greedy generations on the configured prompts."""
+def candidates(config: DrafterConfig, max_k: int) -> list[DrafterConfig]:
+    """The shapes a plan compares: chains K = 1..max_k, then (for a method with tree keys)
+    trees of width w in 2..4 and depth d in 2, 3, 4, 6, 8 with min(w * d, 15) nodes."""
+    fields = {f.name for f in dataclasses.fields(config)}  # type: ignore[arg-type]
+    trees = "tree_width" in fields
+    chain = {"tree_width": 1, "tree_depth": None} if trees else {}
+    shapes = [
+        dataclasses.replace(config, num_speculative_tokens=k, **chain)  # type: ignore[type-var]
+        for k in range(1, max_k + 1)
+    ]
+    if not trees:
+        return shapes
+    for width in (2, 3, 4):
+        for depth in (2, 3, 4, 6, 8):
+            nodes = min(width * depth, PASS_TABLE_WIDTH - 1)
+            shapes.append(
+                dataclasses.replace(  # type: ignore[type-var]
+                    config, num_speculative_tokens=nodes, tree_width=width, tree_depth=depth
+                )
+            )
+    return shapes
+
+
+def greedy_texts(target: LLM, config: PlanConfig) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, the target's greedy continuation ids) on the configured prompts."""
     prompts = load_prompts(list(config.prompt_sets), config.per_set)
     params = SamplingParams(temperature=0.0, max_tokens=config.max_tokens)
-    llm.generate([llm.chat_prompt(list(p.messages)) for p in prompts], params)
-    return llm.spec_metrics.acceptance_rate
+    chats = [target.chat_prompt(list(p.messages)) for p in prompts]
+    outs = target.generate(chats, params)
+    return [(c["prompt_token_ids"], list(o.token_ids)) for c, o in zip(chats, outs, strict=True)]
+
+
+def replayed_speedup(stats: ReplayStats, target_ms: Sequence[float]) -> float:
+    """tokens * t(1) / (drafting + sum of t(size + 1)) for replayed steps; target_ms[T - 1] is
+    a pass over T tokens. Example: 2 steps of 3-node drafts emitting 5 tokens, t(1) = 10 ms,
+    t(4) = 12 ms, 6 ms of drafting: 5 * 10 / (6 + 24) = 1.67."""
+    spent = stats.draft_s * 1e3 + sum(target_ms[size] for size in stats.draft_sizes)
+    return stats.num_tokens * target_ms[0] / spent if spent > 0 else 0.0
+
+
+def _shape_rows(llm: LLM, config: PlanConfig, target_ms: Sequence[float]) -> list[dict[str, Any]]:
+    """Replay every candidate shape of `config`'s drafter; one row per shape."""
+    texts = greedy_texts(llm, config)
+    base = parse_speculative_config(config.speculative_config)
+    rows = []
+    for shape in candidates(base, config.max_k):
+        stats = replay(llm.with_speculative_config(shape).engine.drafter, texts)
+        speculative = {"method": method_of(shape).name, **dataclasses.asdict(shape)}  # type: ignore[call-overload]
+        rows.append(
+            {
+                "speculative_config": {k: v for k, v in speculative.items() if v is not None},
+                "k": shape.num_speculative_tokens,
+                "tree_width": getattr(shape, "tree_width", 1),
+                "tree_depth": getattr(shape, "tree_depth", None),
+                "expected_tokens_per_step": stats.tokens_per_step,
+                "mean_draft_size": sum(stats.draft_sizes) / max(stats.num_steps, 1),
+                "draft_ms_per_step": stats.draft_s * 1e3 / max(stats.num_steps, 1),
+                "predicted_speedup": replayed_speedup(stats, target_ms),
+            }
+        )
+    return rows
+
+
+def _acceptance_rows(
+    acceptance: float, config: PlanConfig, costs: Mapping[str, Any], name: str | None
+) -> list[dict[str, Any]]:
+    """Chains K = 1..max_k priced with the independent-acceptance formula."""
+    draft_ms = costs["draft_ms"].get("draft", 0.0)
+    return [
+        {
+            "k": k,
+            "tree_width": 1,
+            "tree_depth": None,
+            "expected_tokens_per_step": expected_tokens_per_step(acceptance, k),
+            "mean_draft_size": float(k),
+            "draft_ms_per_step": k * draft_ms,
+            "predicted_speedup": predicted_from_costs(acceptance, k, costs, name),
+        }
+        for k in range(1, config.max_k + 1)
+    ]
 
 
 def run_plan(config: PlanConfig) -> dict[str, Any]:
-    """Step costs, the acceptance used, and per K the expected tokens/step and speedup."""
+    """Step costs, and per candidate shape its tokens per step and predicted speedup; "best"
+    is the row of the shape to use."""
     if config.acceptance is not None and not 0.0 <= config.acceptance <= 1.0:
         raise UserError(f"--acceptance must be in [0, 1], got {config.acceptance}")
     if not 1 <= config.max_k <= MAX_SPECULATIVE_TOKENS:
@@ -76,52 +170,58 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
     draft = llm.draft_model
     drafts = {} if draft is None else {"draft": draft}
     costs = bench_costs(target.model, drafts, config.max_k, config.context, config.repeats)
-    draft_ms = costs["draft_ms"].get("draft", 0.0)
-    acceptance = config.acceptance
-    source = "given"
-    if acceptance is None:
-        acceptance, source = measured_acceptance(llm, config), "measured"
-    name = None if draft is None else "draft"
-    rows = [
-        {
-            "k": k,
-            "expected_tokens_per_step": expected_tokens_per_step(acceptance, k),
-            "step_ms": k * draft_ms + costs["target_ms"][k],
-            "predicted_speedup": predicted_from_costs(acceptance, k, costs, name),
-        }
-        for k in range(1, config.max_k + 1)
-    ]
+    if config.acceptance is None:
+        rows = _shape_rows(llm, config, costs["target_ms"])
+    else:
+        rows = _acceptance_rows(
+            config.acceptance, config, costs, None if draft is None else "draft"
+        )
     return {
         "costs": costs,
         "target_ms": {t + 1: ms for t, ms in enumerate(costs["target_ms"])},
-        "draft_ms": draft_ms,
-        "acceptance": acceptance,
-        "acceptance_source": source,
+        "draft_ms": costs["draft_ms"].get("draft", 0.0),
+        "acceptance": config.acceptance,
         "rows": rows,
-        "best_k": max(rows, key=lambda r: r["predicted_speedup"])["k"],
+        "best": max(rows, key=lambda r: r["predicted_speedup"]),
         "roofline": roofline(
             target.model, config.context, measure_bandwidth(), costs["target_ms"][0]
         ),
     }
 
 
+def _shape(row: Mapping[str, Any]) -> str:
+    """ "chain K=3" or "tree K=12 w=3 d=4"."""
+    if row["tree_width"] == 1:
+        return f"chain K={row['k']}"
+    return f"tree K={row['k']} w={row['tree_width']} d={row['tree_depth']}"
+
+
 def plan_text(plan: dict[str, Any]) -> str:
     """The plan as a short markdown report."""
+    source = (
+        "replayed over the target's greedy text"
+        if plan["acceptance"] is None
+        else f"acceptance {plan['acceptance']:.3f} (given), independent per position"
+    )
     lines = [
         roofline_text(plan["roofline"]),
         "",
         pass_table_text(plan["costs"]),
         "",
-        f"draft token ms: {plan['draft_ms']:.1f}",
-        f"acceptance {plan['acceptance']:.3f} ({plan['acceptance_source']})",
+        f"draft token ms: {plan['draft_ms']:.1f}; tokens per step {source}",
         "",
-        "| K | E[tokens/step] | step ms | predicted speedup |",
-        "|---|---|---|---|",
+        "| shape | E[tokens/step] | draft size | draft ms/step | predicted speedup |",
+        "|---|---|---|---|---|",
     ]
     for row in plan["rows"]:
-        best = " (best)" if row["k"] == plan["best_k"] else ""
+        best = " (best)" if row is plan["best"] or row == plan["best"] else ""
         lines.append(
-            f"| {row['k']}{best} | {row['expected_tokens_per_step']:.2f} | {row['step_ms']:.1f} "
+            f"| {_shape(row)}{best} | {row['expected_tokens_per_step']:.2f} "
+            f"| {row['mean_draft_size']:.1f} | {row['draft_ms_per_step']:.1f} "
             f"| {row['predicted_speedup']:.2f}x |"
         )
+    best = plan["best"]
+    lines += ["", f"chosen: {_shape(best)}, predicted {best['predicted_speedup']:.2f}x"]
+    if "speculative_config" in best:
+        lines.append(f"speculative_config: {json.dumps(best['speculative_config'])}")
     return "\n".join(lines) + "\n"

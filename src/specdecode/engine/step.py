@@ -12,6 +12,7 @@ as chain-shaped trees), verifies with `verify_tree` and keeps the accepted path 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 
 import torch
@@ -117,15 +118,17 @@ def commit(
     verdicts: Seq[Verdict],
     drafter: Drafter,
     outputs: OutputProcessor,
+    draft_s: float = 0.0,
 ) -> list[str]:
-    """Append each verdict to its request, count it, sync the drafter; returns new texts."""
+    """Append each verdict to its request, count it (with `draft_s` seconds of drafting
+    each), sync the drafter; returns new texts."""
     texts = []
     for req, draft, verdict in zip(reqs, drafts, verdicts, strict=True):
         before = len(req.output_ids)
         texts.append(outputs.process(req, req.append(verdict.tokens.tolist())))
         depth = draft.tree.depth if draft.tree is not None else None
         emitted = len(req.output_ids) - before
-        req.spec.record(int(draft.tokens.numel()), verdict.num_accepted, emitted, depth)
+        req.spec.record(int(draft.tokens.numel()), verdict.num_accepted, emitted, depth, draft_s)
         drafter.commit(req, verdict)
     return texts
 
@@ -140,7 +143,9 @@ def speculative_step(
 ) -> list[str]:
     """Draft, verify and commit once for every request; returns each one's new text."""
     limits = [min(MAX_SPECULATIVE_TOKENS, r.max_new - len(r.output_ids) - 1) for r in reqs]
+    start = time.perf_counter()
     drafts = drafter.propose(reqs, limits)
+    draft_s = (time.perf_counter() - start) / len(reqs)
     check_drafts(drafts, limits, model.config.vocab_size)
     verdicts = verify(model, cache, reqs, drafts, st, drafter.hidden_layers or None)
-    return commit(reqs, drafts, verdicts, drafter, outputs)
+    return commit(reqs, drafts, verdicts, drafter, outputs, draft_s)

@@ -1,0 +1,104 @@
+"""Replay a drafter over the target's own greedy text: the steps a greedy run would take,
+without the target.
+
+Under greedy decoding the target's output is known once it has been generated: a speculative
+run emits the same text, and a step that drafts at position i accepts the longest path of its
+draft (chain or tree) that matches the text from i, then emits one more token. So a drafter can
+be replayed on that text alone: propose at i, walk the draft along the text, advance by the
+accepted tokens + 1, commit, repeat. The result is the exact sequence of steps (draft sizes,
+accepted lengths) that a real run with this drafter would take, and the drafter's own time per
+step, for the cost of drafting only. `specdecode plan` replays each candidate shape this way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
+from specdecode.tree.token_tree import ROOT, TokenTree
+from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class _Seq:
+    """A SeqView over the replayed text."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams = GREEDY
+    generator: torch.Generator | None = None
+    features: TargetFeatures | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayStats:
+    """The steps a greedy run would take, summed over the replayed texts.
+
+    num_tokens: tokens the steps emitted (accepted + 1 each; prefill's tokens left out).
+    draft_sizes: per step, its draft's tokens (tree nodes; 0 = no draft).
+    draft_s: seconds the drafter spent proposing and committing.
+    """
+
+    num_tokens: int
+    draft_sizes: tuple[int, ...]
+    draft_s: float
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.draft_sizes)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """tau: tokens emitted per step."""
+        return self.num_tokens / self.num_steps if self.num_steps else 0.0
+
+
+def accepted_path(draft: Draft, text: Sequence[int]) -> tuple[int, ...]:
+    """The deepest draft path (node indices) whose tokens are the start of `text`; the first
+    matching child wins where siblings repeat a token. Example: tokens [5, 6, 7], parents
+    (-1, -1, 1), text [6, 7, 9] -> (1, 2)."""
+    tokens = draft.tokens.tolist()
+    tree = draft.tree or TokenTree.chain(len(tokens))
+    path: list[int] = []
+    node = ROOT
+    while len(path) < len(text):
+        kids = tree.children[node]
+        node = next((c for c in kids if tokens[c] == text[len(path)]), ROOT)
+        if node == ROOT:
+            break
+        path.append(node)
+    return tuple(path)
+
+
+def replay(drafter: Drafter, texts: Sequence[tuple[list[int], list[int]]]) -> ReplayStats:
+    """Replay `drafter` over (prompt ids, the target's greedy continuation ids) pairs.
+
+    The first continuation token is the prefill's (no draft), as in a real run; every later
+    step drafts at most min(64, tokens left - 1) tokens, like the engine.
+    """
+    tokens, sizes, spent = 0, [], 0.0
+    for index, (prompt, continuation) in enumerate(texts):
+        seq = _Seq(f"replay-{index}", [*prompt, *continuation[:1]])
+        done = 1
+        while done < len(continuation):
+            limit = min(MAX_SPECULATIVE_TOKENS, len(continuation) - done - 1)
+            start = time.perf_counter()
+            (draft,) = drafter.propose([seq], [limit])
+            spent += time.perf_counter() - start
+            path = accepted_path(draft, continuation[done:])
+            emitted = continuation[done : done + len(path) + 1]
+            seq.token_ids.extend(emitted)
+            start = time.perf_counter()
+            kept = path if draft.tree is not None else None  # chains' verdicts have no path
+            drafter.commit(seq, Verdict(len(path), torch.tensor(emitted), kept))
+            spent += time.perf_counter() - start
+            tokens, done = tokens + len(emitted), done + len(emitted)
+            sizes.append(int(draft.tokens.numel()))
+        drafter.release(seq.request_id)
+    return ReplayStats(tokens, tuple(sizes), spent)
