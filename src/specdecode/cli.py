@@ -1,4 +1,4 @@
-"""`specdecode` command line: models, pull, generate, bench, plan."""
+"""`specdecode` command line: models, pull, generate, bench, plan, certify."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from specdecode.bench.presets import BENCH_DEFAULTS, BENCH_PRESETS, as_flags, bench_options
+from specdecode.certify import CertifyConfig, CertifyResult, certify
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.loading import DTYPES
@@ -134,15 +135,54 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
-        help="measure step costs and predict the speedup of each draft length K",
-        description="Speedup = E[tokens/step] * target(1) / (K * draft(1) + target(K + 1)), "
-        "E = (1 - a^(K+1)) / (1 - a), with the pass costs measured on this machine.",
+        help="measure step costs and predict which draft shape (chain K or tree) pays",
+        description="Replays chains K = 1..--max-k and token trees (width 2-4, depth 2-8, up "
+        "to 15 nodes) of the drafter over the target's greedy text on --prompts, and predicts "
+        "each one's speedup = tokens * target(1) / (drafting + sum of target(draft + 1)) with "
+        "the pass costs measured here; prints the best shape's speculative_config. With "
+        "--acceptance a: chains only, E = (1 - a^(K+1)) / (1 - a) tokens per step.",
     )
     p.add_argument("--model", required=True, help="target: alias, Hugging Face folder or .gguf")
     p.add_argument("--speculative-config", type=_json_object, required=True)
-    p.add_argument("--acceptance", type=float, default=None, help="default: measure it")
+    p.add_argument("--acceptance", type=float, default=None, help="default: replay shapes")
     p.add_argument("--context", type=int, default=256, help="cached tokens before each pass")
-    p.add_argument("--max-k", type=int, default=8)
+    p.add_argument("--max-k", type=int, default=8, help="longest chain compared")
+    p.add_argument("--prompts", default="code,chat", help="prompt sets replayed on")
+    p.add_argument("--per-set", type=int, default=1, help="prompts taken from each set")
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu")
+    _add_quantization(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_certify(sub: argparse._SubParsersAction) -> None:
+    default = CertifyConfig()
+    p = sub.add_parser(
+        "certify",
+        help="check that a speculative config samples exactly the target's distribution",
+        description="Runs the prompt --samples times for --tokens tokens with the speculative "
+        "config (run i with seed --seed + i) and compares the sequences with the target's own "
+        "sampling distribution in a chi-square test: its exact probabilities, enumerated from "
+        "the target, or (when too many sequences matter) as many runs of plain decoding. "
+        "Exit code 0: PASS (p-value >= --alpha), 1: FAIL, 2: bad input. See docs/certify.md.",
+    )
+    p.add_argument("--model", required=True, help="target: alias, Hugging Face folder or .gguf")
+    p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help="JSON, required: the drafter to certify (plain decoding is the reference itself)",
+    )
+    p.add_argument("--prompt", default=default.prompt, help=f"default: {default.prompt!r}")
+    p.add_argument("--tokens", type=int, default=default.num_tokens, help="tokens per run")
+    p.add_argument("--samples", type=int, default=default.num_samples, help="speculative runs")
+    p.add_argument("--temperature", type=float, default=default.temperature, help="> 0")
+    p.add_argument("--top-k", type=int, default=default.top_k, help="-1 = disabled")
+    p.add_argument("--top-p", type=float, default=default.top_p, help="1 = disabled")
+    p.add_argument("--alpha", type=float, default=default.alpha, help="significance level")
+    p.add_argument("--seed", type=int, default=default.seed, help="run i uses seed + i")
+    p.add_argument("--batch-size", type=int, default=default.batch_size, help="runs per batch")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
     _add_quantization(p)
@@ -161,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     _add_plan(sub)
+    _add_certify(sub)
     return parser
 
 
@@ -342,10 +383,71 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             quantization=args.quantization,
+            prompt_sets=tuple(args.prompts.split(",")),
+            per_set=args.per_set,
+            max_tokens=args.max_tokens,
         )
     )
     print(json.dumps(plan) if args.json else plan_text(plan), end="\n" if args.json else "")
     return 0
+
+
+def _cmd_certify(args: argparse.Namespace) -> int:
+    if args.speculative_config is None:
+        raise UserError(
+            "certify needs --speculative-config: it checks a drafter against the target's own "
+            "sampling, and plain decoding is that reference"
+        )
+    config = CertifyConfig(  # checked before the model loads
+        prompt=args.prompt,
+        num_tokens=args.tokens,
+        num_samples=args.samples,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        alpha=args.alpha,
+        seed=args.seed,
+        batch_size=args.batch_size,
+    )
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        speculative_config=args.speculative_config,
+        quantization=args.quantization,
+    )
+    result = certify(llm, config)
+    print(json.dumps(result.as_dict()) if args.json else _certify_text(result, config))
+    return 0 if result.passed else 1
+
+
+def _certify_text(result: CertifyResult, config: CertifyConfig) -> str:
+    """The human report: what ran, the statistic, the verdict and what it means."""
+    test = {
+        "exact": "chi-square goodness of fit to the target's exact distribution",
+        "two-sample": "chi-square homogeneity with as many runs of plain decoding",
+    }[result.test]
+    lines = [
+        f"test: {test}",
+        f"samples: {result.num_samples} runs of {config.num_tokens} tokens (drafted tokens "
+        f"{result.num_draft_tokens}, acceptance {result.acceptance_rate:.2f})",
+        f"statistic {result.statistic:.2f}, degrees of freedom {result.degrees_of_freedom}, "
+        f"p-value {result.p_value:.4g}, bins {result.num_bins}",
+    ]
+    if result.num_impossible:
+        lines.append(
+            f"FAIL: {result.num_impossible} runs emitted tokens the target gives probability 0"
+        )
+    elif result.passed:
+        lines.append(
+            f"PASS: no evidence at alpha {result.alpha} that speculation changes the distribution"
+        )
+    else:
+        lines.append(
+            f"FAIL: p-value below alpha {result.alpha}: speculative runs are not distributed as "
+            "the target's own sampling"
+        )
+    return "\n".join(lines)
 
 
 def _show_kernel_builds() -> None:
@@ -372,6 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_bench(args)
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command == "certify":
+            return _cmd_certify(args)
         return _cmd_generate(args)
     except UserError as err:  # anything else is a bug: its traceback is kept
         print(f"specdecode: error: {err}", file=sys.stderr)
