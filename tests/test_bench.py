@@ -182,6 +182,21 @@ def test_prompt_sets_in_order_with_per_set_and_own_files(tmp_path: Path) -> None
     assert [p.id for p in prompts[2:]] == ["m0", "m1"]
 
 
+def test_the_held_out_sharegpt_set_shares_no_prompt_with_the_bench() -> None:
+    """`specdecode plan` picks shapes on ShareGPT's first human turns, never on the bench's
+    prompts: none of them is a bench prompt, or (40 characters or more) inside one or
+    containing one."""
+    held_out = load_prompts(["sharegpt"], per_set=50)
+    assert len(held_out) == 50 and {p.category for p in held_out} == {"sharegpt"}
+    assert all(len(p.messages) == 1 and p.messages[0]["content"].strip() for p in held_out)
+    bench = [m["content"] for p in load_prompts(available_sets(), per_set=200) for m in p.messages]
+    for prompt in held_out:
+        text = prompt.messages[0]["content"]
+        assert text not in bench, prompt.id
+        if len(text) >= 40:
+            assert not any(text in b or b in text for b in bench), prompt.id
+
+
 def test_bad_prompt_sets_get_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown prompt set 'poetry'; available: chat"):
         load_prompts(["poetry"], per_set=2)

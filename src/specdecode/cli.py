@@ -147,8 +147,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--acceptance", type=float, default=None, help="default: replay shapes")
     p.add_argument("--context", type=int, default=256, help="cached tokens before each pass")
     p.add_argument("--max-k", type=int, default=8, help="longest chain compared")
-    p.add_argument("--prompts", default="code,chat", help="prompt sets replayed on")
-    p.add_argument("--per-set", type=int, default=1, help="prompts taken from each set")
+    p.add_argument(
+        "--prompts", default="sharegpt", help="prompt sets replayed on (default: held out)"
+    )
+    p.add_argument("--per-set", type=int, default=8, help="prompts taken from each set")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
@@ -225,6 +227,17 @@ def _result_json(out: RequestOutput) -> dict[str, object]:
     }
 
 
+def _llm(args: argparse.Namespace) -> LLM:
+    """The LLM that --model, --dtype, --device, --speculative-config and --quantization say."""
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        speculative_config=args.speculative_config,
+        quantization=args.quantization,
+    )
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.compare and args.speculative_config is None:
         raise UserError("--compare needs --speculative-config: it compares it with plain decoding")
@@ -236,13 +249,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop or ()),
     )
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        speculative_config=args.speculative_config,
-        quantization=args.quantization,
-    )
+    llm = _llm(args)
     prompt: object = args.prompt
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
@@ -409,13 +416,7 @@ def _cmd_certify(args: argparse.Namespace) -> int:
         seed=args.seed,
         batch_size=args.batch_size,
     )
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        speculative_config=args.speculative_config,
-        quantization=args.quantization,
-    )
+    llm = _llm(args)
     result = certify(llm, config)
     print(json.dumps(result.as_dict()) if args.json else _certify_text(result, config))
     return 0 if result.passed else 1

@@ -1,7 +1,9 @@
 """`specdecode plan`: measure step costs here and predict which draft shape pays (chain K or a
 token tree), per drafter and weight format.
 
-Without --acceptance, the plan generates the target's greedy text on a few prompts and replays
+Without --acceptance, the plan generates the target's greedy text on a few prompts (by default
+ShareGPT's, held out from the benchmark: shapes are never chosen on the bench's own prompts) and
+replays
 every candidate shape of the configured drafter over it (`replay.py`: the exact steps a greedy
 run would take, and the drafter's own time), then prices each step with the measured pass table:
 
@@ -61,8 +63,8 @@ class PlanConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     quantization: str = "none"
-    prompt_sets: tuple[str, ...] = ("code", "chat")
-    per_set: int = 1
+    prompt_sets: tuple[str, ...] = ("sharegpt",)
+    per_set: int = 8
     max_tokens: int = 64
     repeats: int = 5
 

