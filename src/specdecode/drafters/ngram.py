@@ -95,7 +95,7 @@ class _SuffixIndex:
     def occurrences(self, gram: tuple[int, ...], limit: int) -> list[int]:
         """The starts of `gram`'s last `limit` occurrences, the most recent first."""
         if self.all_starts is not None:
-            return self.all_starts.get(gram, [])[::-1][:limit]
+            return self.all_starts.get(gram, [])[-limit:][::-1] if limit > 0 else []
         start = self.last_start.get(gram)
         return [] if start is None or limit < 1 else [start]
 
