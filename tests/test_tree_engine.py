@@ -147,8 +147,10 @@ def test_bad_tree_configs_are_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"tree_width must be an int in 1\.\.64"):
         LLM(str(tiny_model_dir), speculative_config=wide)
     deep = {"model": str(tiny_model_dir), "num_speculative_tokens": 4, "tree_depth": 5}
-    with pytest.raises(ValueError, match="tree_depth must be None"):
+    with pytest.raises(ValueError, match="tree_depth applies to trees"):
         LLM(str(tiny_model_dir), speculative_config=deep)
+    with pytest.raises(ValueError, match="tree_depth must be None"):
+        LLM(str(tiny_model_dir), speculative_config={**deep, "tree_width": 2})
 
 
 def test_a_tree_that_does_not_fit_its_tokens_is_refused(tiny_model_dir: Path) -> None:

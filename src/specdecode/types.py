@@ -99,7 +99,7 @@ class Verdict:
 
     num_accepted: int  # accepted draft tokens, 0..K
     tokens: Tensor  # [num_accepted + 1] int64: accepted tokens + the recovered or bonus token
-    path: tuple[int, ...] | None = None  # tree drafts: the accepted nodes, root's child first
+    path: tuple[int, ...] | None = None  # trees with a branch: accepted nodes, depth 1 first
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,9 @@ token tree), per drafter and weight format.
 
 Without --acceptance, the plan generates the target's greedy text on a few prompts (by default
 ShareGPT's, held out from the benchmark: shapes are never chosen on the bench's own prompts) and
-replays
-every candidate shape of the configured drafter over it (`replay.py`: the exact steps a greedy
-run would take, and the drafter's own time), then prices each step with the measured pass table:
+replays every candidate shape of the configured drafter over it (`replay.py`: the exact steps a
+greedy run would take, and the drafter's own time), then prices each step with the measured
+pass table:
 
     predicted speedup = tokens * t(1) / (drafting time + sum over steps of t(draft size + 1))
 
@@ -115,7 +115,8 @@ def _shape_rows(llm: LLM, config: PlanConfig, target_ms: Sequence[float]) -> lis
     base = parse_speculative_config(config.speculative_config)
     rows = []
     for shape in candidates(base, config.max_k):
-        stats = replay(llm.with_speculative_config(shape).engine.drafter, texts)
+        drafter = llm.with_speculative_config(shape).engine.drafter
+        stats = replay(drafter, texts, config.max_tokens)
         speculative = {"method": method_of(shape).name, **dataclasses.asdict(shape)}  # type: ignore[call-overload]
         rows.append(
             {
@@ -216,7 +217,7 @@ def plan_text(plan: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for row in plan["rows"]:
-        best = " (best)" if row is plan["best"] or row == plan["best"] else ""
+        best = " (best)" if row == plan["best"] else ""
         lines.append(
             f"| {_shape(row)}{best} | {row['expected_tokens_per_step']:.2f} "
             f"| {row['mean_draft_size']:.1f} | {row['draft_ms_per_step']:.1f} "

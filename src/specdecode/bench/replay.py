@@ -22,8 +22,6 @@ from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
 from specdecode.tree.token_tree import ROOT, TokenTree
 from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
 
-GREEDY = SamplingParams(temperature=0.0)
-
 
 @dataclass
 class _Seq:
@@ -31,7 +29,7 @@ class _Seq:
 
     request_id: str
     token_ids: list[int]
-    params: SamplingParams = GREEDY
+    params: SamplingParams
     generator: torch.Generator | None = None
     features: TargetFeatures | None = None
 
@@ -42,7 +40,7 @@ class ReplayStats:
 
     num_tokens: tokens the steps emitted (accepted + 1 each; prefill's tokens left out).
     draft_sizes: per step, its draft's tokens (tree nodes; 0 = no draft).
-    draft_s: seconds the drafter spent proposing and committing.
+    draft_s: seconds the drafter spent proposing (as the engine counts `draft_s`).
     """
 
     num_tokens: int
@@ -76,28 +74,34 @@ def accepted_path(draft: Draft, text: Sequence[int]) -> tuple[int, ...]:
     return tuple(path)
 
 
-def replay(drafter: Drafter, texts: Sequence[tuple[list[int], list[int]]]) -> ReplayStats:
-    """Replay `drafter` over (prompt ids, the target's greedy continuation ids) pairs.
+def replay(
+    drafter: Drafter,
+    texts: Sequence[tuple[list[int], list[int]]],
+    max_tokens: int | None = None,
+) -> ReplayStats:
+    """Replay `drafter` over (prompt ids, the target's greedy continuation ids) pairs, each
+    generated with at most `max_tokens` new tokens (None: the continuation's own length).
 
     The first continuation token is the prefill's (no draft), as in a real run; every later
-    step drafts at most min(64, tokens left - 1) tokens, like the engine.
+    step drafts at most min(64, max_tokens - generated - 1) tokens, like the engine (a text
+    that ended on EOS before max_tokens still drafted up to that limit).
     """
     tokens, sizes, spent = 0, [], 0.0
     for index, (prompt, continuation) in enumerate(texts):
-        seq = _Seq(f"replay-{index}", [*prompt, *continuation[:1]])
+        budget = len(continuation) if max_tokens is None else max_tokens
+        params = SamplingParams(temperature=0.0, max_tokens=max(budget, 1))
+        seq = _Seq(f"replay-{index}", [*prompt, *continuation[:1]], params)
         done = 1
         while done < len(continuation):
-            limit = min(MAX_SPECULATIVE_TOKENS, len(continuation) - done - 1)
+            limit = min(MAX_SPECULATIVE_TOKENS, budget - done - 1)
             start = time.perf_counter()
             (draft,) = drafter.propose([seq], [limit])
             spent += time.perf_counter() - start
             path = accepted_path(draft, continuation[done:])
             emitted = continuation[done : done + len(path) + 1]
             seq.token_ids.extend(emitted)
-            start = time.perf_counter()
-            kept = path if draft.tree is not None else None  # chains' verdicts have no path
+            kept = path if draft.is_tree else None  # as the engine: chains have no path
             drafter.commit(seq, Verdict(len(path), torch.tensor(emitted), kept))
-            spent += time.perf_counter() - start
             tokens, done = tokens + len(emitted), done + len(emitted)
             sizes.append(int(draft.tokens.numel()))
         drafter.release(seq.request_id)

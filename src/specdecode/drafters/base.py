@@ -54,11 +54,16 @@ def check_draft_length(k: object) -> None:
 
 
 def check_tree_shape(width: object, depth: object, k: int) -> None:
-    """Refuse a tree_width that is not an int >= 1, or a tree_depth that is not None or an
-    int in 1..k (a tree cannot be deeper than its node count)."""
+    """Refuse a tree_width that is not an int in 1..64, or a tree_depth that is not None or an
+    int in 1..k (a tree cannot be deeper than its node count), or one given for a chain."""
     if not is_positive_int(width) or width > MAX_SPECULATIVE_TOKENS:  # type: ignore[operator]
         raise UserError(
             f"tree_width must be an int in 1..{MAX_SPECULATIVE_TOKENS} (1 = a chain), got {width!r}"
+        )
+    if depth is not None and width == 1:
+        raise UserError(
+            f"tree_depth applies to trees (tree_width > 1); a chain's depth is "
+            f"num_speculative_tokens = {k}, got tree_depth {depth!r} with tree_width 1"
         )
     if depth is not None and (not is_positive_int(depth) or depth > k):  # type: ignore[operator]
         raise UserError(

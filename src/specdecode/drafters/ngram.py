@@ -81,7 +81,7 @@ class _SuffixIndex:
         last_start: n-gram tuple -> start position of its most recent occurrence that has a
             continuation (tuples of different n never collide, so one dict serves every n).
         all_starts: n-gram tuple -> starts of all its occurrences with a continuation, in
-            increasing order; None unless `keep_all` (tree drafts).
+            increasing order; None unless `keep_all` (tree drafts, which read only this).
         num_indexed: length of the history already indexed (its continuations are all in).
     """
 
@@ -93,11 +93,10 @@ class _SuffixIndex:
         self.num_indexed = 0
 
     def occurrences(self, gram: tuple[int, ...], limit: int) -> list[int]:
-        """The starts of `gram`'s last `limit` occurrences, the most recent first."""
-        if self.all_starts is not None:
-            return self.all_starts.get(gram, [])[-limit:][::-1] if limit > 0 else []
-        start = self.last_start.get(gram)
-        return [] if start is None or limit < 1 else [start]
+        """The starts of `gram`'s last `limit` occurrences, the most recent first (an index
+        built with `keep_all`)."""
+        assert self.all_starts is not None, "occurrences need an index built with keep_all"
+        return self.all_starts.get(gram, [])[-limit:][::-1] if limit > 0 else []
 
     def extend(self, tokens: list[int], min_n: int, max_n: int) -> None:
         """Index every n-gram whose continuation lies in `tokens[num_indexed:]`.
@@ -159,7 +158,8 @@ class NgramDrafter:
             max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
 
         Returns:
-            drafts: `Draft(tokens [K_i] int64, probs=None)` per sequence, K_i may be 0.
+            drafts: `Draft(tokens [K_i] int64, probs=None)` per sequence, K_i may be 0; with
+            tree_width > 1 also `tree=` the trie's shape.
         """
         check_draft_limits(seqs, max_tokens)
         drafts = []

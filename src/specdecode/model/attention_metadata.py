@@ -149,7 +149,7 @@ class AttentionMetadata:
     def attention_mask(self) -> Tensor | None:
         """[B, 1, T, S] bool: query t of row b may read slot s, for batched attention.
 
-        Slot s is visible iff `s < starts[b]` (the cached prefix) and the new token
+        Slot s is visible iff `s < starts[b]` (the cached prefix) or the new token
         `r = s - starts[b]` is causal (`r <= t`); in TREE mode iff `s < tree_starts[b]` or
         `tree_mask[b, t, s - tree_starts[b]]`.
         None when every query may read every slot it is given (one new token per row and

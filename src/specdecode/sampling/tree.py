@@ -21,7 +21,8 @@ if x_i ~ q_i given the walk so far, then "accept x_i, else draw from norm(max(r 
 a token distributed as r (min(r, q_i) + max(r - q_i, 0) = r), so the node's first token is
 distributed as p; an accepted child then starts the same problem one level deeper with p_child.
 Greedy p is one-hot: the walk follows the child equal to argmax p and emits argmax p where none
-does. Greedy batches take a loop-free path (`_verify_greedy`) with the same result.
+does. Greedy batches take a loop-free path (`_verify_greedy`) with the same result when siblings
+carry distinct tokens (with repeated siblings it may keep a longer, equally exact path).
 """
 
 from __future__ import annotations

@@ -1,2 +1,2 @@
 """Token trees: the shape of a tree draft (`TokenTree`) and how a batch of them is laid out for
-one verification pass (`TreeBatch`)."""
+one verification pass (`tree_metadata`, `kept_offsets`)."""
