@@ -362,3 +362,32 @@ def _survival(statistic: float, df: int) -> float:
         return 1.0
     half = torch.tensor([df / 2, statistic / 2], dtype=torch.float64)
     return float(torch.special.gammaincc(half[0], half[1]))
+
+
+def certify_text(result: CertifyResult, config: CertifyConfig) -> str:
+    """`specdecode certify`'s report: what ran, the statistic, the verdict, what it means."""
+    test = {
+        "exact": "chi-square goodness of fit to the target's exact distribution",
+        "two-sample": "chi-square homogeneity with as many runs of plain decoding",
+    }[result.test]
+    lines = [
+        f"test: {test}",
+        f"samples: {result.num_samples} runs of {config.num_tokens} tokens (drafted tokens "
+        f"{result.num_draft_tokens}, acceptance {result.acceptance_rate:.2f})",
+        f"statistic {result.statistic:.2f}, degrees of freedom {result.degrees_of_freedom}, "
+        f"p-value {result.p_value:.4g}, bins {result.num_bins}",
+    ]
+    if result.num_impossible:
+        lines.append(
+            f"FAIL: {result.num_impossible} runs emitted tokens the target gives probability 0"
+        )
+    elif result.passed:
+        lines.append(
+            f"PASS: no evidence at alpha {result.alpha} that speculation changes the distribution"
+        )
+    else:
+        lines.append(
+            f"FAIL: p-value below alpha {result.alpha}: speculative runs are not distributed as "
+            "the target's own sampling"
+        )
+    return "\n".join(lines)

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from specdecode.bench.presets import BENCH_DEFAULTS, BENCH_PRESETS, as_flags, bench_options
-from specdecode.certify import CertifyConfig, CertifyResult, certify
+from specdecode.certify import CertifyConfig, certify, certify_text
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.loading import DTYPES
@@ -418,37 +418,8 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     )
     llm = _llm(args)
     result = certify(llm, config)
-    print(json.dumps(result.as_dict()) if args.json else _certify_text(result, config))
+    print(json.dumps(result.as_dict()) if args.json else certify_text(result, config))
     return 0 if result.passed else 1
-
-
-def _certify_text(result: CertifyResult, config: CertifyConfig) -> str:
-    """The human report: what ran, the statistic, the verdict and what it means."""
-    test = {
-        "exact": "chi-square goodness of fit to the target's exact distribution",
-        "two-sample": "chi-square homogeneity with as many runs of plain decoding",
-    }[result.test]
-    lines = [
-        f"test: {test}",
-        f"samples: {result.num_samples} runs of {config.num_tokens} tokens (drafted tokens "
-        f"{result.num_draft_tokens}, acceptance {result.acceptance_rate:.2f})",
-        f"statistic {result.statistic:.2f}, degrees of freedom {result.degrees_of_freedom}, "
-        f"p-value {result.p_value:.4g}, bins {result.num_bins}",
-    ]
-    if result.num_impossible:
-        lines.append(
-            f"FAIL: {result.num_impossible} runs emitted tokens the target gives probability 0"
-        )
-    elif result.passed:
-        lines.append(
-            f"PASS: no evidence at alpha {result.alpha} that speculation changes the distribution"
-        )
-    else:
-        lines.append(
-            f"FAIL: p-value below alpha {result.alpha}: speculative runs are not distributed as "
-            "the target's own sampling"
-        )
-    return "\n".join(lines)
 
 
 def _show_kernel_builds() -> None:
