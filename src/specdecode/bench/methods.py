@@ -23,11 +23,15 @@ Example: `MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=4").speculative_config()`
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdecode.drafters.registry import DRAFTERS, DrafterConfig, parse_speculative_config
+from specdecode.drafters.registry import (
+    DRAFTERS,
+    DrafterConfig,
+    as_speculative_config,
+    parse_speculative_config,
+)
 from specdecode.errors import UserError
 from specdecode.model.quant import QUANTIZATIONS
 
@@ -140,11 +144,7 @@ class MethodSpec:
         UserError for a peer)."""
         if self.is_peer:
             raise UserError(f"{self.name!r} is a peer library's method, not a speculative_config")
-        if self.config is None:
-            return None
-        fields = dataclasses.asdict(self.config)  # type: ignore[call-overload]
-        name = OURS[self.kind].name
-        return {"method": name, **{k: v for k, v in fields.items() if v is not None}}
+        return None if self.config is None else as_speculative_config(self.config)
 
     def peer_of(self, ours: list[MethodSpec]) -> MethodSpec | None:
         """For a peer's method, our corresponding method among `ours` (same kind, model, K; the

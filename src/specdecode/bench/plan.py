@@ -35,7 +35,11 @@ from specdecode.bench.prompts import load_prompts
 from specdecode.bench.replay import ReplayStats, replay
 from specdecode.bench.roofline import measure_bandwidth, roofline, roofline_text
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
-from specdecode.drafters.registry import DrafterConfig, method_of, parse_speculative_config
+from specdecode.drafters.registry import (
+    DrafterConfig,
+    as_speculative_config,
+    parse_speculative_config,
+)
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.types import SamplingParams
@@ -117,10 +121,9 @@ def _shape_rows(llm: LLM, config: PlanConfig, target_ms: Sequence[float]) -> lis
     for shape in candidates(base, config.max_k):
         drafter = llm.with_speculative_config(shape).engine.drafter
         stats = replay(drafter, texts, config.max_tokens)
-        speculative = {"method": method_of(shape).name, **dataclasses.asdict(shape)}  # type: ignore[call-overload]
         rows.append(
             {
-                "speculative_config": {k: v for k, v in speculative.items() if v is not None},
+                "speculative_config": as_speculative_config(shape),
                 "k": shape.num_speculative_tokens,
                 "tree_width": getattr(shape, "tree_width", 1),
                 "tree_depth": getattr(shape, "tree_depth", None),

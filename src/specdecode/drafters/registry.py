@@ -151,6 +151,13 @@ def parse_speculative_config(cfg: Mapping[str, Any] | DrafterConfig) -> DrafterC
     return DRAFTERS[name].config(**given)
 
 
+def as_speculative_config(config: DrafterConfig) -> dict[str, Any]:
+    """A validated config back in vLLM's form: "method" and every field that is not None (the
+    inverse of `parse_speculative_config`)."""
+    fields = dataclasses.asdict(config)  # type: ignore[call-overload]
+    return {"method": method_of(config).name, **{k: v for k, v in fields.items() if v is not None}}
+
+
 def build_drafter(config: DrafterConfig, context: DrafterContext) -> Drafter:
     """The drafter `config` describes, built by its method's factory."""
     return method_of(config).build(config, context)
