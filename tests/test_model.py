@@ -242,6 +242,20 @@ def test_compact_keeps_a_path_as_if_it_had_been_fed_alone(models) -> None:
         cache.compact([5], [[2, 1]])
 
 
+def test_load_prefix_copies_one_row_into_every_row(models) -> None:
+    ours, _ = models
+    tokens = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(13))
+    _, _, source = _run(ours, tokens)
+    copies = ours.new_cache(3, 32)
+    copies.load_prefix(source, 5)
+    assert copies.lengths == [5, 5, 5]
+    for row in range(3):
+        assert torch.equal(copies.k[:, row, :, :5], source.k[:, 0, :, :5])
+        assert torch.equal(copies.v[:, row, :, :5], source.v[:, 0, :, :5])
+    with pytest.raises(ValueError, match="cannot load 7 slots"):
+        copies.load_prefix(source, 7)
+
+
 def test_metadata_and_cache_refuse_what_does_not_fit(models) -> None:
     ours, _ = models
     with pytest.raises(ValueError, match="one entry per row"):

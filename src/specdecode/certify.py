@@ -315,9 +315,7 @@ def _decode_logits(model: Transformer, prompt_cache: KVCache, prefixes: list[Out
     engine's DECODE passes compute them, over copies of the prompt's cache."""
     device, length, width = model.device, prompt_cache.lengths[0], len(prefixes[0])
     cache = model.new_cache(len(prefixes), prompt_cache.capacity)
-    cache.k[:, :, :, :length] = prompt_cache.k[:, :1, :, :length]  # [L, c, Hkv, S, D]
-    cache.v[:, :, :, :length] = prompt_cache.v[:, :1, :, :length]
-    cache.lengths = [length] * len(prefixes)
+    cache.load_prefix(prompt_cache, length)
     meta = AttentionMetadata.contiguous(
         AttentionMode.DECODE, cache.lengths, [width] * len(prefixes), device
     )

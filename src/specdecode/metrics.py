@@ -81,22 +81,22 @@ class SpecCounters:
     @property
     def acceptance_rate(self) -> float:
         """num_accepted_tokens / num_draft_tokens (0 when nothing was drafted)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return _ratio(self.num_accepted_tokens, self.num_draft_tokens)
 
     @property
     def mean_draft_size(self) -> float:
         """num_draft_tokens / num_drafts: tokens (tree nodes) per draft (0 without drafts)."""
-        return self.num_draft_tokens / self.num_drafts if self.num_drafts else 0.0
+        return _ratio(self.num_draft_tokens, self.num_drafts)
 
     @property
     def mean_draft_depth(self) -> float:
         """num_draft_depth / num_drafts: the drafts' mean depth (a chain's is its length)."""
-        return self.num_draft_depth / self.num_drafts if self.num_drafts else 0.0
+        return _ratio(self.num_draft_depth, self.num_drafts)
 
     @property
     def mean_accepted_depth(self) -> float:
         """num_accepted_tokens / num_drafts: accepted tokens per draft (0 without drafts)."""
-        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return _ratio(self.num_accepted_tokens, self.num_drafts)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -104,7 +104,7 @@ class SpecCounters:
 
         Plain decoding has tau = 1.0; a step that accepts all K draft tokens emits K + 1.
         """
-        return self.num_output_tokens / self.num_steps if self.num_steps else 0.0
+        return _ratio(self.num_output_tokens, self.num_steps)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -123,3 +123,8 @@ class SpecCounters:
             "accepted_per_position": list(self.accepted_per_position),
             "draft_s": self.draft_s,
         }
+
+
+def _ratio(count: float, per: int) -> float:
+    """count / per, 0 when per is 0 (a rate of nothing)."""
+    return count / per if per else 0.0

@@ -118,6 +118,18 @@ class KVCache:
                 self.v[:, row, :, dst] = self.v[:, row, :, src]
             self.lengths[row] = end
 
+    def load_prefix(self, source: KVCache, length: int, row: int = 0) -> None:
+        """Make every row hold `source` row `row`'s first `length` slots (copied once, every
+        layer), e.g. a grown cache taking over a smaller one, or copies of one prompt."""
+        if length > min(self.capacity, source.lengths[row]):
+            raise ValueError(
+                f"cannot load {length} slots: the source row holds {source.lengths[row]}, "
+                f"this cache {self.capacity}"
+            )
+        self.k[:, :, :, :length] = source.k[:, row : row + 1, :, :length]  # [L, B, Hkv, n, D]
+        self.v[:, :, :, :length] = source.v[:, row : row + 1, :, :length]
+        self.lengths = [length] * self.batch_size
+
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Drop every batch row not in `rows` (finished sequences); copies the kept rows once."""
         index = torch.tensor(list(rows), device=self.k.device)

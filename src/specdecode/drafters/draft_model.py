@@ -186,15 +186,11 @@ class DraftModelDrafter:
     def _propose_one(self, seq: SeqView, max_tokens: int) -> Draft:
         """Catch up on the committed tokens, then draft token by token."""
         ids = seq.token_ids
-        # d_j is fed at position len(ids) - 2 + j (j < k); keep positions inside the context.
-        room = self.model.config.max_position_embeddings - len(ids) + 1
-        k = min(max_tokens, self.num_speculative_tokens, max(room, 0))
+        k = self._draft_size(seq, max_tokens)
         vocab = self.model.config.vocab_size
-        if k == 0 or not ids:
+        if k == 0:
             return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, vocab))
-        cache = self._cache_for(seq, len(ids) + k)
-        cached = min(cache.lengths[0], len(ids) - 1)
-        cache.truncate(cached)
+        cache, cached = self._rolled_back_cache(seq, len(ids) + k)
         st = SamplingTensors.from_params([seq.params], self.model.device)
         tokens = torch.empty(k, dtype=torch.long)  # [k]
         probs = torch.empty(k, vocab)  # [k, V]
@@ -210,14 +206,11 @@ class DraftModelDrafter:
     def _propose_tree(self, seq: SeqView, max_tokens: int) -> Draft:
         """Catch up on the committed tokens, then grow a dynamic tree (module docstring)."""
         ids = seq.token_ids
-        room = self.model.config.max_position_embeddings - len(ids) + 1  # deepest position
-        k = min(max_tokens, self.num_speculative_tokens, max(room, 0))
-        if k == 0 or not ids:
+        k = self._draft_size(seq, max_tokens)
+        if k == 0:
             return Draft(torch.zeros(0, dtype=torch.long))
         depth = min(self.tree_depth, k)
-        cache = self._cache_for(seq, len(ids) + self.tree_width * depth)
-        cached = min(cache.lengths[0], len(ids) - 1)
-        cache.truncate(cached)
+        cache, cached = self._rolled_back_cache(seq, len(ids) + self.tree_width * depth)
         tree = DynamicTree(self.tree_width, k)
         tree.expand([ROOT], log_confidence(self._last_logits(cache, ids[cached:], cached)))
         slots: dict[int, int] = {}  # fed candidate -> its slot, counted from len(ids)
@@ -227,6 +220,23 @@ class DraftModelDrafter:
         cache.truncate(len(ids))  # drop the tree's slots: the cache holds the committed tokens
         tokens, shape = tree.draft()
         return Draft(torch.tensor(tokens, dtype=torch.long), tree=shape)
+
+    def _draft_size(self, seq: SeqView, max_tokens: int) -> int:
+        """Tokens (tree: nodes) to draft for `seq`: at most `max_tokens` and K, and few enough
+        that every fed draft token stays inside the context (a chain feeds d_j at position
+        len(ids) - 2 + j, j < k; a tree its depth-d nodes at len(ids) - 1 + d, d < k);
+        0 for an empty sequence."""
+        ids = seq.token_ids
+        room = self.model.config.max_position_embeddings - len(ids) + 1
+        return min(max_tokens, self.num_speculative_tokens, max(room, 0)) if ids else 0
+
+    def _rolled_back_cache(self, seq: SeqView, needed: int) -> tuple[KVCache, int]:
+        """The sequence's cache (room for `needed` slots), rolled back to the committed tokens
+        it holds but the last; returns it and its length (the next feed starts there)."""
+        cache = self._cache_for(seq, needed)
+        cached = min(cache.lengths[0], len(seq.token_ids) - 1)
+        cache.truncate(cached)
+        return cache, cached
 
     def _feed_frontier(
         self, cache: KVCache, tree: DynamicTree, slots: dict[int, int], ids: list[int]
@@ -294,9 +304,6 @@ class DraftModelDrafter:
         capacity += self.num_speculative_tokens + 1
         grown = self.model.new_cache(1, capacity)
         if cache is not None:
-            n = cache.lengths[0]
-            grown.k[:, :, :, :n] = cache.k[:, :, :, :n]
-            grown.v[:, :, :, :n] = cache.v[:, :, :, :n]
-            grown.lengths = [n]
+            grown.load_prefix(cache, cache.lengths[0])
         self._caches[seq.request_id] = grown
         return grown
