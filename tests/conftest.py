@@ -92,3 +92,26 @@ def smollm2_gguf_alone(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFact
     alone = tmp_path_factory.mktemp("gguf_alone") / smollm2_gguf.name
     alone.symlink_to(smollm2_gguf)
     return alone
+
+
+def build_tiny_eagle3_head(
+    model_dir: Path, out: Path, draft_vocab: int = 200, seed: int = 0
+) -> Path:
+    """Save an untrained EAGLE-3 head for the tiny model in `model_dir` into `out` (once): a
+    random draft vocabulary of `draft_vocab` of its tokens, random weights, a sharpened output
+    head (so its q is far from uniform and from the target's p)."""
+    from specdecode.heads.eagle3 import save_eagle3_head
+    from specdecode.heads.eagle3_config import Eagle3HeadConfig
+    from specdecode.model.config import ModelConfig
+    from specdecode.train.init import initial_weights
+
+    if (out / "config.json").is_file():
+        return out
+    target = ModelConfig.from_folder(model_dir)
+    cfg = Eagle3HeadConfig.for_target(target, draft_vocab, "tiny")
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
+    weights = initial_weights(cfg, model_dir, ids, "random", seed)
+    weights["lm_head.weight"] *= 40.0
+    save_eagle3_head(out, cfg, weights)
+    return out

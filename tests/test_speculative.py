@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import build_tiny_eagle3_head
 from spec_cases import GREEDY, PROMPTS, assert_fully_accepted
 
 from specdecode.drafters.base import SeqView
@@ -270,6 +271,10 @@ def _example_config(method: str, model_dir: Path) -> dict[str, object]:
     examples: dict[str, dict[str, object]] = {
         "ngram": {"num_speculative_tokens": 4, "prompt_lookup_min": 1},
         "draft_model": {"model": str(model_dir), "num_speculative_tokens": 3},
+        "eagle3": {
+            "model": str(build_tiny_eagle3_head(model_dir, model_dir / "eagle3")),
+            "num_speculative_tokens": 3,
+        },
     }
     assert method in examples, f"give the new drafter {method!r} an example config here"
     return {"method": method, **examples[method]}

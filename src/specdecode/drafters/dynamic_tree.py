@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.tree.token_tree import ROOT, TokenTree
 
 
@@ -81,6 +82,38 @@ class DynamicTree:
         node_of = {c: n for n, c in enumerate(kept)}
         parents = tuple(ROOT if cands[c].parent == ROOT else node_of[cands[c].parent] for c in kept)
         return [cands[c].token for c in kept], TokenTree(parents)
+
+
+def frontier_pass(
+    tree: DynamicTree, slots: dict[int, int], start: int, tree_start: int, device: torch.device
+) -> tuple[Tensor, AttentionMetadata]:
+    """The tokens ([1, F]) and the TREE metadata of one pass over the frontier of `tree`.
+
+    The drafter's cache holds `start` slots: the committed entries (`tree_start` of them)
+    followed by the tree's nodes fed by earlier levels (`slots`: candidate -> slot counted from
+    `tree_start`; the frontier's slots are added). Each frontier node sees the committed
+    entries, its fed ancestors and itself, at position `tree_start - 1 + depth`.
+    """
+    frontier = tree.frontier
+    offset = start - tree_start  # tree slots cached by earlier levels
+    mask = torch.zeros(1, len(frontier), offset + len(frontier), dtype=torch.bool)
+    for j, node in enumerate(frontier):
+        for ancestor in tree.path(node)[:-1]:
+            mask[0, j, slots[ancestor]] = True
+        slots[node] = offset + j
+        mask[0, j, offset + j] = True
+    cands = [tree.candidates[node] for node in frontier]
+    tokens = torch.tensor([[c.token for c in cands]], device=device)  # [1, F]
+    positions = torch.tensor([[tree_start - 1 + c.depth for c in cands]], device=device)
+    meta = AttentionMetadata(
+        AttentionMode.TREE,
+        (start,),
+        (len(frontier),),
+        positions,
+        mask.to(device),
+        tree_starts=(tree_start,),
+    )
+    return tokens, meta
 
 
 def log_confidence(logits: Tensor) -> Tensor:

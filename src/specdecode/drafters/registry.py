@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelConfig, build_draft_model_drafter
+from specdecode.drafters.eagle3 import Eagle3Config, build_eagle3_drafter
 from specdecode.drafters.ngram import NgramConfig, build_ngram_drafter
 from specdecode.errors import UserError
 from specdecode.model.tokenizer import Tokenizer
@@ -94,6 +95,19 @@ DRAFTERS: dict[str, DrafterMethod] = {
             {
                 "k": "num_speculative_tokens",
                 "dq": "quantization",
+                "w": "tree_width",
+                "d": "tree_depth",
+            },
+            model_field="model",
+        ),
+        DrafterMethod(
+            "eagle3",
+            Eagle3Config,
+            build_eagle3_drafter,
+            "eagle3",
+            {
+                "k": "num_speculative_tokens",
+                "hq": "quantization",
                 "w": "tree_width",
                 "d": "tree_depth",
             },

@@ -119,6 +119,17 @@ class PassView:
     mask: Tensor | None
 
 
+def pass_view(
+    attn: Attention, rotary: Rotary, meta: AttentionMetadata, dtype: torch.dtype
+) -> tuple[PassView, Tensor, Tensor]:
+    """What the layers of one pass share, for layers in `attn`'s format: the `PassView` and the
+    RoPE tables (see `Attention.forward`) of `meta`'s positions."""
+    per_query = attn.per_query and meta.mode is not AttentionMode.PREFILL
+    view = PassView(per_query, meta.write_slots(), None if per_query else meta.attention_mask())
+    cos, sin = rotary.tables(meta.positions, None if attn.native_rope else dtype)
+    return view, cos, sin
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention over the cache."""
 
@@ -305,10 +316,8 @@ class Transformer(nn.Module):
                 f"[{meta.batch_size}, {meta.width}]"
             )
         cache.check(meta)
-        attn = self.layers[0].self_attn  # every layer has the same format
-        per_query = attn.per_query and meta.mode is not AttentionMode.PREFILL
-        view = PassView(per_query, meta.write_slots(), None if per_query else meta.attention_mask())
-        cos, sin = self.rotary.tables(meta.positions, None if attn.native_rope else self.dtype)
+        # every layer has the same format
+        view, cos, sin = pass_view(self.layers[0].self_attn, self.rotary, meta, self.dtype)
         x = self.embed_tokens(tokens)  # [B, T, hidden]
         captured: dict[int, Tensor] = {}
         for index, block in enumerate(self.layers[:num_layers]):

@@ -1,0 +1,266 @@
+"""EAGLE-3 drafting: a trained head over the target's own hidden states (method "eagle3").
+
+The head (`specdecode.heads.eagle3`) keeps, per sequence, a one-layer cache of entries: entry t
+reads (token t + 1, the target's fused state after token t) at position t. The target's
+states arrive after every target pass as `seq.features` (this drafter asks for the inputs of
+the head's `aux_layers`), for the tokens the pass kept: every committed token but the last.
+
+Worked example, K = 3, committed t0..t5 and target states s0..s4 (entries 0..4 fed before):
+
+    propose: feed nothing new (entries 0..4 cached); the last entry's logits -> d1.
+             Feed (d1, h4) at position 5 -> d2; (d2, h5) at 6 -> d3, where h is the head's
+             own pre-norm output of the entry before.
+    verdict: accepted d1, recovered r: committed t0..t5 d1 r; the target pass kept s5, s6.
+    propose: drop the drafted entries (cache back to entries 0..4), feed (d1, s5) and (r, s6)
+             at positions 5, 6 -> d1'; draft on.
+
+Drafted tokens come from the reduced draft vocabulary, mapped to target ids; q is the head's
+distribution after the request's sampling parameters, zero outside the draft vocabulary, so
+verification (against the target's full distribution) stays exact. With `tree_width` > 1 the
+draft is EAGLE-2's dynamic tree (`drafters.dynamic_tree`): each level is one TREE pass over
+the frontier, each node reading its parent's pre-norm output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from specdecode.cache.kv_cache import KVCache
+from specdecode.drafters.base import (
+    Drafter,
+    SeqView,
+    check_draft_length,
+    check_draft_limits,
+    check_tree_shape,
+)
+from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, log_confidence
+from specdecode.errors import UserError
+from specdecode.heads.eagle3 import Eagle3Head, load_eagle3_head
+from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.model.quant import parse_quantization
+from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
+from specdecode.tree.token_tree import ROOT
+from specdecode.types import Draft, Verdict
+
+if TYPE_CHECKING:
+    from specdecode.drafters.registry import DrafterContext
+
+
+@dataclass(frozen=True, slots=True)
+class Eagle3Config:
+    """speculative_config of an EAGLE-3 head, method "eagle3" (vLLM's keys).
+
+    model: the head's folder (config.json + model.safetensors, speculators' format;
+        `specdecode train --method eagle3` writes one).
+    num_speculative_tokens: draft at most this many tokens per step (K, 1..64; a tree's nodes).
+    quantization: the head's weight format ("none", "int8", "int4"); None = the target's.
+    tree_width: children per expanded node of a dynamic tree (1 = a chain).
+    tree_depth: levels of the tree, one head pass each (default: K).
+    """
+
+    model: str
+    num_speculative_tokens: int
+    quantization: str | None = None
+    tree_width: int = 1
+    tree_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise UserError(
+                f"an eagle3 config needs 'model' (the head's folder), got {self.model!r}"
+            )
+        check_draft_length(self.num_speculative_tokens)
+        check_tree_shape(self.tree_width, self.tree_depth, self.num_speculative_tokens)
+        if self.quantization is not None:
+            parse_quantization(self.quantization)
+
+
+def build_eagle3_drafter(config: Eagle3Config, context: DrafterContext) -> Drafter:
+    """The registry's factory: load the head for the target (refused if trained for another)."""
+    quantization = config.quantization
+    if quantization is None:
+        quantization = context.target.quantization
+    head = load_eagle3_head(
+        Path(config.model).expanduser(), context.target, parse_quantization(quantization)
+    )
+    return Eagle3Drafter(head, config.num_speculative_tokens, config.tree_width, config.tree_depth)
+
+
+@dataclass
+class _Row:
+    """One sequence's head state: its cache and the target states not fed yet."""
+
+    cache: KVCache
+    fed: int = 0  # entries fed with the target's states (the cache's committed part)
+    pending: list[Tensor] = field(default_factory=list)  # [n, F] states for entries fed..
+
+    @property
+    def known(self) -> int:
+        """Entries whose target state has arrived (fed or pending)."""
+        return self.fed + sum(len(p) for p in self.pending)
+
+
+class Eagle3Drafter:
+    """Proposes up to K tokens per sequence with an EAGLE-3 head (module docstring).
+
+    Args:
+        head: the loaded head (for the target whose states it reads).
+        num_speculative_tokens: draft at most this many tokens per step (K, 1..64).
+        tree_width: children per expanded node of a dynamic tree (1 = chains).
+        tree_depth: levels of a tree (None = K).
+    """
+
+    def __init__(
+        self,
+        head: Eagle3Head,
+        num_speculative_tokens: int,
+        tree_width: int = 1,
+        tree_depth: int | None = None,
+    ) -> None:
+        check_draft_length(num_speculative_tokens)
+        check_tree_shape(tree_width, tree_depth, num_speculative_tokens)
+        self.head = head
+        self.hidden_layers: tuple[int, ...] = head.config.aux_layers
+        self.num_speculative_tokens = num_speculative_tokens
+        self.tree_width = tree_width
+        self.tree_depth = tree_depth or num_speculative_tokens
+        self.vocab_size = head.config.layer.vocab_size
+        self._rows: dict[str, _Row] = {}
+
+    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+        """One draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
+
+        Args:
+            seqs: the sequences to draft for (their `features` hold the newest target states).
+            max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
+
+        Returns:
+            drafts: per sequence, a chain `Draft(tokens [k_i] int64, probs [k_i, V] float32)`,
+            or with tree_width > 1 a tree `Draft(tokens [k_i], None, tree)`.
+        """
+        check_draft_limits(seqs, max_tokens)
+        propose = self._propose_chain if self.tree_width == 1 else self._propose_tree
+        with torch.inference_mode():
+            return [propose(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
+
+    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+        """Nothing to do: the next `propose` drops the drafted entries and feeds the target's
+        states of the committed tokens."""
+
+    def release(self, request_id: str) -> None:
+        """Drop a finished sequence's head cache (unknown ids are ignored)."""
+        self._rows.pop(request_id, None)
+
+    def _propose_chain(self, seq: SeqView, max_tokens: int) -> Draft:
+        """Feed the new target states, then draft entry by entry."""
+        k, row = self._prepare(seq, max_tokens)
+        if k == 0:
+            return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, self.vocab_size))
+        logits, hidden = self._catch_up(seq, row)
+        st = SamplingTensors.from_params([seq.params], self.head.device)
+        tokens = torch.empty(k, dtype=torch.long)  # [k]
+        probs = torch.zeros(k, self.vocab_size)  # [k, V]
+        for j in range(k):
+            q = probs_from_logits(logits[None], st)[0].cpu()  # [Vd]
+            draft_id = (
+                int(q.argmax()) if st.all_greedy else int(sample(q[None], [seq.generator])[0])
+            )
+            tokens[j] = self.head.draft_to_target[draft_id]
+            probs[j, self.head.draft_to_target.cpu()] = q
+            if j + 1 < k:
+                logits, hidden = self._feed(row.cache, tokens[j : j + 1], hidden)
+        return Draft(tokens, probs)
+
+    def _propose_tree(self, seq: SeqView, max_tokens: int) -> Draft:
+        """Feed the new target states, then grow a dynamic tree, one TREE pass per level."""
+        k, row = self._prepare(seq, max_tokens)
+        if k == 0:
+            return Draft(torch.zeros(0, dtype=torch.long))
+        logits, hidden = self._catch_up(seq, row)
+        tree = DynamicTree(self.tree_width, k)
+        tree.expand([ROOT], self._log_confidence(logits[None]))
+        outputs: dict[int, Tensor] = {ROOT: hidden}  # candidate -> its entry's pre-norm output
+        slots: dict[int, int] = {}
+        cache, device = row.cache, self.head.device
+        for _ in range(min(self.tree_depth, k) - 1):
+            frontier = tree.frontier
+            tokens, meta = frontier_pass(tree, slots, cache.lengths[0], row.fed, device)
+            parents = torch.stack([outputs[tree.candidates[n].parent] for n in frontier])
+            level_logits, level_hidden = self.head(tokens, parents[None], meta, cache)
+            outputs.update(zip(frontier, level_hidden[0], strict=True))
+            tree.expand(frontier, self._log_confidence(level_logits[0]))
+        tokens, shape = tree.draft()
+        return Draft(torch.tensor(tokens, dtype=torch.long), tree=shape)
+
+    def _prepare(self, seq: SeqView, max_tokens: int) -> tuple[int, _Row]:
+        """The draft size for `seq` and its row, its drafted entries dropped and the newest
+        target states queued."""
+        ids = seq.token_ids
+        room = self.head.rotary.cos.shape[0] - len(ids) + 1  # entry d_j sits at len - 2 + j
+        k = min(max_tokens, self.num_speculative_tokens, max(room, 0)) if ids else 0
+        row = self._row_for(seq, len(ids) + max(k, self.tree_width * self.tree_depth))
+        row.cache.truncate(row.fed)
+        features = seq.features
+        if features is not None and features.start + len(features.hidden) > row.known:
+            if features.start > row.known:
+                raise ValueError(
+                    f"eagle3: target states for tokens {row.known}..{features.start - 1} of "
+                    f"request {seq.request_id} never arrived"
+                )
+            row.pending.append(features.hidden[row.known - features.start :])
+        return k, row
+
+    def _catch_up(self, seq: SeqView, row: _Row) -> tuple[Tensor, Tensor]:
+        """Feed the queued target states (entry t reads token t + 1); return the last entry's
+        logits ([Vd]) and pre-norm output ([h])."""
+        ids = seq.token_ids
+        if row.known != len(ids) - 1 or not row.pending:
+            raise ValueError(
+                f"eagle3: request {seq.request_id} has {len(ids)} tokens but target states for "
+                f"{row.known} and {sum(len(p) for p in row.pending)} new ones; the engine gives "
+                "the states of every committed token but the last"
+            )
+        device = self.head.device
+        states = torch.cat(row.pending).to(device)  # [n, F]
+        tokens = torch.tensor([ids[row.fed + 1 :]], device=device)  # [1, n]
+        mode = AttentionMode.PREFILL if row.fed == 0 else AttentionMode.DECODE
+        meta = AttentionMetadata.contiguous(mode, [row.fed], [len(states)], device)
+        last = torch.tensor([[len(states) - 1]], device=device)  # [1, 1]
+        logits, hidden = self.head(tokens, self.head.fuse(states)[None], meta, row.cache, last)
+        row.fed, row.pending = row.known, []
+        return logits[0, 0], hidden[0, -1]
+
+    def _feed(self, cache: KVCache, token: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """Feed one drafted entry (token [1], the entry before's pre-norm output [h]); return
+        its logits ([Vd]) and pre-norm output ([h])."""
+        device = self.head.device
+        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [cache.lengths[0]], [1], device)
+        logits, out = self.head(token.to(device)[None], hidden[None, None], meta, cache)
+        return logits[0, 0], out[0, 0]
+
+    def _log_confidence(self, logits: Tensor) -> Tensor:
+        """Tree scores over the target's vocabulary ([P, V]; -inf outside the draft vocab)."""
+        full = torch.full((len(logits), self.vocab_size), float("-inf"))
+        full[:, self.head.draft_to_target.cpu()] = log_confidence(logits).cpu()
+        return full
+
+    def _row_for(self, seq: SeqView, needed: int) -> _Row:
+        """The sequence's row, its cache allocated or grown to at least `needed` entries."""
+        row = self._rows.get(seq.request_id)
+        if row is not None and row.cache.capacity >= needed:
+            return row
+        capacity = max(needed, len(seq.token_ids) + seq.params.max_tokens)
+        capacity += self.num_speculative_tokens + self.tree_width * self.tree_depth + 1
+        cache = self.head.new_cache(1, capacity)
+        if row is None:
+            row = self._rows[seq.request_id] = _Row(cache)
+        else:
+            cache.load_prefix(row.cache, row.cache.lengths[0])
+            row.cache = cache
+        return row

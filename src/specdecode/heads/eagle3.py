@@ -1,0 +1,249 @@
+"""The EAGLE-3 draft head at inference: one decoder layer over [token embedding, feature].
+
+Li et al. 2025, "EAGLE-3": the head reads the inputs of a low, a middle and a high layer of
+the target, fuses them (`fc`: len(layers) * h -> h), and runs one decoder layer whose q/k/v
+see [norm(embed(token)), norm(feature)] (2h wide); its residual stream starts from the
+feature. The output head covers a reduced draft vocabulary; `draft_to_target` maps its rows
+to target ids. Entry t of a sequence reads (token t + 1, the target's state after token t) at
+position t and predicts token t + 2; a drafted entry reads the head's own pre-norm output in
+place of the target's state.
+
+The head's projections use the model's weight formats (`make_linear`: int8 by default under an
+int8 target) and the native per-query attention over its own one-layer `KVCache`, so a draft
+is the same whether its request runs alone or in a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from specdecode.cache.kv_cache import KVCache
+from specdecode.errors import ModelNotFoundError, UserError
+from specdecode.heads.eagle3_config import Eagle3HeadConfig
+from specdecode.model.attention_metadata import AttentionMetadata
+from specdecode.model.linear import make_linear
+from specdecode.model.transformer import (
+    HEAD_FORMAT,
+    MLP,
+    Attention,
+    RMSNorm,
+    Rotary,
+    Transformer,
+    pass_view,
+)
+
+LAYER = "layers.0."
+WEIGHTS_FILE = "model.safetensors"
+
+
+def head_tensor_shapes(cfg: Eagle3HeadConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor an EAGLE-3 head needs (speculators' names)."""
+    lay = cfg.layer
+    h, q_out, kv_out = (
+        lay.hidden_size,
+        lay.num_heads * lay.head_dim,
+        lay.num_kv_heads * lay.head_dim,
+    )
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, cfg.feature_size),
+        f"{LAYER}input_layernorm.weight": (h,),
+        f"{LAYER}hidden_norm.weight": (h,),
+        f"{LAYER}self_attn.q_proj.weight": (q_out, 2 * h),
+        f"{LAYER}self_attn.k_proj.weight": (kv_out, 2 * h),
+        f"{LAYER}self_attn.v_proj.weight": (kv_out, 2 * h),
+        f"{LAYER}self_attn.o_proj.weight": (h, q_out),
+        f"{LAYER}post_attention_layernorm.weight": (h,),
+        f"{LAYER}mlp.gate_proj.weight": (lay.intermediate_size, h),
+        f"{LAYER}mlp.up_proj.weight": (lay.intermediate_size, h),
+        f"{LAYER}mlp.down_proj.weight": (h, lay.intermediate_size),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+        "d2t": (cfg.draft_vocab_size,),
+    }
+    if lay.qkv_bias:
+        shapes |= {
+            f"{LAYER}self_attn.q_proj.bias": (q_out,),
+            f"{LAYER}self_attn.k_proj.bias": (kv_out,),
+            f"{LAYER}self_attn.v_proj.bias": (kv_out,),
+        }
+    return shapes
+
+
+def draft_ids_to_d2t(target_ids: Tensor) -> Tensor:
+    """EAGLE-3's `d2t` ([Vd] int64 offsets: target id = draft id + d2t[draft id]) for the
+    sorted target ids of the draft vocabulary."""
+    return target_ids - torch.arange(len(target_ids))
+
+
+class Eagle3Head(nn.Module):
+    """An EAGLE-3 head built from speculators-named weights, for one target.
+
+    Args:
+        cfg: the head's shape.
+        weights: its tensors (`head_tensor_shapes`; "fc.bias" optional), in the wanted dtype.
+        embed: the target's token embedding (shared, frozen).
+        quantization: the projections' format (None, "int8" or "int4").
+        max_positions: RoPE table length (the target's context).
+    """
+
+    def __init__(
+        self,
+        cfg: Eagle3HeadConfig,
+        weights: Mapping[str, Tensor],
+        embed: nn.Embedding,
+        quantization: str | None,
+        max_positions: int,
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        eps = cfg.layer.rms_norm_eps
+        self.embed_tokens = embed
+        self.fc = make_linear(weights["fc.weight"], weights.get("fc.bias"), quantization)
+        self.input_layernorm = RMSNorm(weights[f"{LAYER}input_layernorm.weight"], eps)
+        self.hidden_norm = RMSNorm(weights[f"{LAYER}hidden_norm.weight"], eps)
+        self.self_attn = Attention(cfg.layer, dict(weights), f"{LAYER}self_attn.", quantization)
+        self.post_attention_layernorm = RMSNorm(
+            weights[f"{LAYER}post_attention_layernorm.weight"], eps
+        )
+        self.mlp = MLP(dict(weights), f"{LAYER}mlp.", quantization)
+        self.norm = RMSNorm(weights["norm.weight"], eps)
+        self.lm_head = make_linear(
+            weights["lm_head.weight"], quantization=HEAD_FORMAT[quantization]
+        )
+        d2t = weights["d2t"].long()
+        # draft row -> target id
+        self.register_buffer("draft_to_target", d2t + torch.arange(len(d2t), device=d2t.device))
+        device = weights["norm.weight"].device
+        self.rotary = Rotary(cfg.layer.head_dim, cfg.layer.rope_theta, max_positions).to(device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """An empty one-layer cache for `batch_size` rows of up to `capacity` entries."""
+        lay = self.config.layer
+        return KVCache(
+            1, batch_size, lay.num_kv_heads, lay.head_dim, capacity, self.dtype, self.device
+        )
+
+    @torch.inference_mode()
+    def fuse(self, features: Tensor) -> Tensor:
+        """The target's concatenated states ([..., len(layers) * h]) -> the head's input
+        feature ([..., h])."""
+        return self.fc(features.to(self.dtype))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,  # [B, T] int64 target ids (entry t: token t + 1)
+        hidden: Tensor,  # [B, T, h]: fused target states, or the head's own pre-norm outputs
+        meta: AttentionMetadata,
+        cache: KVCache,
+        logits_index: Tensor | None = None,  # [B, N] which of the T entries get logits
+    ) -> tuple[Tensor, Tensor]:
+        """Run the entries as `meta` lays them out (stored in `cache`, lengths advanced).
+
+        Returns (logits [B, N, Vd] over the draft vocabulary (N = T when logits_index is
+        None), pre-norm outputs [B, T, h]: the feature a drafted next entry reads).
+        """
+        cache.check(meta)
+        view, cos, sin = pass_view(self.self_attn, self.rotary, meta, self.dtype)
+        embeds = self.input_layernorm(self.embed_tokens(tokens))  # [B, T, h]
+        normed = self.hidden_norm(hidden)  # [B, T, h]
+        residual = normed if self.config.norm_before_residual else hidden
+        x = torch.cat([embeds, normed], dim=-1)  # [B, T, 2h]
+        x = residual + self.self_attn(x, cos, sin, cache, 0, meta, view)
+        x = x + self.mlp(self.post_attention_layernorm(x))  # [B, T, h]
+        cache.advance(meta)
+        final = x
+        if logits_index is not None:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+            final = final[rows, logits_index]  # [B, N, h]
+        return self.lm_head(self.norm(final)), x
+
+
+def read_head_weights(path: Path, cfg: Eagle3HeadConfig) -> dict[str, Tensor]:
+    """The head's tensors from `path`'s *.safetensors, checked against `cfg` (names, shapes,
+    a draft-to-target map inside the target's vocabulary); "midlayer." names (the original
+    EAGLE-3 layout) are read as "layers.0."."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(
+            f"{path} has no *.safetensors file; an EAGLE-3 head folder holds {WEIGHTS_FILE}"
+        )
+    weights: dict[str, Tensor] = {}
+    for file in files:
+        try:
+            loaded = load_file(str(file))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise UserError(f"cannot read head weights from {file} (truncated?): {err}") from err
+        weights.update({name.replace("midlayer.", LAYER): t for name, t in loaded.items()})
+    shapes = head_tensor_shapes(cfg)
+    missing = [name for name in shapes if name not in weights]
+    if missing:
+        raise UserError(f"{path} lacks {len(missing)} head tensor(s), e.g. {missing[:3]}")
+    wrong = [
+        f"{name} {tuple(weights[name].shape)} (config says {shape})"
+        for name, shape in shapes.items()
+        if tuple(weights[name].shape) != shape
+    ]
+    if "fc.bias" in weights and tuple(weights["fc.bias"].shape) != (cfg.hidden_size,):
+        wrong.append(f"fc.bias {tuple(weights['fc.bias'].shape)}")
+    if wrong:
+        raise UserError(f"{path}: head tensors do not match its config.json: {'; '.join(wrong)}")
+    target_ids = weights["d2t"].long() + torch.arange(cfg.draft_vocab_size)
+    if target_ids.min() < 0 or target_ids.max() >= cfg.layer.vocab_size:
+        raise UserError(
+            f"{path}: d2t maps draft tokens outside the target's vocabulary "
+            f"(0..{cfg.layer.vocab_size - 1})"
+        )
+    return weights
+
+
+def load_eagle3_head(path: Path, target: Transformer, quantization: str | None) -> Eagle3Head:
+    """Load the head in folder `path` for `target` (refused if trained for another target),
+    its projections in `quantization` and its other tensors in the target's dtype."""
+    if not path.is_dir():
+        raise ModelNotFoundError(
+            f"no such EAGLE-3 head folder: {path} (train one with `specdecode train`)"
+        )
+    cfg = Eagle3HeadConfig.from_folder(path, target.config.num_layers)
+    cfg.check_target(target.config)
+    weights = read_head_weights(path, cfg)
+    cast = {
+        name: t.to(device=target.device, dtype=target.dtype if t.is_floating_point() else t.dtype)
+        for name, t in weights.items()
+        if name in head_tensor_shapes(cfg) or name == "fc.bias"
+    }
+    head = Eagle3Head(
+        cfg, cast, target.embed_tokens, quantization, target.config.max_position_embeddings
+    )
+    return head.eval()
+
+
+def save_eagle3_head(
+    path: Path,
+    cfg: Eagle3HeadConfig,
+    weights: Mapping[str, Tensor],
+    extra: dict[str, object] | None = None,
+) -> None:
+    """Write `cfg` (config.json, speculators' keys; `extra` under "specdecode") and `weights`
+    (model.safetensors, with the derived `t2d` mask) into folder `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in weights.items()}
+    t2d = torch.zeros(cfg.layer.vocab_size, dtype=torch.bool)
+    t2d[tensors["d2t"].long() + torch.arange(cfg.draft_vocab_size)] = True
+    tensors["t2d"] = t2d
+    save_file(tensors, str(path / WEIGHTS_FILE))
+    (path / "config.json").write_text(cfg.to_json(extra=extra))

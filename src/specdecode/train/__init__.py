@@ -1,0 +1,1 @@
+"""Training of draft heads on the target's own states (`specdecode train`)."""

@@ -1,0 +1,89 @@
+"""Starting weights of an EAGLE-3 head: random, or borrowed from the target (saves compute)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from specdecode.errors import UserError
+from specdecode.heads.eagle3 import LAYER, draft_ids_to_d2t, head_tensor_shapes
+from specdecode.heads.eagle3_config import Eagle3HeadConfig
+
+INIT_STD = 0.02  # Hugging Face's initializer_range
+INITS = ("target", "random")
+
+
+def read_tensors(path: Path, names: list[str]) -> dict[str, Tensor]:
+    """Only the named tensors of a model folder's *.safetensors files (fp32)."""
+    found: dict[str, Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in set(names) & set(f.keys()):
+                found[name] = f.get_tensor(name).float()
+    missing = sorted(set(names) - set(found))
+    if missing:
+        raise UserError(f"{path} lacks {missing[:3]}: cannot start the head from the target")
+    return found
+
+
+def initial_weights(
+    cfg: Eagle3HeadConfig, target_path: Path, draft_ids: Tensor, init: str, seed: int
+) -> dict[str, Tensor]:
+    """The head's first weights (fp32; d2t from `draft_ids`, [Vd] sorted target ids).
+
+    "random": N(0, 0.02) projections, unit norms. "target": the output head from the target's
+    own rows for the draft vocabulary and its final norm; the decoder layer from the target's
+    last layer (q/k/v read the half-sum of the embedding and feature halves); fc passes the
+    highest fused layer through unchanged.
+    """
+    if init not in INITS:
+        raise UserError(f"unknown head init {init!r}; allowed: {', '.join(INITS)}")
+    gen = torch.Generator().manual_seed(seed)
+    weights: dict[str, Tensor] = {}
+    for name, shape in head_tensor_shapes(cfg).items():
+        if name == "d2t":
+            weights[name] = draft_ids_to_d2t(draft_ids)
+        elif name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape)
+        elif name.endswith(".bias"):
+            weights[name] = torch.zeros(shape)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * INIT_STD
+    if init == "random":
+        return weights
+    if cfg.verifier_layers is None:
+        raise UserError("init 'target' needs the target's layer count in the head config")
+    last = f"model.layers.{cfg.verifier_layers - 1}."
+    parts = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ]
+    names = [last + p for p in parts] + ["model.norm.weight", "model.embed_tokens.weight"]
+    files = set()
+    for file in target_path.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            files |= set(f.keys())
+    head_name = "lm_head.weight" if "lm_head.weight" in files else "model.embed_tokens.weight"
+    t = read_tensors(target_path, [*names[:-1], head_name])
+    weights["lm_head.weight"] = t[head_name][draft_ids]
+    weights["norm.weight"] = t["model.norm.weight"]
+    for p in parts:
+        weights[LAYER + p] = t[last + p]
+    weights[f"{LAYER}hidden_norm.weight"] = t[last + "input_layernorm.weight"]
+    for p in ("q", "k", "v"):
+        w = t[f"{last}self_attn.{p}_proj.weight"]
+        weights[f"{LAYER}self_attn.{p}_proj.weight"] = torch.cat([w, w], dim=1) * 0.5
+    fc = torch.zeros(cfg.hidden_size, cfg.feature_size)
+    fc[:, -cfg.target_hidden_size :] = torch.eye(cfg.hidden_size)
+    weights["fc.weight"] = fc
+    return weights

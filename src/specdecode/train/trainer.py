@@ -1,0 +1,457 @@
+"""`specdecode train`: an EAGLE-3 head trained on the target's own states, on a CPU.
+
+The loop, per optimizer step: take `batch_size` examples from the stream (ShareGPT exchanges
+and standard-library code, never the bench's prompts: `train.data`), let the target answer
+them (responses "target": self-distillation) or keep the dataset's answers ("dataset": teacher
+forcing), run the target once over each sequence (`run_target`: its fused states and its
+logits), and fit the head's `unroll` TTT steps to the target's distribution over the draft
+vocabulary (soft cross-entropy = forward KL up to a constant, on answer tokens only; step j
+weighted STEP_DECAY ** j). Matmuls run in bf16 (AMX where the CPU has it), weights and
+optimizer state in fp32.
+
+Every `eval_every` steps the head is scored on held-out ShareGPT exchanges: per step j, how
+often its top token is the target's top token given a correct prefix (a_j), and the chain
+length that implies, tau ~ 1 + a_0 + a_0 a_1 + ... Checkpoints (`checkpoint.pt` in the output
+folder) let a stopped run resume where it was; the budget (minutes and/or examples) counts
+the whole run across resumes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import math
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm import tqdm
+
+from specdecode.errors import UserError
+from specdecode.heads.eagle3 import save_eagle3_head
+from specdecode.heads.eagle3_config import Eagle3HeadConfig
+from specdecode.llm import LLM
+from specdecode.model.loading import parse_dtype
+from specdecode.model.quant import parse_quantization
+from specdecode.train.data import (
+    BenchFilter,
+    Example,
+    bench_texts,
+    encode_example,
+    interleaved,
+    sharegpt_examples,
+    stdlib_code_examples,
+)
+from specdecode.train.eagle3_model import TrainableEagle3
+from specdecode.train.init import INITS, initial_weights
+from specdecode.train.target_pass import TargetPass, run_target
+from specdecode.train.vocab import draft_vocabulary
+from specdecode.types import SamplingParams
+
+METHODS = ("eagle3",)
+RESPONSES = ("dataset", "target")
+STEP_DECAY = 0.8  # weight of TTT step j's loss: STEP_DECAY ** j
+EVAL_START = 900  # held-out ShareGPT conversations 900.. score the head (training starts at 1000)
+CHECKPOINT = "checkpoint.pt"
+LOG = "train_log.json"
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """What `specdecode train` does (its flags, one to one).
+
+    model: the target (alias, folder or .gguf). out: the head's folder.
+    method: "eagle3" (Medusa and early-exit heads are not trainable yet).
+    budget_minutes / budget_examples: stop at whichever comes first (at least one given).
+    responses: "dataset" (teacher forcing on the dataset's answers) or "target" (the target
+        answers each prompt greedily, up to max_answer_tokens: self-distillation, slower).
+    quantization / dtype: the target's format for its passes (int8: fast prefill).
+    draft_vocab_size: the head's vocabulary (the most frequent answer tokens of the first
+        vocab_examples examples). max_length: tokens per sequence (prompt + answer).
+    batch_size: sequences per optimizer step. unroll: TTT steps. lr / warmup_steps: AdamW's
+        rate, reached linearly over the first steps, then constant.
+    init: "target" (start from the target's last layer and output rows) or "random".
+    eval_examples / eval_every: held-out exchanges scored every eval_every steps.
+    checkpoint_minutes: how often checkpoint.pt is written. resume: continue from it.
+    seed: initial weights (the data order is fixed). save_dtype: the saved head's dtype.
+    """
+
+    model: str
+    out: Path
+    method: str = "eagle3"
+    budget_minutes: float | None = 60.0
+    budget_examples: int | None = None
+    responses: str = "dataset"
+    quantization: str | None = "int8"
+    dtype: str = "bfloat16"
+    draft_vocab_size: int = 32000
+    vocab_examples: int = 2000
+    max_length: int = 512
+    max_answer_tokens: int = 256
+    batch_size: int = 4
+    unroll: int = 3
+    lr: float = 5e-4
+    warmup_steps: int = 20
+    init: str = "target"
+    eval_examples: int = 8
+    eval_every: int = 25
+    checkpoint_minutes: float = 10.0
+    resume: bool = False
+    seed: int = 0
+    save_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise UserError(f"cannot train method {self.method!r}; trainable: {', '.join(METHODS)}")
+        if self.budget_minutes is None and self.budget_examples is None:
+            raise UserError("give a budget: --budget-minutes and/or --budget-examples")
+        if self.budget_minutes is not None and not self.budget_minutes > 0:
+            raise UserError(f"--budget-minutes must be > 0, got {self.budget_minutes}")
+        if self.responses not in RESPONSES:
+            raise UserError(
+                f"unknown responses {self.responses!r}; allowed: {', '.join(RESPONSES)}"
+            )
+        if self.init not in INITS:
+            raise UserError(f"unknown init {self.init!r}; allowed: {', '.join(INITS)}")
+        for name in (
+            "budget_examples",
+            "draft_vocab_size",
+            "vocab_examples",
+            "max_length",
+            "max_answer_tokens",
+            "batch_size",
+            "unroll",
+            "eval_examples",
+            "eval_every",
+        ):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise UserError(f"{name} must be a positive integer, got {value!r}")
+        if not self.lr > 0 or self.warmup_steps < 0 or not self.checkpoint_minutes > 0:
+            raise UserError("lr and checkpoint_minutes must be > 0, warmup_steps >= 0")
+        parse_quantization(self.quantization)
+        parse_dtype(self.dtype)
+        parse_dtype(self.save_dtype)
+
+
+@dataclass
+class TrainState:
+    """Where a run stands (saved in checkpoints)."""
+
+    step: int = 0
+    examples: int = 0  # examples consumed from the stream (skipped ones included)
+    tokens: int = 0  # sequence tokens the head trained on
+    answer_tokens: int = 0  # of which answer tokens (the loss covers these)
+    seconds: float = 0.0
+    history: list[dict[str, float]] = field(default_factory=list)  # evaluations
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """The head on held-out exchanges: per TTT step the top-1 agreement with the target
+    given a correct prefix, the tau it implies, and the loss."""
+
+    agreement: tuple[float, ...]
+    tau: float
+    loss: float
+
+
+def default_examples() -> tuple[Iterator[Example], list[Example], BenchFilter]:
+    """The training stream (ShareGPT from conversation 1000 on, interleaved with code), the
+    held-out exchanges (from conversation EVAL_START), and the bench filter."""
+    return (
+        interleaved(sharegpt_examples(), stdlib_code_examples()),
+        list(itertools.islice(sharegpt_examples(EVAL_START), 64)),
+        BenchFilter(bench_texts()),
+    )
+
+
+def train(
+    config: TrainConfig,
+    examples: Iterable[Example] | None = None,
+    held_out: Sequence[Example] | None = None,
+    progress: bool = True,
+) -> TrainState:
+    """Train a head as `config` says and save it to `config.out` (config.json,
+    model.safetensors, train_log.json); returns the final state. `examples` / `held_out`
+    replace the default data (tests); they are checked against the bench all the same."""
+    started = time.perf_counter()
+    _keep_freed_memory()
+    llm = LLM(config.model, dtype=config.dtype, quantization=config.quantization)
+    target, tokenizer = llm.model, llm.tokenizer
+    if examples is None or held_out is None:
+        stream, held, bench = default_examples()
+        examples = examples if examples is not None else stream
+        held_out = held_out if held_out is not None else held
+    else:
+        bench = BenchFilter(bench_texts())
+    state = TrainState()
+    checkpoint = config.out / CHECKPOINT
+    saved = None
+    if config.resume:
+        if not checkpoint.is_file():
+            raise UserError(f"nothing to resume: {checkpoint} does not exist")
+        saved = torch.load(checkpoint, weights_only=False)
+        state = TrainState(**saved["state"])
+    encoded = _encoded(examples, tokenizer, config.max_length, bench)
+    if saved is None:
+        first = list(itertools.islice(encoded, config.vocab_examples))
+        always = list(tokenizer.eos_token_ids)
+        answers = [ids[n:] for _, ids, n in first]
+        draft_ids = draft_vocabulary(
+            answers,
+            min(config.draft_vocab_size, target.config.vocab_size),
+            target.config.vocab_size,
+            always,
+        )
+        encoded = itertools.chain(first, encoded)
+    else:
+        draft_ids = saved["draft_ids"]
+    cfg = Eagle3HeadConfig.for_target(target.config, len(draft_ids), config.model)
+    head = TrainableEagle3(
+        cfg,
+        initial_weights(cfg, llm.model_path, draft_ids, config.init, config.seed),
+        target.embed_tokens.weight,
+    )
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95))
+    if saved is not None:
+        head.load_state_dict(saved["head"])
+        optimizer.load_state_dict(saved["optimizer"])
+        encoded = (item for item in encoded if item[0] >= state.examples)
+    target_ids = draft_ids  # draft row -> target id
+    held_encoded = list(
+        itertools.islice(
+            _encoded(held_out, tokenizer, config.max_length, bench), config.eval_examples
+        )
+    )
+    if config.responses == "target" and held_encoded:
+        held_encoded = _self_distilled(llm, held_encoded, config)
+    held = [run_target(target, ids, n, cfg.aux_layers, draft_ids) for _, ids, n in held_encoded]
+    if not held:
+        raise UserError("no held-out example fits max_length: cannot score the head")
+    if state.step == 0:
+        _record(state, evaluate(head, held, config.unroll, target_ids), 0.0)
+    base = state.seconds - (time.perf_counter() - started)
+    elapsed = lambda: base + time.perf_counter() - started  # noqa: E731
+    bar = tqdm(
+        total=config.budget_examples or int(config.budget_minutes * 60),
+        initial=state.examples if config.budget_examples else int(state.seconds),
+        unit="ex" if config.budget_examples else "s",
+        disable=not progress,
+        desc="train eagle3",
+    )
+    last_checkpoint = time.perf_counter()
+    while not _spent(config, state, elapsed()):
+        batch = list(itertools.islice(encoded, config.batch_size))
+        if not batch:
+            break
+        if config.responses == "target":
+            batch = _self_distilled(llm, batch, config)
+        passes = [run_target(target, ids, n, cfg.aux_layers, draft_ids) for _, ids, n in batch]
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * min(1.0, (state.step + 1) / max(config.warmup_steps, 1))
+        loss, _ = _batch_loss(head, passes, config.unroll, target_ids)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        state.step += 1
+        state.examples = batch[-1][0] + 1
+        state.tokens += sum(len(p.tokens) for p in passes)
+        state.answer_tokens += sum(len(p.tokens) - p.prompt_length for p in passes)
+        postfix = {"loss": f"{loss.item():.3f}", "tokens": state.tokens}
+        if state.step % config.eval_every == 0:
+            ev = evaluate(head, held, config.unroll, target_ids)
+            _record(state, ev, elapsed())
+            postfix |= {"agree": f"{ev.agreement[0]:.2f}", "tau~": f"{ev.tau:.2f}"}
+        bar.set_postfix(postfix, refresh=False)
+        bar.n = state.examples if config.budget_examples else min(int(elapsed()), bar.total)
+        bar.refresh()
+        if time.perf_counter() - last_checkpoint > config.checkpoint_minutes * 60:
+            state.seconds = elapsed()
+            _save_checkpoint(checkpoint, head, optimizer, state, draft_ids)
+            last_checkpoint = time.perf_counter()
+    bar.close()
+    ev = evaluate(head, held, config.unroll, target_ids)
+    if not state.history or state.history[-1]["step"] != state.step:
+        _record(state, ev, elapsed())
+    state.seconds = elapsed()
+    _save_checkpoint(checkpoint, head, optimizer, state, draft_ids)
+    dtype = parse_dtype(config.save_dtype)
+    weights = {
+        n: t.to(dtype) if t.is_floating_point() else t for n, t in head.head_weights().items()
+    }
+    summary = {
+        "method": config.method,
+        "steps": state.step,
+        "examples": state.examples,
+        "tokens": state.tokens,
+        "answer_tokens": state.answer_tokens,
+        "minutes": round(state.seconds / 60, 2),
+        "held_out_agreement": list(ev.agreement),
+        "held_out_tau": ev.tau,
+        "responses": config.responses,
+        "parameters": sum(p.numel() for p in head.parameters()),
+    }
+    save_eagle3_head(config.out, cfg, weights, extra=summary)
+    log = {"config": _jsonable(asdict(config)), "summary": summary, "history": state.history}
+    (config.out / LOG).write_text(json.dumps(log, indent=2) + "\n")
+    return state
+
+
+def _keep_freed_memory() -> None:
+    """Ask glibc to keep freed blocks instead of returning every large one to the system: each
+    step allocates the same [B, T, Vd] tensors again, and mapping them anew costs a page fault
+    per 4 KiB (on smollm2 a third of a step's time went to the kernel). Elsewhere: no-op."""
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+
+
+def _spent(config: TrainConfig, state: TrainState, seconds: float) -> bool:
+    if config.budget_examples is not None and state.examples >= config.budget_examples:
+        return True
+    return config.budget_minutes is not None and seconds >= config.budget_minutes * 60
+
+
+def _encoded(
+    examples: Iterable[Example], tokenizer, max_length: int, bench: BenchFilter
+) -> Iterator[tuple[int, list[int], int]]:
+    """(index in the stream, token ids, prompt length) of the usable examples; an example
+    that shares text with the bench is dropped (UserError: the stream must never hold one)."""
+    for index, example in enumerate(examples):
+        if bench.touches(example):
+            raise UserError(
+                f"training example {example.id!r} shares text with the bench's prompt sets; "
+                "evaluation prompts are never trained on"
+            )
+        encoded = encode_example(tokenizer, example, max_length)
+        if encoded is not None and len(encoded[0]) > encoded[1]:
+            yield index, encoded[0], encoded[1]
+
+
+def _self_distilled(
+    llm: LLM, batch: list[tuple[int, list[int], int]], config: TrainConfig
+) -> list[tuple[int, list[int], int]]:
+    """The batch's prompts answered by the target itself (greedy)."""
+    params = SamplingParams(temperature=0.0, max_tokens=config.max_answer_tokens)
+    prompts = [{"prompt_token_ids": ids[:n]} for _, ids, n in batch]
+    outs = llm.generate(prompts, params)
+    return [
+        (index, (ids[:n] + list(out.token_ids))[: config.max_length], n)
+        for (index, ids, n), out in zip(batch, outs, strict=True)
+    ]
+
+
+def _padded(passes: Sequence[TargetPass]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """tokens [B, T], features [B, T, F], teacher [B, T, Vd], argmax [B, T], and the
+    positions whose next token is an answer token ([B, T] bool)."""
+    length = max(len(p.tokens) for p in passes)
+    batch = len(passes)
+    tokens = torch.zeros(batch, length, dtype=torch.long)
+    features = torch.zeros(batch, length, passes[0].features.shape[-1], dtype=torch.bfloat16)
+    teacher = torch.zeros(batch, length, passes[0].teacher.shape[-1], dtype=torch.bfloat16)
+    argmax = torch.zeros(batch, length, dtype=torch.long)
+    answer = torch.zeros(batch, length, dtype=torch.bool)
+    for b, p in enumerate(passes):
+        n = len(p.tokens)
+        tokens[b, :n], features[b, :n], teacher[b, :n], argmax[b, :n] = (
+            p.tokens,
+            p.features,
+            p.teacher,
+            p.argmax,
+        )
+        answer[b, p.prompt_length - 1 : n - 1] = True  # the last position has no next token
+    return tokens, features, teacher, argmax, answer
+
+
+def _batch_loss(
+    head: TrainableEagle3, passes: Sequence[TargetPass], steps: int, target_ids: Tensor
+) -> tuple[Tensor, tuple[list[int], list[int]]]:
+    """The TTT loss over a batch, and per step (agreeing, counted) answer positions. Logits
+    are computed for answer positions only."""
+    tokens, features, teacher, argmax, answer = _padded(passes)
+    target_p = F.softmax(teacher.float(), dim=-1)  # [B, T, Vd]
+    total = torch.zeros(())
+    agree, counted = [], []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs = head(features, tokens, steps)
+    for j, hidden in enumerate(outputs):
+        cols = tokens.shape[1] - j - 1  # column t predicts token t + j + 2: teacher row t + j + 1
+        mask = answer[:, j + 1 :]  # [B, cols]
+        n = int(mask.sum())
+        if cols <= 0 or n == 0:
+            break
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = head.logits(hidden[:, :cols][mask])  # [n, Vd]
+        logp = F.log_softmax(logits.float(), dim=-1)
+        ce = -(target_p[:, j + 1 :][mask] * logp).sum(-1)  # [n]
+        total = total + STEP_DECAY**j * ce.mean()
+        agree.append(int((target_ids[logp.argmax(-1)] == argmax[:, j + 1 :][mask]).sum()))
+        counted.append(n)
+    return total, (agree, counted)
+
+
+@torch.no_grad()
+def evaluate(
+    head: TrainableEagle3, held: Sequence[TargetPass], steps: int, target_ids: Tensor
+) -> Evaluation:
+    """Score the head on held-out sequences (module docstring)."""
+    agree, counted, losses = [0] * steps, [0] * steps, []
+    for p in held:
+        loss, (a, c) = _batch_loss(head, [p], steps, target_ids)
+        losses.append(float(loss))
+        for j in range(len(a)):
+            agree[j] += a[j]
+            counted[j] += c[j]
+    rates = tuple(a / c if c else 0.0 for a, c in zip(agree, counted, strict=True))
+    tau = 1.0 + sum(math.prod(rates[: j + 1]) for j in range(len(rates)))
+    return Evaluation(rates, tau, sum(losses) / len(losses))
+
+
+def _record(state: TrainState, ev: Evaluation, seconds: float) -> None:
+    state.history.append(
+        {
+            "step": state.step,
+            "tokens": state.tokens,
+            "answer_tokens": state.answer_tokens,
+            "minutes": round(seconds / 60, 3),
+            "loss": round(ev.loss, 4),
+            "tau": round(ev.tau, 4),
+            **{f"agree_{j}": round(a, 4) for j, a in enumerate(ev.agreement)},
+        }
+    )
+
+
+def _save_checkpoint(
+    path: Path, head: TrainableEagle3, optimizer, state: TrainState, draft_ids: Tensor
+) -> None:
+    """Write the run's state atomically (a stop mid-write leaves the old checkpoint)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {
+            "head": head.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "state": asdict(state),
+            "draft_ids": draft_ids,
+        },
+        tmp,
+    )
+    tmp.replace(path)

@@ -1,0 +1,371 @@
+"""EAGLE-3 heads: lossless drafting (chains, trees, a reduced vocabulary), exact sampling,
+the trainable head equal to the inference head, training that helps, files and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_eagle3_head, build_tiny_model
+from spec_cases import GREEDY, PROMPTS
+
+from specdecode.certify import CertifyConfig, certify
+from specdecode.drafters.eagle3 import Eagle3Drafter
+from specdecode.engine import step
+from specdecode.errors import UserError
+from specdecode.heads.eagle3 import (
+    Eagle3Head,
+    head_tensor_shapes,
+    load_eagle3_head,
+    read_head_weights,
+)
+from specdecode.heads.eagle3_config import Eagle3HeadConfig
+from specdecode.llm import LLM
+from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.model.loading import load_model
+from specdecode.model.tokenizer import Tokenizer
+from specdecode.sampling.rejection import verify_chain
+from specdecode.train.data import Example, encode_example
+from specdecode.train.eagle3_model import TrainableEagle3
+from specdecode.train.trainer import TrainConfig, train
+from specdecode.types import SamplingParams
+
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+]
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_model_dir: Path) -> Path:
+    return build_tiny_eagle3_head(tiny_model_dir, tiny_model_dir / "eagle3-head")
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: Path) -> list[list[int]]:
+    plain = LLM(model=str(tiny_model_dir), dtype="float32")
+    return [list(o.token_ids) for o in plain.generate(PROMPTS, GREEDY)]
+
+
+def _eagle(model_dir: Path, head_dir: Path, **spec: object) -> LLM:
+    config = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3, **spec}
+    return LLM(str(model_dir), dtype="float32", speculative_config=config)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"num_speculative_tokens": 1},
+        {"num_speculative_tokens": 4},
+        {"num_speculative_tokens": 6, "tree_width": 2, "tree_depth": 3},
+        {"num_speculative_tokens": 8, "tree_width": 3},
+    ],
+)
+def test_greedy_equals_plain_batched_and_alone(
+    tiny_model_dir: Path, head_dir: Path, expected: list[list[int]], spec: dict
+) -> None:
+    llm = _eagle(tiny_model_dir, head_dir, **spec)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.token_ids) for o in outs] == expected
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        assert list(llm.generate(prompt, GREEDY)[0].token_ids) == want
+    assert sum(o.metrics.spec.num_draft_tokens for o in outs) > 0
+    assert not llm.engine.drafter._rows  # finished requests released their caches
+
+
+def test_drafts_stay_in_the_draft_vocabulary_and_q_is_zero_outside(
+    tiny_model_dir: Path, head_dir: Path, expected: list[list[int]]
+) -> None:
+    """The reduced vocabulary: drafts and q only cover the head's tokens, while the target's
+    output uses tokens outside it (and is unchanged)."""
+    llm = _eagle(tiny_model_dir, head_dir)
+    drafter = llm.engine.drafter
+    allowed = set(drafter.head.draft_to_target.tolist())
+    seen: list = []
+    original = drafter.propose
+
+    def spy(seqs, max_tokens):
+        drafts = original(seqs, max_tokens)
+        seen.extend(drafts)
+        return drafts
+
+    drafter.propose = spy
+    params = SamplingParams(temperature=0.8, max_tokens=30, seed=3, ignore_eos=True)
+    llm.generate(PROMPTS, params)
+    assert seen and all(set(d.tokens.tolist()) <= allowed for d in seen)
+    outside = torch.ones(300, dtype=torch.bool)
+    outside[list(allowed)] = False
+    assert all(float(d.probs[:, outside].sum()) == 0.0 for d in seen if d.probs is not None)
+    assert any(t not in allowed for want in expected for t in want)
+
+
+def test_trainable_head_equals_the_inference_head(tiny_model_dir: Path, head_dir: Path) -> None:
+    """TTT step j of the training module gives, for the last committed entry, the logits the
+    drafter computes for its (j + 1)-th token (fp32)."""
+    target = load_model(tiny_model_dir, dtype="float32")
+    head = load_eagle3_head(head_dir, target, None)
+    cfg = head.config
+    trainable = TrainableEagle3(cfg, read_head_weights(head_dir, cfg), target.embed_tokens.weight)
+    tokens = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(0))
+    cache = target.new_cache(1, 20)
+    meta = AttentionMetadata.prefill([20], "cpu")
+    _, states = target(tokens, meta, cache, hidden_layers=cfg.aux_layers)  # [1, 20, F]
+    with torch.no_grad():
+        steps = [trainable.logits(h) for h in trainable(states, tokens, 3)]
+    n = 12  # committed entries 0..11
+    head_cache = head.new_cache(1, 32)
+    meta = AttentionMetadata.prefill([n], "cpu")
+    logits, hidden = head(tokens[:, 1 : n + 1], head.fuse(states[:, :n]), meta, head_cache)
+    torch.testing.assert_close(logits[0], steps[0][0, :n], atol=1e-5, rtol=1e-5)
+    out = hidden[:, -1:]
+    for j in (1, 2):
+        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [n + j - 1], [1], "cpu")
+        logits, out = head(tokens[:, n + j : n + j + 1], out, meta, head_cache)
+        torch.testing.assert_close(logits[0, 0], steps[j][0, n - 1], atol=1e-5, rtol=1e-5)
+
+
+def _examples(count: int, offset: int = 0) -> list[Example]:
+    """Word lists answered by a fixed cycle of words (a pattern the head can learn)."""
+    out = []
+    for i in range(offset, offset + count):
+        prompt = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(4))
+        answer = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(24))
+        out.append(Example(f"ex{i}", prompt, answer))
+    return out
+
+
+def _chat_prompts(model_dir: Path, examples: list[Example]) -> list[dict[str, list[int]]]:
+    """The examples' prompts as training encodes them (through the chat template)."""
+    tokenizer = Tokenizer.from_folder(model_dir)
+    return [
+        {"prompt_token_ids": encode_example(tokenizer, Example(e.id, e.prompt, ""), 96)[0]}
+        for e in examples
+    ]
+
+
+def _config(model_dir: Path, out: Path, **kw: object) -> TrainConfig:
+    base = dict(
+        model=str(model_dir),
+        out=out,
+        budget_minutes=None,
+        budget_examples=64,
+        draft_vocab_size=120,
+        max_length=96,
+        batch_size=4,
+        eval_every=8,
+        dtype="float32",
+        quantization=None,
+        init="random",
+        lr=2e-3,
+        save_dtype="float32",
+        eval_examples=4,
+        responses="target",
+        max_answer_tokens=40,
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny Llama and a head trained on it for 64 examples."""
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("train_target"), "llama")
+    out = tmp_path_factory.mktemp("trained") / "head"
+    train(_config(model_dir, out), _examples(200), _examples(4, 1000), progress=False)
+    return model_dir, out
+
+
+def test_training_lowers_the_loss_and_raises_acceptance(trained: tuple[Path, Path]) -> None:
+    model_dir, out = trained
+    log = json.loads((out / "train_log.json").read_text())
+    first, last = log["history"][0], log["history"][-1]
+    assert first["step"] == 0 and last["step"] == 16
+    assert last["loss"] < first["loss"] - 0.5
+    assert last["agree_0"] > first["agree_0"] + 0.1 and last["tau"] > first["tau"]
+    # the engine's acceptance on held-out prompts: trained head vs its starting point
+    cfg = Eagle3HeadConfig.from_folder(out)
+    untrained = out.parent / "untrained"
+    weights = read_head_weights(out, cfg)
+    from specdecode.heads.eagle3 import save_eagle3_head
+    from specdecode.train.init import initial_weights
+
+    start = initial_weights(cfg, model_dir, weights["d2t"] + torch.arange(120), "random", 0)
+    save_eagle3_head(untrained, cfg, start)
+    prompts = _chat_prompts(model_dir, _examples(6, 2000))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    rates = []
+    for head in (untrained, out):
+        outs = _eagle(model_dir, head).generate(prompts, params)
+        drafted = sum(o.metrics.spec.num_draft_tokens for o in outs)
+        rates.append(sum(o.metrics.spec.num_accepted_tokens for o in outs) / drafted)
+    assert rates[1] > rates[0] + 0.1, rates
+
+
+def test_saved_head_drafts_like_the_trained_weights(trained: tuple[Path, Path]) -> None:
+    """Save -> load gives the same drafts as a head built from the weights in memory."""
+    model_dir, out = trained
+    target = load_model(model_dir, dtype="float32")
+    cfg = Eagle3HeadConfig.from_folder(out)
+    checkpoint = torch.load(out / "checkpoint.pt", weights_only=False)
+    trainable = TrainableEagle3(cfg, read_head_weights(out, cfg), target.embed_tokens.weight)
+    trainable.load_state_dict(checkpoint["head"])
+    in_memory = Eagle3Head(cfg, trainable.head_weights(), target.embed_tokens, None, 256).eval()
+    prompts = _chat_prompts(model_dir, _examples(3, 3000))
+    params = SamplingParams(temperature=0.7, max_tokens=24, seed=4, ignore_eos=True)
+    results = []
+    for drafter in (
+        Eagle3Drafter(in_memory, 3),
+        Eagle3Drafter(load_eagle3_head(out, target, None), 3),
+    ):
+        llm = LLM(str(model_dir), dtype="float32", drafter=drafter)
+        outs = llm.generate(prompts, params)
+        results.append([(o.token_ids, o.metrics.spec.num_accepted_tokens) for o in outs])
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_sampling_matches_the_target_and_a_biased_verifier_fails(
+    trained: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, biased: bool
+) -> None:
+    """`certify`'s chi-square test over whole continuations with a trained head (its q is
+    neither one-hot nor p, and zero outside the draft vocabulary): exact; treating q as
+    one-hot fails the same test."""
+    if biased:
+
+        def one_hot_q(target_probs, draft_tokens, draft_probs, *args, **kwargs):
+            if draft_probs is not None:
+                draft_probs = draft_probs.scatter(-1, draft_tokens[..., None], 1.0)
+            return verify_chain(target_probs, draft_tokens, draft_probs, *args, **kwargs)
+
+        monkeypatch.setattr(step, "verify_chain", one_hot_q)
+    model_dir, out = trained
+    llm = _eagle(model_dir, out, num_speculative_tokens=2)
+    prompt = tuple(_chat_prompts(model_dir, _examples(1, 5000))[0]["prompt_token_ids"])
+    result = certify(llm, CertifyConfig(prompt, top_k=4, num_samples=3000, seed=1))
+    print(result.as_dict())
+    assert result.num_draft_tokens > 1000 and 0.05 < result.acceptance_rate < 0.95
+    assert result.passed is not biased
+    if biased:
+        assert result.p_value < 1e-6
+
+
+def test_training_is_deterministic_and_resumes_exactly(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model_dir, out = trained
+    half = tmp_path / "half"
+    train(
+        _config(model_dir, half, budget_examples=32),
+        _examples(200),
+        _examples(4, 1000),
+        progress=False,
+    )
+    train(_config(model_dir, half, resume=True), _examples(200), _examples(4, 1000), progress=False)
+    assert (half / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_config_json_has_speculators_keys(trained: tuple[Path, Path]) -> None:
+    _, out = trained
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["draft_vocab_size"] == 120 and cfg["target_hidden_size"] == 64
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 1, 0]
+    assert cfg["speculators_config"]["verifier"]["num_hidden_layers"] == 3
+    assert cfg["specdecode"]["steps"] == 16 and cfg["specdecode"]["tokens"] > 0
+
+
+def test_a_head_from_another_trainer_loads(
+    tiny_model_dir: Path, head_dir: Path, tmp_path: Path, expected: list[list[int]]
+) -> None:
+    """The original EAGLE-3 layout: a flat Llama config with draft_vocab_size, "midlayer."
+    names, an fc bias, no layer ids (EAGLE-3's default for the target is used)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(head_dir / "model.safetensors"))
+    renamed = {k.replace("layers.0.", "midlayer."): v for k, v in weights.items()}
+    renamed["fc.bias"] = torch.zeros(64)
+    save_file(renamed, str(tmp_path / "pytorch_model.safetensors"))
+    layer = json.loads((head_dir / "config.json").read_text())["transformer_layer_config"]
+    (tmp_path / "config.json").write_text(json.dumps({**layer, "draft_vocab_size": 200}))
+    llm = _eagle(tiny_model_dir, tmp_path)
+    assert [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)] == expected
+
+
+def _edited_head(head_dir: Path, tmp_path: Path, edit) -> Path:
+    out = tmp_path / "edited"
+    out.mkdir()
+    cfg = json.loads((head_dir / "config.json").read_text())
+    edit(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / "model.safetensors").write_bytes((head_dir / "model.safetensors").read_bytes())
+    return out
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c["speculators_config"]["verifier"].update(num_hidden_layers=5), "layers"),
+        (lambda c: c["transformer_layer_config"].update(vocab_size=400), "vocabulary"),
+        (lambda c: c.update(target_hidden_size=32), "hidden size"),
+    ],
+)
+def test_a_head_for_another_target_is_refused(
+    tiny_model_dir: Path, head_dir: Path, tmp_path: Path, edit, message: str
+) -> None:
+    with pytest.raises(UserError, match=f"another target.*{message}"):
+        _eagle(tiny_model_dir, _edited_head(head_dir, tmp_path, edit))
+
+
+def test_truncated_or_missing_head_files_are_clear_errors(
+    tiny_model_dir: Path, head_dir: Path, tmp_path: Path
+) -> None:
+    out = _edited_head(head_dir, tmp_path, lambda c: None)
+    data = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match="truncated"):
+        _eagle(tiny_model_dir, out)
+    with pytest.raises(UserError, match="no such EAGLE-3 head folder"):
+        _eagle(tiny_model_dir, tmp_path / "nowhere")
+    (out / "config.json").unlink()
+    with pytest.raises(UserError, match=r"no config\.json"):
+        _eagle(tiny_model_dir, out)
+
+
+def test_tensor_shapes_must_match_the_config(head_dir: Path) -> None:
+    cfg = Eagle3HeadConfig.from_folder(head_dir)
+    assert set(head_tensor_shapes(cfg)) <= set(read_head_weights(head_dir, cfg))
+    smaller = Eagle3HeadConfig(cfg.layer, 100, cfg.target_hidden_size, cfg.aux_layers)
+    with pytest.raises(UserError, match="do not match"):
+        read_head_weights(head_dir, smaller)
+
+
+def test_bad_training_configs_and_bench_prompts_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="cannot train method 'medusa'"):
+        TrainConfig(model="x", out=tmp_path, method="medusa")
+    with pytest.raises(UserError, match="budget"):
+        TrainConfig(model="x", out=tmp_path, budget_minutes=None)
+    with pytest.raises(UserError, match="responses"):
+        TrainConfig(model="x", out=tmp_path, responses="teacher")
+
+
+def test_a_bench_prompt_in_the_training_data_is_refused(tmp_path: Path) -> None:
+    from specdecode.bench.prompts import load_prompts
+    from specdecode.train.data import BenchFilter, bench_texts
+
+    bench = BenchFilter(bench_texts())
+    chat = load_prompts(["chat"], 1)[0].messages[-1]["content"]
+    code = load_prompts(["code"], 1)[0].messages[-1]["content"]
+    assert bench.touches(Example("x", "Please answer: " + chat[10:200], ""))
+    assert bench.touches(Example("y", "hi", "Sure:\n" + code[40:300]))
+    assert not any(bench.touches(e) for e in _examples(20))
