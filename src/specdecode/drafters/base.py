@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from specdecode.errors import UserError
+from specdecode.model.quant import parse_quantization
 from specdecode.tree.token_tree import TokenTree
 from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
 
@@ -70,6 +71,19 @@ def check_tree_shape(width: object, depth: object, k: int) -> None:
             f"tree_depth must be None (= num_speculative_tokens) or an int in "
             f"1..num_speculative_tokens = 1..{k}, got {depth!r}"
         )
+
+
+def check_model_drafter_config(
+    model: object, k: object, quantization: object, width: object, depth: object, what: str
+) -> None:
+    """The checks every drafter config with a "model" (a draft model, a head) shares: a
+    non-empty model name or path, K, the tree's shape and a known weight format."""
+    if not isinstance(model, str) or not model:
+        raise UserError(f"{what} needs 'model' (alias or path), got {model!r}")
+    check_draft_length(k)
+    check_tree_shape(width, depth, k)  # type: ignore[arg-type]
+    if quantization is not None:
+        parse_quantization(quantization)  # type: ignore[arg-type]
 
 
 def check_draft_limits(seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> None:

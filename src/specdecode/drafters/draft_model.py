@@ -41,12 +41,12 @@ from specdecode.drafters.base import (
     SeqView,
     check_draft_length,
     check_draft_limits,
+    check_model_drafter_config,
     check_tree_shape,
 )
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, log_confidence
 from specdecode.errors import UserError
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
-from specdecode.model.quant import parse_quantization
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
@@ -75,12 +75,14 @@ class DraftModelConfig:
     tree_depth: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise UserError(f"a draft_model needs 'model' (alias or path), got {self.model!r}")
-        check_draft_length(self.num_speculative_tokens)
-        check_tree_shape(self.tree_width, self.tree_depth, self.num_speculative_tokens)
-        if self.quantization is not None:
-            parse_quantization(self.quantization)
+        check_model_drafter_config(
+            self.model,
+            self.num_speculative_tokens,
+            self.quantization,
+            self.tree_width,
+            self.tree_depth,
+            "a draft_model",
+        )
 
 
 def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:

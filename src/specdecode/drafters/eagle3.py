@@ -37,10 +37,10 @@ from specdecode.drafters.base import (
     SeqView,
     check_draft_length,
     check_draft_limits,
+    check_model_drafter_config,
     check_tree_shape,
 )
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, log_confidence
-from specdecode.errors import UserError
 from specdecode.heads.eagle3 import Eagle3Head, load_eagle3_head
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.quant import parse_quantization
@@ -71,14 +71,14 @@ class Eagle3Config:
     tree_depth: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise UserError(
-                f"an eagle3 config needs 'model' (the head's folder), got {self.model!r}"
-            )
-        check_draft_length(self.num_speculative_tokens)
-        check_tree_shape(self.tree_width, self.tree_depth, self.num_speculative_tokens)
-        if self.quantization is not None:
-            parse_quantization(self.quantization)
+        check_model_drafter_config(
+            self.model,
+            self.num_speculative_tokens,
+            self.quantization,
+            self.tree_width,
+            self.tree_depth,
+            "an eagle3 config",
+        )
 
 
 def build_eagle3_drafter(config: Eagle3Config, context: DrafterContext) -> Drafter:

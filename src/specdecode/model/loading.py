@@ -25,6 +25,20 @@ DTYPES = {
 }
 
 
+# Each decoder block's tensors (Hugging Face names under `model.layers.<i>.`), biases aside.
+LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """'float32' | 'bfloat16' | 'float16' | 'auto' (= bfloat16) or a torch dtype."""
     if isinstance(dtype, torch.dtype):
@@ -40,17 +54,7 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
-    per_layer = [
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-    ]
+    per_layer = list(LAYER_TENSORS)
     if cfg.qkv_bias:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     names += [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer]

@@ -11,6 +11,7 @@ from torch import Tensor
 from specdecode.errors import UserError
 from specdecode.heads.eagle3 import LAYER, draft_ids_to_d2t, head_tensor_shapes
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
+from specdecode.model.loading import LAYER_TENSORS
 
 INIT_STD = 0.02  # Hugging Face's initializer_range
 INITS = ("target", "random")
@@ -57,24 +58,14 @@ def initial_weights(
     if cfg.verifier_layers is None:
         raise UserError("init 'target' needs the target's layer count in the head config")
     last = f"model.layers.{cfg.verifier_layers - 1}."
-    parts = [
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-    ]
-    names = [last + p for p in parts] + ["model.norm.weight", "model.embed_tokens.weight"]
+    parts = LAYER_TENSORS
+    names = [last + p for p in parts] + ["model.norm.weight"]
     files = set()
     for file in target_path.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as f:
             files |= set(f.keys())
     head_name = "lm_head.weight" if "lm_head.weight" in files else "model.embed_tokens.weight"
-    t = read_tensors(target_path, [*names[:-1], head_name])
+    t = read_tensors(target_path, [*names, head_name])
     weights["lm_head.weight"] = t[head_name][draft_ids]
     weights["norm.weight"] = t["model.norm.weight"]
     for p in parts:
