@@ -703,6 +703,13 @@ def test_predicted_from_counters_matches_the_worked_example() -> None:
     assert predicted_from_counters(half, 1, costs, None) == pytest.approx(500 / 225)
     only_prefill = SpecCounters(num_steps=2, num_output_tokens=2)
     assert predicted_from_counters(only_prefill, 2, costs, None) is None
+    # a drafter without a table entry (an EAGLE-3 head's folder): its measured seconds count
+    timed = SpecCounters(
+        num_steps=11, num_drafts=5, num_draft_tokens=20, num_output_tokens=26, draft_s=0.2
+    )
+    assert predicted_from_counters(timed, 1, costs, "/heads/h") == pytest.approx(
+        2500 / (5 * 120 + 5 * 100 + 200)
+    )
 
 
 def test_forward_seconds_times_each_width_on_the_same_context(tiny_model_dir: Path) -> None:

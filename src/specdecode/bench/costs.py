@@ -140,7 +140,7 @@ def predicted_from_costs(
 ) -> float:
     """`predicted_speedup` with the pass costs of `bench_costs` (draft None: a free drafter)."""
     target = {t + 1: ms for t, ms in enumerate(costs["target_ms"])}
-    draft_ms = 0.0 if draft is None else costs["draft_ms"][draft]
+    draft_ms = 0.0 if draft is None else costs["draft_ms"].get(draft, 0.0)
     return predicted_speedup(acceptance, k, target, draft_ms)
 
 
@@ -172,7 +172,8 @@ def predicted_from_counters(
     if steps <= 0 or emitted <= 0:
         return None
     one = _target_ms(costs, 1)
-    draft_ms = 0.0 if draft is None else costs["draft_ms"][draft]
+    # a drafter that is no draft model (a head) has no table entry: its draft_s counts
+    draft_ms = 0.0 if draft is None else costs["draft_ms"].get(draft, 0.0)
     drafting = counters.num_drafts
     spent = (steps - drafting) * one
     if drafting:

@@ -37,6 +37,7 @@ from specdecode.heads.eagle3_config import Eagle3HeadConfig
 from specdecode.llm import LLM
 from specdecode.model.loading import parse_dtype
 from specdecode.model.quant import parse_quantization
+from specdecode.model.tokenizer import Tokenizer
 from specdecode.train.data import (
     BenchFilter,
     Example,
@@ -185,67 +186,51 @@ def train(
     replace the default data (tests); they are checked against the bench all the same."""
     started = time.perf_counter()
     llm = LLM(config.model, dtype=config.dtype, quantization=config.quantization)
-    target, tokenizer = llm.model, llm.tokenizer
-    if examples is None or held_out is None:
-        stream, held, bench = default_examples()
-        examples = examples if examples is not None else stream
-        held_out = held_out if held_out is not None else held
-    else:
-        bench = BenchFilter(bench_texts())
-    state = TrainState()
-    checkpoint = config.out / CHECKPOINT
-    saved = None
-    if config.resume:
-        if not checkpoint.is_file():
-            raise UserError(f"nothing to resume: {checkpoint} does not exist")
-        saved = torch.load(checkpoint, weights_only=False)
-        state = TrainState(**saved["state"])
-    encoded = _encoded(examples, tokenizer, config.max_length, bench)
+    stream, held_default, bench = default_examples()
+    saved = _load_checkpoint(config)
+    state = TrainState() if saved is None else TrainState(**saved["state"])
+    encoded = _encoded(
+        stream if examples is None else examples, llm.tokenizer, config.max_length, bench
+    )
     if saved is None:
         first = list(itertools.islice(encoded, config.vocab_examples))
-        always = list(tokenizer.eos_token_ids)
-        answers = [ids[n:] for _, ids, n in first]
+        vocab = llm.model.config.vocab_size
         draft_ids = draft_vocabulary(
-            answers,
-            min(config.draft_vocab_size, target.config.vocab_size),
-            target.config.vocab_size,
-            always,
+            [ids[n:] for _, ids, n in first],
+            min(config.draft_vocab_size, vocab),
+            vocab,
+            llm.tokenizer.eos_token_ids,
         )
         encoded = itertools.chain(first, encoded)
     else:
         draft_ids = saved["draft_ids"]
-    cfg = Eagle3HeadConfig.for_target(target.config, len(draft_ids), config.model)
+        encoded = (item for item in encoded if item[0] >= state.examples)
+    cfg = Eagle3HeadConfig.for_target(llm.model.config, len(draft_ids), config.model)
     head = TrainableEagle3(
         cfg,
         initial_weights(cfg, llm.model_path, draft_ids, config.init, config.seed),
-        target.embed_tokens.weight,
+        llm.model.embed_tokens.weight,
     )
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95))
     if saved is not None:
         head.load_state_dict(saved["head"])
         optimizer.load_state_dict(saved["optimizer"])
-        encoded = (item for item in encoded if item[0] >= state.examples)
-    target_ids = draft_ids  # draft row -> target id
-    held_encoded = list(
-        itertools.islice(
-            _encoded(held_out, tokenizer, config.max_length, bench), config.eval_examples
-        )
+    held = _held_out_passes(
+        llm, held_default if held_out is None else held_out, bench, cfg, draft_ids, config
     )
-    if config.responses == "target" and held_encoded:
-        held_encoded = _self_distilled(llm, held_encoded, config)
-    held = [run_target(target, ids, n, cfg.aux_layers, draft_ids) for _, ids, n in held_encoded]
-    if not held:
-        raise UserError("no held-out example fits max_length: cannot score the head")
     if state.step == 0:
-        _record(state, evaluate(head, held, config.unroll, target_ids), 0.0)
-    base = state.seconds - (time.perf_counter() - started)
-    elapsed = lambda: base + time.perf_counter() - started  # noqa: E731
+        _record(state, evaluate(head, held, config.unroll, draft_ids), 0.0)
+    base = state.seconds - (time.perf_counter() - started)  # setup is not budgeted
+
+    def elapsed() -> float:
+        return base + time.perf_counter() - started
+
     bar = tqdm(
         total=config.budget_examples or int(config.budget_minutes * 60),
         initial=state.examples if config.budget_examples else int(state.seconds),
         unit="ex" if config.budget_examples else "s",
         disable=not progress,
-        desc="train eagle3",
+        desc=f"train {config.method}",
     )
     last_checkpoint = time.perf_counter()
     while not _spent(config, state, elapsed()):
@@ -254,21 +239,15 @@ def train(
             break
         if config.responses == "target":
             batch = _self_distilled(llm, batch, config)
-        passes = [run_target(target, ids, n, cfg.aux_layers, draft_ids) for _, ids, n in batch]
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr * min(1.0, (state.step + 1) / max(config.warmup_steps, 1))
-        loss, _ = _batch_loss(head, passes, config.unroll, target_ids)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
+        passes = [run_target(llm.model, ids, n, cfg.aux_layers, draft_ids) for _, ids, n in batch]
+        loss = _optimizer_step(head, optimizer, passes, state.step, config, draft_ids)
         state.step += 1
         state.examples = batch[-1][0] + 1
         state.tokens += sum(len(p.tokens) for p in passes)
         state.answer_tokens += sum(len(p.tokens) - p.prompt_length for p in passes)
-        postfix = {"loss": f"{loss.item():.3f}", "tokens": state.tokens}
+        postfix = {"loss": f"{loss:.3f}", "tokens": state.tokens}
         if state.step % config.eval_every == 0:
-            ev = evaluate(head, held, config.unroll, target_ids)
+            ev = evaluate(head, held, config.unroll, draft_ids)
             _record(state, ev, elapsed())
             postfix |= {"agree": f"{ev.agreement[0]:.2f}", "tau~": f"{ev.tau:.2f}"}
         bar.set_postfix(postfix, refresh=False)
@@ -276,14 +255,77 @@ def train(
         bar.refresh()
         if time.perf_counter() - last_checkpoint > config.checkpoint_minutes * 60:
             state.seconds = elapsed()
-            _save_checkpoint(checkpoint, head, optimizer, state, draft_ids)
+            _save_checkpoint(config.out / CHECKPOINT, head, optimizer, state, draft_ids)
             last_checkpoint = time.perf_counter()
     bar.close()
-    ev = evaluate(head, held, config.unroll, target_ids)
-    if not state.history or state.history[-1]["step"] != state.step:
+    ev = evaluate(head, held, config.unroll, draft_ids)
+    if state.history[-1]["step"] != state.step:
         _record(state, ev, elapsed())
     state.seconds = elapsed()
-    _save_checkpoint(checkpoint, head, optimizer, state, draft_ids)
+    _save_checkpoint(config.out / CHECKPOINT, head, optimizer, state, draft_ids)
+    _save_head(config, cfg, head, state, ev)
+    return state
+
+
+def _load_checkpoint(config: TrainConfig) -> dict | None:
+    """The checkpoint to resume from (None for a fresh run)."""
+    if not config.resume:
+        return None
+    path = config.out / CHECKPOINT
+    if not path.is_file():
+        raise UserError(f"nothing to resume: {path} does not exist")
+    return torch.load(path, weights_only=False)
+
+
+def _held_out_passes(
+    llm: LLM,
+    examples: Iterable[Example],
+    bench: BenchFilter,
+    cfg: Eagle3HeadConfig,
+    draft_ids: Tensor,
+    config: TrainConfig,
+) -> list[TargetPass]:
+    """The target's passes over the first `eval_examples` usable held-out examples (answered
+    by the target itself under responses "target")."""
+    encoded = list(
+        itertools.islice(
+            _encoded(examples, llm.tokenizer, config.max_length, bench), config.eval_examples
+        )
+    )
+    if not encoded:
+        raise UserError("no held-out example fits max_length: cannot score the head")
+    if config.responses == "target":
+        encoded = _self_distilled(llm, encoded, config)
+    return [run_target(llm.model, ids, n, cfg.aux_layers, draft_ids) for _, ids, n in encoded]
+
+
+def _optimizer_step(
+    head: TrainableEagle3,
+    optimizer: torch.optim.Optimizer,
+    passes: Sequence[TargetPass],
+    step: int,
+    config: TrainConfig,
+    draft_ids: Tensor,
+) -> float:
+    """One AdamW step on a batch (learning rate warmed up linearly); returns the loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr * min(1.0, (step + 1) / max(config.warmup_steps, 1))
+    loss, _ = _batch_loss(head, passes, config.unroll, draft_ids)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    optimizer.step()
+    return float(loss)
+
+
+def _save_head(
+    config: TrainConfig,
+    cfg: Eagle3HeadConfig,
+    head: TrainableEagle3,
+    state: TrainState,
+    ev: Evaluation,
+) -> None:
+    """Write the head folder (weights in save_dtype, a summary in config.json) and the log."""
     dtype = parse_dtype(config.save_dtype)
     weights = {
         n: t.to(dtype) if t.is_floating_point() else t for n, t in head.head_weights().items()
@@ -303,7 +345,6 @@ def train(
     save_eagle3_head(config.out, cfg, weights, extra=summary)
     log = {"config": _jsonable(asdict(config)), "summary": summary, "history": state.history}
     (config.out / LOG).write_text(json.dumps(log, indent=2) + "\n")
-    return state
 
 
 def _jsonable(d: dict) -> dict:
@@ -317,7 +358,7 @@ def _spent(config: TrainConfig, state: TrainState, seconds: float) -> bool:
 
 
 def _encoded(
-    examples: Iterable[Example], tokenizer, max_length: int, bench: BenchFilter
+    examples: Iterable[Example], tokenizer: Tokenizer, max_length: int, bench: BenchFilter
 ) -> Iterator[tuple[int, list[int], int]]:
     """(index in the stream, token ids, prompt length) of the usable examples; an example
     that shares text with the bench is dropped (UserError: the stream must never hold one)."""
@@ -373,7 +414,6 @@ def _batch_loss(
     """The TTT loss over a batch, and per step (agreeing, counted) answer positions. Logits
     are computed for answer positions only."""
     tokens, features, teacher, argmax, answer = _padded(passes)
-    target_p = F.softmax(teacher.float(), dim=-1)  # [B, T, Vd]
     total = torch.zeros(())
     agree, counted = [], []
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -391,7 +431,8 @@ def _batch_loss(
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = head.logits(hidden[rows, cols_at])  # [padded, Vd]
         logp = F.log_softmax(logits.float(), dim=-1)[:n]  # [n, Vd]
-        ce = -(target_p[rows[:n], cols_at[:n] + j + 1] * logp).sum(-1)  # [n]
+        target_p = F.softmax(teacher[rows[:n], cols_at[:n] + j + 1].float(), dim=-1)  # [n, Vd]
+        ce = -(target_p * logp).sum(-1)  # [n]
         total = total + STEP_DECAY**j * ce.mean()
         top = target_ids[logp.argmax(-1)]
         agree.append(int((top == argmax[rows[:n], cols_at[:n] + j + 1]).sum()))
