@@ -5,11 +5,11 @@ reads (token t + 1, the target's fused state after token t) at position t. The t
 states arrive after every target pass as `seq.features` (this drafter asks for the inputs of
 the head's `aux_layers`), for the tokens the pass kept: every committed token but the last.
 
-Worked example, K = 3, committed t0..t5 and target states s0..s4 (entries 0..4 fed before):
+Worked example, K = 3, committed t0..t5, entries 0..3 fed before, the last target pass kept
+s4 (its state after t4):
 
-    propose: feed nothing new (entries 0..4 cached); the last entry's logits -> d1.
-             Feed (d1, h4) at position 5 -> d2; (d2, h5) at 6 -> d3, where h is the head's
-             own pre-norm output of the entry before.
+    propose: feed (t5, s4) at position 4 -> d1. Feed (d1, h4) at position 5 -> d2; (d2, h5)
+             at 6 -> d3, where h is the head's own pre-norm output of the entry before.
     verdict: accepted d1, recovered r: committed t0..t5 d1 r; the target pass kept s5, s6.
     propose: drop the drafted entries (cache back to entries 0..4), feed (d1, s5) and (r, s6)
              at positions 5, 6 -> d1'; draft on.

@@ -315,7 +315,7 @@ def _optimizer_step(
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
     optimizer.step()
-    return float(loss)
+    return loss.item()
 
 
 def _save_head(
