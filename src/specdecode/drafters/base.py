@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
+from specdecode.cache.kv_cache import KVCache
 from specdecode.errors import UserError
 from specdecode.model.quant import parse_quantization
 from specdecode.tree.token_tree import TokenTree
@@ -84,6 +85,25 @@ def check_model_drafter_config(
     check_tree_shape(width, depth, k)  # type: ignore[arg-type]
     if quantization is not None:
         parse_quantization(quantization)  # type: ignore[arg-type]
+
+
+def cache_with_room(
+    cache: KVCache | None,
+    seq: SeqView,
+    needed: int,
+    extra: int,
+    new_cache: Callable[[int], KVCache],
+) -> KVCache:
+    """A drafter's one-row cache for `seq` that holds at least `needed` slots: `cache` itself
+    when it does, else `new_cache(capacity)` with room for the prompt, the whole `max_tokens`
+    and `extra` slots (so it normally never grows again), holding `cache`'s slots (copied
+    once)."""
+    if cache is not None and cache.capacity >= needed:
+        return cache
+    grown = new_cache(max(needed, len(seq.token_ids) + seq.params.max_tokens) + extra)
+    if cache is not None:
+        grown.load_prefix(cache, cache.lengths[0])
+    return grown
 
 
 def check_draft_limits(seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> None:

@@ -39,6 +39,7 @@ from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import (
     Drafter,
     SeqView,
+    cache_with_room,
     check_draft_length,
     check_draft_limits,
     check_model_drafter_config,
@@ -274,18 +275,14 @@ class DraftModelDrafter:
         return int(sample(q[None], [generator])[0])
 
     def _cache_for(self, seq: SeqView, needed: int) -> KVCache:
-        """The sequence's cache, allocated or grown so that it holds at least `needed` slots.
-
-        First allocation: room for the prompt, the whole `max_tokens` and a K-token draft, so
-        it normally never grows; growing copies the cached keys/values once.
-        """
-        cache = self._caches.get(seq.request_id)
-        if cache is not None and cache.capacity >= needed:
-            return cache
-        capacity = max(needed, len(seq.token_ids) + seq.params.max_tokens)
-        capacity += self.num_speculative_tokens + 1
-        grown = self.model.new_cache(1, capacity)
-        if cache is not None:
-            grown.load_prefix(cache, cache.lengths[0])
-        self._caches[seq.request_id] = grown
-        return grown
+        """The sequence's cache, allocated or grown so that it holds at least `needed` slots
+        (`cache_with_room`: room for a K-token draft beyond the whole `max_tokens`)."""
+        cache = cache_with_room(
+            self._caches.get(seq.request_id),
+            seq,
+            needed,
+            self.num_speculative_tokens + 1,
+            lambda capacity: self.model.new_cache(1, capacity),
+        )
+        self._caches[seq.request_id] = cache
+        return cache

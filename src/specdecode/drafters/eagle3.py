@@ -35,6 +35,7 @@ from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import (
     Drafter,
     SeqView,
+    cache_with_room,
     check_draft_length,
     check_draft_limits,
     check_model_drafter_config,
@@ -131,6 +132,7 @@ class Eagle3Drafter:
         self.tree_width = tree_width
         self.tree_depth = tree_depth or num_speculative_tokens
         self.vocab_size = head.config.layer.vocab_size
+        self._draft_ids = head.draft_to_target.cpu()  # [Vd] draft row -> target id (host)
         self._rows: dict[str, _Row] = {}
 
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
@@ -171,8 +173,8 @@ class Eagle3Drafter:
             draft_id = (
                 int(q.argmax()) if st.all_greedy else int(sample(q[None], [seq.generator])[0])
             )
-            tokens[j] = self.head.draft_to_target[draft_id]
-            probs[j, self.head.draft_to_target.cpu()] = q
+            tokens[j] = self._draft_ids[draft_id]
+            probs[j, self._draft_ids] = q
             if j + 1 < k:
                 logits, hidden = self._feed(row.cache, tokens[j : j + 1], hidden)
         return Draft(tokens, probs)
@@ -247,20 +249,20 @@ class Eagle3Drafter:
     def _log_confidence(self, logits: Tensor) -> Tensor:
         """Tree scores over the target's vocabulary ([P, V]; -inf outside the draft vocab)."""
         full = torch.full((len(logits), self.vocab_size), float("-inf"))
-        full[:, self.head.draft_to_target.cpu()] = log_confidence(logits).cpu()
+        full[:, self._draft_ids] = log_confidence(logits).cpu()
         return full
 
     def _row_for(self, seq: SeqView, needed: int) -> _Row:
         """The sequence's row, its cache allocated or grown to at least `needed` entries."""
         row = self._rows.get(seq.request_id)
-        if row is not None and row.cache.capacity >= needed:
-            return row
-        capacity = max(needed, len(seq.token_ids) + seq.params.max_tokens)
-        capacity += self.num_speculative_tokens + self.tree_width * self.tree_depth + 1
-        cache = self.head.new_cache(1, capacity)
+        cache = cache_with_room(
+            None if row is None else row.cache,
+            seq,
+            needed,
+            self.num_speculative_tokens + self.tree_width * self.tree_depth + 1,
+            lambda capacity: self.head.new_cache(1, capacity),
+        )
         if row is None:
             row = self._rows[seq.request_id] = _Row(cache)
-        else:
-            cache.load_prefix(row.cache, row.cache.lengths[0])
-            row.cache = cache
+        row.cache = cache
         return row

@@ -221,10 +221,11 @@ def load_eagle3_head(path: Path, target: Transformer, quantization: str | None) 
     cfg = Eagle3HeadConfig.from_folder(path, target.config.num_layers)
     cfg.check_target(target.config)
     weights = read_head_weights(path, cfg)
+    used = {*head_tensor_shapes(cfg), "fc.bias"}
     cast = {
         name: t.to(device=target.device, dtype=target.dtype if t.is_floating_point() else t.dtype)
         for name, t in weights.items()
-        if name in head_tensor_shapes(cfg) or name == "fc.bias"
+        if name in used
     }
     head = Eagle3Head(
         cfg, cast, target.embed_tokens, quantization, target.config.max_position_embeddings

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from specdecode.errors import ModelNotFoundError, UserError
-from specdecode.model.config import ModelConfig
+from specdecode.errors import UserError
+from specdecode.model.config import ModelConfig, read_config_json
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -149,20 +149,12 @@ class Eagle3HeadConfig:
     def from_folder(cls, path: Path, target_layers: int | None = None) -> Eagle3HeadConfig:
         """Read `path/config.json` (speculators' or the original EAGLE-3 layout); a file that
         does not name the fused layers gets EAGLE-3's default for `target_layers` layers."""
-        file = path / "config.json"
-        if not file.is_file():
-            raise ModelNotFoundError(
-                f"{path} has no config.json; an EAGLE-3 head folder holds config.json and "
-                "model.safetensors (`specdecode train` writes one)"
-            )
-        try:
-            cfg = json.loads(file.read_text())
-        except json.JSONDecodeError as err:
-            raise UserError(f"{file} is not valid JSON: {err}") from err
-        try:
-            return cls.from_dict(cfg, target_layers)
-        except KeyError as err:
-            raise UserError(f"{file} lacks the required field {err.args[0]!r}") from err
+        return read_config_json(
+            path,
+            lambda cfg: cls.from_dict(cfg, target_layers),
+            "an EAGLE-3 head folder holds config.json and model.safetensors "
+            "(`specdecode train` writes one)",
+        )
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], target_layers: int | None = None) -> Eagle3HeadConfig:

@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from specdecode.errors import ModelNotFoundError, UserError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+T = TypeVar("T")
+
+
+def read_config_json(path: Path, build: Callable[[dict[str, Any]], T], layout: str) -> T:
+    """`build(the parsed path/config.json)`, with clear errors for a missing file (`layout`
+    says what the folder should hold), invalid JSON or a missing required field (KeyError)."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise ModelNotFoundError(f"{path} has no config.json; {layout}")
+    try:
+        cfg = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{file} is not valid JSON: {err}") from err
+    try:
+        return build(cfg)
+    except KeyError as err:
+        raise UserError(f"{file} lacks the required field {err.args[0]!r}") from err
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,20 +97,12 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, path: Path) -> ModelConfig:
         """Read `path/config.json`."""
-        file = path / "config.json"
-        if not file.is_file():
-            raise ModelNotFoundError(
-                f"{path} has no config.json; a model folder needs config.json, "
-                "*.safetensors and tokenizer.json (Hugging Face layout)"
-            )
-        try:
-            cfg = json.loads(file.read_text())
-        except json.JSONDecodeError as err:
-            raise UserError(f"{file} is not valid JSON: {err}") from err
-        try:
-            return cls.from_hf_dict(cfg)
-        except KeyError as err:
-            raise UserError(f"{file} lacks the required field {err.args[0]!r}") from err
+        return read_config_json(
+            path,
+            cls.from_hf_dict,
+            "a model folder needs config.json, *.safetensors and tokenizer.json "
+            "(Hugging Face layout)",
+        )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict that Hugging Face transformers loads as the same model."""

@@ -5,29 +5,25 @@ and standard-library code, never the bench's prompts: `train.data`), let the tar
 them (responses "target": self-distillation) or keep the dataset's answers ("dataset": teacher
 forcing), run the target once over each sequence (`run_target`: its fused states and its
 logits), and fit the head's `unroll` TTT steps to the target's distribution over the draft
-vocabulary (soft cross-entropy = forward KL up to a constant, on answer tokens only; step j
-weighted STEP_DECAY ** j). Matmuls run in bf16 (AMX where the CPU has it), weights and
+vocabulary (`train.objective`). Matmuls run in bf16 (AMX where the CPU has it), weights and
 optimizer state in fp32.
 
-Every `eval_every` steps the head is scored on held-out ShareGPT exchanges: per step j, how
-often its top token is the target's top token given a correct prefix (a_j), and the chain
-length that implies, tau ~ 1 + a_0 + a_0 a_1 + ... Checkpoints (`checkpoint.pt` in the output
-folder) let a stopped run resume where it was; the budget (minutes and/or examples) counts
-the whole run across resumes.
+Every `eval_every` steps the head is scored on held-out ShareGPT exchanges
+(`objective.evaluate`: top-1 agreement per TTT step and the tau it implies). Checkpoints
+(`checkpoint.pt` in the output folder) let a stopped run resume where it was; the budget
+(minutes and/or examples) counts the whole run across resumes.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
@@ -49,20 +45,17 @@ from specdecode.train.data import (
 )
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.init import INITS, initial_weights
+from specdecode.train.objective import Evaluation, batch_loss, evaluate
 from specdecode.train.target_pass import TargetPass, run_target
 from specdecode.train.vocab import draft_vocabulary
 from specdecode.types import SamplingParams
 
 METHODS = ("eagle3",)
 RESPONSES = ("dataset", "target")
-STEP_DECAY = 0.8  # weight of TTT step j's loss: STEP_DECAY ** j
+
 EVAL_START = 900  # held-out ShareGPT conversations 900.. score the head (training starts at 1000)
 CHECKPOINT = "checkpoint.pt"
 LOG = "train_log.json"
-# Padded sizes: every distinct matmul shape leaves cached oneDNN state and heap behind
-# (measured on smollm2: +50 MB per step with free lengths, flat with bucketed ones).
-SHAPE_BUCKET = 64  # sequence lengths
-ROW_BUCKET = 256  # answer positions through the output head
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,22 +148,12 @@ class TrainState:
     history: list[dict[str, float]] = field(default_factory=list)  # evaluations
 
 
-@dataclass(frozen=True, slots=True)
-class Evaluation:
-    """The head on held-out exchanges: per TTT step the top-1 agreement with the target
-    given a correct prefix, the tau it implies, and the loss."""
-
-    agreement: tuple[float, ...]
-    tau: float
-    loss: float
-
-
-def default_examples() -> tuple[Iterator[Example], list[Example], BenchFilter]:
+def default_examples() -> tuple[Iterator[Example], Iterator[Example], BenchFilter]:
     """The training stream (ShareGPT from conversation 1000 on, interleaved with code), the
     held-out exchanges (from conversation EVAL_START), and the bench filter."""
     return (
         interleaved(sharegpt_examples(), stdlib_code_examples()),
-        list(itertools.islice(sharegpt_examples(EVAL_START), 64)),
+        sharegpt_examples(EVAL_START),
         BenchFilter(bench_texts()),
     )
 
@@ -310,7 +293,7 @@ def _optimizer_step(
     """One AdamW step on a batch (learning rate warmed up linearly); returns the loss."""
     for group in optimizer.param_groups:
         group["lr"] = config.lr * min(1.0, (step + 1) / max(config.warmup_steps, 1))
-    loss, _ = _batch_loss(head, passes, config.unroll, draft_ids)
+    loss, _ = batch_loss(head, passes, config.unroll, draft_ids)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -384,77 +367,6 @@ def _self_distilled(
         (index, (ids[:n] + list(out.token_ids))[: config.max_length], n)
         for (index, ids, n), out in zip(batch, outs, strict=True)
     ]
-
-
-def _padded(passes: Sequence[TargetPass]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """tokens [B, T], features [B, T, F], teacher [B, T, Vd], argmax [B, T], and the
-    positions whose next token is an answer token ([B, T] bool)."""
-    length = -(-max(len(p.tokens) for p in passes) // SHAPE_BUCKET) * SHAPE_BUCKET
-    batch = len(passes)
-    tokens = torch.zeros(batch, length, dtype=torch.long)
-    features = torch.zeros(batch, length, passes[0].features.shape[-1], dtype=torch.bfloat16)
-    teacher = torch.zeros(batch, length, passes[0].teacher.shape[-1], dtype=torch.bfloat16)
-    argmax = torch.zeros(batch, length, dtype=torch.long)
-    answer = torch.zeros(batch, length, dtype=torch.bool)
-    for b, p in enumerate(passes):
-        n = len(p.tokens)
-        tokens[b, :n], features[b, :n], teacher[b, :n], argmax[b, :n] = (
-            p.tokens,
-            p.features,
-            p.teacher,
-            p.argmax,
-        )
-        answer[b, p.prompt_length - 1 : n - 1] = True  # the last position has no next token
-    return tokens, features, teacher, argmax, answer
-
-
-def _batch_loss(
-    head: TrainableEagle3, passes: Sequence[TargetPass], steps: int, target_ids: Tensor
-) -> tuple[Tensor, tuple[list[int], list[int]]]:
-    """The TTT loss over a batch, and per step (agreeing, counted) answer positions. Logits
-    are computed for answer positions only."""
-    tokens, features, teacher, argmax, answer = _padded(passes)
-    total = torch.zeros(())
-    agree, counted = [], []
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        outputs = head(features, tokens, steps)
-    for j, hidden in enumerate(outputs):
-        # column t predicts token t + j + 2: teacher row t + j + 1 (an answer position)
-        rows, cols_at = answer[:, j + 1 :].nonzero(as_tuple=True)  # [n] each
-        n = len(rows)
-        if n == 0:
-            break
-        # n rounded up (repeating row 0) so that the matmuls see few distinct shapes
-        padded = -(-n // ROW_BUCKET) * ROW_BUCKET
-        rows = torch.cat([rows, rows[:1].expand(padded - n)])
-        cols_at = torch.cat([cols_at, cols_at[:1].expand(padded - n)])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = head.logits(hidden[rows, cols_at])  # [padded, Vd]
-        logp = F.log_softmax(logits.float(), dim=-1)[:n]  # [n, Vd]
-        target_p = F.softmax(teacher[rows[:n], cols_at[:n] + j + 1].float(), dim=-1)  # [n, Vd]
-        ce = -(target_p * logp).sum(-1)  # [n]
-        total = total + STEP_DECAY**j * ce.mean()
-        top = target_ids[logp.argmax(-1)]
-        agree.append(int((top == argmax[rows[:n], cols_at[:n] + j + 1]).sum()))
-        counted.append(n)
-    return total, (agree, counted)
-
-
-@torch.no_grad()
-def evaluate(
-    head: TrainableEagle3, held: Sequence[TargetPass], steps: int, target_ids: Tensor
-) -> Evaluation:
-    """Score the head on held-out sequences (module docstring)."""
-    agree, counted, losses = [0] * steps, [0] * steps, []
-    for p in held:
-        loss, (a, c) = _batch_loss(head, [p], steps, target_ids)
-        losses.append(float(loss))
-        for j in range(len(a)):
-            agree[j] += a[j]
-            counted[j] += c[j]
-    rates = tuple(a / c if c else 0.0 for a, c in zip(agree, counted, strict=True))
-    tau = 1.0 + sum(math.prod(rates[: j + 1]) for j in range(len(rates)))
-    return Evaluation(rates, tau, sum(losses) / len(losses))
 
 
 def _record(state: TrainState, ev: Evaluation, seconds: float) -> None:
