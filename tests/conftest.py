@@ -115,3 +115,32 @@ def build_tiny_eagle3_head(
     weights["lm_head.weight"] *= 40.0
     save_eagle3_head(out, cfg, weights)
     return out
+
+
+def build_tiny_exit_head(
+    model_dir: Path,
+    out: Path,
+    kind: str,
+    num_heads: int = 3,
+    exit_layer: int = 1,
+    draft_vocab: int = 200,
+    seed: int = 0,
+) -> Path:
+    """Save an untrained exit head ("medusa" with `num_heads` heads, or "layer_skip" at
+    `exit_layer`) for the tiny model in `model_dir` into `out` (once): a random draft
+    vocabulary, random blocks, a sharpened output head (q far from uniform and from p)."""
+    from specdecode.heads.exit_head import ExitHeadConfig, save_exit_head
+    from specdecode.model.config import ModelConfig
+    from specdecode.train.init import initial_exit_weights
+
+    if (out / "config.json").is_file():
+        return out
+    target = ModelConfig.from_folder(model_dir)
+    heads = num_heads if kind == "medusa" else 1
+    cfg = ExitHeadConfig.for_target(kind, target, draft_vocab, heads, exit_layer, "tiny")
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
+    weights = initial_exit_weights(cfg, model_dir, ids, "random", seed)
+    weights["lm_head.weight"] *= 40.0
+    save_exit_head(out, cfg, weights)
+    return out

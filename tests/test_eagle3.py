@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import build_tiny_eagle3_head, build_tiny_model
 from spec_cases import GREEDY, PROMPTS
+from train_cases import chat_prompts, examples, train_config
 
 from specdecode.certify import CertifyConfig, certify
 from specdecode.drafters.eagle3 import Eagle3Drafter
@@ -25,27 +26,11 @@ from specdecode.heads.eagle3_config import Eagle3HeadConfig
 from specdecode.llm import LLM
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.loading import load_model
-from specdecode.model.tokenizer import Tokenizer
 from specdecode.sampling.rejection import verify_chain
-from specdecode.train.data import Example, encode_example
+from specdecode.train.data import Example
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.trainer import TrainConfig, train
 from specdecode.types import SamplingParams
-
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "epsilon",
-    "zeta",
-    "eta",
-    "theta",
-    "iota",
-    "kappa",
-    "lambda",
-    "mu",
-]
 
 
 @pytest.fixture(scope="module")
@@ -136,53 +121,12 @@ def test_trainable_head_equals_the_inference_head(tiny_model_dir: Path, head_dir
         torch.testing.assert_close(logits[0, 0], steps[j][0, n - 1], atol=1e-5, rtol=1e-5)
 
 
-def _examples(count: int, offset: int = 0) -> list[Example]:
-    """Word lists answered by a fixed cycle of words (a pattern the head can learn)."""
-    out = []
-    for i in range(offset, offset + count):
-        prompt = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(4))
-        answer = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(24))
-        out.append(Example(f"ex{i}", prompt, answer))
-    return out
-
-
-def _chat_prompts(model_dir: Path, examples: list[Example]) -> list[dict[str, list[int]]]:
-    """The examples' prompts as training encodes them (through the chat template)."""
-    tokenizer = Tokenizer.from_folder(model_dir)
-    return [
-        {"prompt_token_ids": encode_example(tokenizer, Example(e.id, e.prompt, ""), 96)[0]}
-        for e in examples
-    ]
-
-
-def _config(model_dir: Path, out: Path, **kw: object) -> TrainConfig:
-    base = dict(
-        model=str(model_dir),
-        out=out,
-        budget_minutes=None,
-        budget_examples=64,
-        draft_vocab_size=120,
-        max_length=96,
-        batch_size=4,
-        eval_every=8,
-        dtype="float32",
-        quantization=None,
-        init="random",
-        lr=2e-3,
-        save_dtype="float32",
-        eval_examples=4,
-        responses="target",
-        max_answer_tokens=40,
-    )
-    return TrainConfig(**{**base, **kw})
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny Llama and a head trained on it for 64 examples."""
     model_dir = build_tiny_model(tmp_path_factory.mktemp("train_target"), "llama")
     out = tmp_path_factory.mktemp("trained") / "head"
-    train(_config(model_dir, out), _examples(200), _examples(4, 1000), progress=False)
+    train(train_config(model_dir, out), examples(200), examples(4, 1000), progress=False)
     return model_dir, out
 
 
@@ -202,7 +146,7 @@ def test_training_lowers_the_loss_and_raises_acceptance(trained: tuple[Path, Pat
 
     start = initial_weights(cfg, model_dir, weights["d2t"] + torch.arange(120), "random", 0)
     save_eagle3_head(untrained, cfg, start)
-    prompts = _chat_prompts(model_dir, _examples(6, 2000))
+    prompts = chat_prompts(model_dir, examples(6, 2000))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     rates = []
     for head in (untrained, out):
@@ -221,7 +165,7 @@ def test_saved_head_drafts_like_the_trained_weights(trained: tuple[Path, Path]) 
     trainable = TrainableEagle3(cfg, read_head_weights(out, cfg), target.embed_tokens.weight)
     trainable.load_state_dict(checkpoint["head"])
     in_memory = Eagle3Head(cfg, trainable.head_weights(), target.embed_tokens, None, 256).eval()
-    prompts = _chat_prompts(model_dir, _examples(3, 3000))
+    prompts = chat_prompts(model_dir, examples(3, 3000))
     params = SamplingParams(temperature=0.7, max_tokens=24, seed=4, ignore_eos=True)
     results = []
     for drafter in (
@@ -251,7 +195,7 @@ def test_sampling_matches_the_target_and_a_biased_verifier_fails(
         monkeypatch.setattr(step, "verify_chain", one_hot_q)
     model_dir, out = trained
     llm = _eagle(model_dir, out, num_speculative_tokens=2)
-    prompt = tuple(_chat_prompts(model_dir, _examples(1, 5000))[0]["prompt_token_ids"])
+    prompt = tuple(chat_prompts(model_dir, examples(1, 5000))[0]["prompt_token_ids"])
     result = certify(llm, CertifyConfig(prompt, top_k=4, num_samples=3000, seed=1))
     print(result.as_dict())
     assert result.num_draft_tokens > 1000 and 0.05 < result.acceptance_rate < 0.95
@@ -266,12 +210,14 @@ def test_training_is_deterministic_and_resumes_exactly(
     model_dir, out = trained
     half = tmp_path / "half"
     train(
-        _config(model_dir, half, budget_examples=32),
-        _examples(200),
-        _examples(4, 1000),
+        train_config(model_dir, half, budget_examples=32),
+        examples(200),
+        examples(4, 1000),
         progress=False,
     )
-    train(_config(model_dir, half, resume=True), _examples(200), _examples(4, 1000), progress=False)
+    train(
+        train_config(model_dir, half, resume=True), examples(200), examples(4, 1000), progress=False
+    )
     assert (half / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
@@ -351,8 +297,8 @@ def test_tensor_shapes_must_match_the_config(head_dir: Path) -> None:
 
 
 def test_bad_training_configs_and_bench_prompts_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="cannot train method 'medusa'"):
-        TrainConfig(model="x", out=tmp_path, method="medusa")
+    with pytest.raises(UserError, match="cannot train method 'hydra'"):
+        TrainConfig(model="x", out=tmp_path, method="hydra")
     with pytest.raises(UserError, match="budget"):
         TrainConfig(model="x", out=tmp_path, budget_minutes=None)
     with pytest.raises(UserError, match="responses"):
@@ -368,4 +314,4 @@ def test_a_bench_prompt_in_the_training_data_is_refused(tmp_path: Path) -> None:
     code = load_prompts(["code"], 1)[0].messages[-1]["content"]
     assert bench.touches(Example("x", "Please answer: " + chat[10:200], ""))
     assert bench.touches(Example("y", "hi", "Sure:\n" + code[40:300]))
-    assert not any(bench.touches(e) for e in _examples(20))
+    assert not any(bench.touches(e) for e in examples(20))

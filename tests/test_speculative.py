@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_eagle3_head
+from conftest import build_tiny_eagle3_head, build_tiny_exit_head
 from spec_cases import GREEDY, PROMPTS, assert_fully_accepted
 
 from specdecode.drafters.base import SeqView
@@ -148,7 +148,8 @@ def test_sampling_with_a_seed_is_reproducible(tiny_model_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"method": "medusa", "num_speculative_tokens": 2}, "method 'medusa' is not supported"),
+        ({"method": "hydra", "num_speculative_tokens": 2}, "method 'hydra' is not supported"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, "needs 'model'"),
         ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, r"must be an int in 1\.\.64"),
         ({"method": "ngram", "num_speculative_tokens": 65}, r"must be an int in 1\.\.64"),
@@ -274,6 +275,13 @@ def _example_config(method: str, model_dir: Path) -> dict[str, object]:
         "eagle3": {
             "model": str(build_tiny_eagle3_head(model_dir, model_dir / "eagle3")),
             "num_speculative_tokens": 3,
+        },
+        **{
+            kind: {
+                "model": str(build_tiny_exit_head(model_dir, model_dir / kind, kind)),
+                "num_speculative_tokens": 3,
+            }
+            for kind in ("medusa", "layer_skip")
         },
     }
     assert method in examples, f"give the new drafter {method!r} an example config here"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_eagle3_head
+from conftest import build_tiny_eagle3_head, build_tiny_exit_head
 from spec_cases import GREEDY, PROMPTS
 from test_speculative import FeatureRecorder, OracleDrafter
 
@@ -25,6 +25,10 @@ TREE_CONFIGS = {
     "draft_model": {"num_speculative_tokens": 8, "tree_width": 3, "tree_depth": 3},
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 8, "tree_width": 3,
                "tree_depth": 3},
+    "medusa": {"method": "medusa", "num_speculative_tokens": 8, "tree_width": 3,
+               "tree_depth": 3},
+    "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 8, "tree_width": 3,
+                   "tree_depth": 3},
 }  # fmt: skip
 
 
@@ -80,6 +84,8 @@ def test_tree_drafters_are_lossless(
         config["model"] = str(tiny_model_dir)
     if method == "eagle3":
         config["model"] = str(build_tiny_eagle3_head(tiny_model_dir, tiny_model_dir / "eagle3"))
+    if method in ("medusa", "layer_skip"):
+        config["model"] = str(build_tiny_exit_head(tiny_model_dir, tiny_model_dir / method, method))
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
     assert [list(o.token_ids) for o in llm.generate(BRANCHY, GREEDY)] == expected
     assert list(llm.generate(BRANCHY[1], GREEDY)[0].token_ids) == expected[1]

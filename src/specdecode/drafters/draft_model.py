@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -48,14 +48,35 @@ from specdecode.drafters.base import (
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, log_confidence
 from specdecode.errors import UserError
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.model.config import ModelConfig
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.model.transformer import Transformer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
 from specdecode.types import Draft, Verdict
 
 if TYPE_CHECKING:
     from specdecode.drafters.registry import DrafterContext
+
+
+class DraftLM(Protocol):
+    """What the drafter drives: a `Transformer`, or the target cut early (`layer_skip`)."""
+
+    config: ModelConfig  # vocab_size and max_position_embeddings are read
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache: ...
+
+    def __call__(
+        self,
+        tokens: Tensor,
+        meta: AttentionMetadata,
+        cache: KVCache,
+        logits_index: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """(logits [B, N, V], hidden) of the new tokens, cached (see `Transformer.forward`)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +144,8 @@ class DraftModelDrafter:
     its own draft-model KV cache, keyed by `request_id`, until `release`.
 
     Args:
-        model: the draft model; its vocabulary must be the target's (same ids, same size).
+        model: the draft model (`DraftLM`); its vocabulary must be the target's (same ids,
+            same size).
         num_speculative_tokens: draft at most this many tokens per step (K, 1..64).
         target_vocab_size: the target's vocabulary size, checked against the draft model's.
         tree_width: children per expanded node of a dynamic tree (1 = chains).
@@ -137,7 +159,7 @@ class DraftModelDrafter:
 
     def __init__(
         self,
-        model: Transformer,
+        model: DraftLM,
         num_speculative_tokens: int,
         target_vocab_size: int,
         tree_width: int = 1,

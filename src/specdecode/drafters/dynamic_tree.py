@@ -120,3 +120,12 @@ def log_confidence(logits: Tensor) -> Tensor:
     """The drafter's confidence used to grow trees: log softmax of the raw logits (temperature
     1, whatever the request samples with), [..., V] -> [..., V] float32."""
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def reduced_log_confidence(logits: Tensor, draft_ids: Tensor, vocab_size: int) -> Tensor:
+    """`log_confidence` of a head over a reduced draft vocabulary (logits [P, Vd], draft_ids
+    [Vd] their target ids), spread over the target's `vocab_size` tokens: [P, V], -inf outside
+    the draft vocabulary."""
+    full = torch.full((len(logits), vocab_size), float("-inf"))
+    full[:, draft_ids] = log_confidence(logits).cpu()
+    return full

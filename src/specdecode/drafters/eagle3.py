@@ -41,7 +41,7 @@ from specdecode.drafters.base import (
     check_model_drafter_config,
     check_tree_shape,
 )
-from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, log_confidence
+from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, reduced_log_confidence
 from specdecode.heads.eagle3 import Eagle3Head, load_eagle3_head
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.quant import parse_quantization
@@ -186,7 +186,7 @@ class Eagle3Drafter:
             return Draft(torch.zeros(0, dtype=torch.long))
         logits, hidden = self._catch_up(seq, row)
         tree = DynamicTree(self.tree_width, k)
-        tree.expand([ROOT], self._log_confidence(logits[None]))
+        tree.expand([ROOT], reduced_log_confidence(logits[None], self._draft_ids, self.vocab_size))
         outputs: dict[int, Tensor] = {ROOT: hidden}  # candidate -> its entry's pre-norm output
         slots: dict[int, int] = {}
         cache, device = row.cache, self.head.device
@@ -196,7 +196,8 @@ class Eagle3Drafter:
             parents = torch.stack([outputs[tree.candidates[n].parent] for n in frontier])
             level_logits, level_hidden = self.head(tokens, parents[None], meta, cache)
             outputs.update(zip(frontier, level_hidden[0], strict=True))
-            tree.expand(frontier, self._log_confidence(level_logits[0]))
+            scores = reduced_log_confidence(level_logits[0], self._draft_ids, self.vocab_size)
+            tree.expand(frontier, scores)
         tokens, shape = tree.draft()
         return Draft(torch.tensor(tokens, dtype=torch.long), tree=shape)
 
@@ -245,12 +246,6 @@ class Eagle3Drafter:
         meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [cache.lengths[0]], [1], device)
         logits, out = self.head(token.to(device)[None], hidden[None, None], meta, cache)
         return logits[0, 0], out[0, 0]
-
-    def _log_confidence(self, logits: Tensor) -> Tensor:
-        """Tree scores over the target's vocabulary ([P, V]; -inf outside the draft vocab)."""
-        full = torch.full((len(logits), self.vocab_size), float("-inf"))
-        full[:, self._draft_ids] = log_confidence(logits).cpu()
-        return full
 
     def _row_for(self, seq: SeqView, needed: int) -> _Row:
         """The sequence's row, its cache allocated or grown to at least `needed` entries."""

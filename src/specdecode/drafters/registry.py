@@ -21,6 +21,8 @@ from typing import Any, Protocol
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelConfig, build_draft_model_drafter
 from specdecode.drafters.eagle3 import Eagle3Config, build_eagle3_drafter
+from specdecode.drafters.layer_skip import LayerSkipConfig, build_layer_skip_drafter
+from specdecode.drafters.medusa import MedusaConfig, build_medusa_drafter
 from specdecode.drafters.ngram import NgramConfig, build_ngram_drafter
 from specdecode.errors import UserError
 from specdecode.model.tokenizer import Tokenizer
@@ -71,6 +73,14 @@ class DrafterMethod:
     model_field: str | None = None
 
 
+# bench spec options of the trained heads (HEAD is the positional folder)
+HEAD_OPTIONS = {
+    "k": "num_speculative_tokens",
+    "hq": "quantization",
+    "w": "tree_width",
+    "d": "tree_depth",
+}
+
 DRAFTERS: dict[str, DrafterMethod] = {
     m.name: m
     for m in (
@@ -100,18 +110,13 @@ DRAFTERS: dict[str, DrafterMethod] = {
             },
             model_field="model",
         ),
-        DrafterMethod(
-            "eagle3",
-            Eagle3Config,
-            build_eagle3_drafter,
-            "eagle3",
-            {
-                "k": "num_speculative_tokens",
-                "hq": "quantization",
-                "w": "tree_width",
-                "d": "tree_depth",
-            },
-            model_field="model",
+        *(
+            DrafterMethod(name, config, build, name, HEAD_OPTIONS, model_field="model")
+            for name, config, build in (
+                ("eagle3", Eagle3Config, build_eagle3_drafter),
+                ("medusa", MedusaConfig, build_medusa_drafter),
+                ("layer_skip", LayerSkipConfig, build_layer_skip_drafter),
+            )
         ),
     )
 }

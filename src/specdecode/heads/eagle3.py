@@ -19,13 +19,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from specdecode.cache.kv_cache import KVCache
-from specdecode.errors import ModelNotFoundError, UserError
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
+from specdecode.heads.files import (
+    check_head_folder,
+    d2t_to_draft_ids,
+    read_head_tensors,
+    save_head_folder,
+)
 from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.linear import make_linear
 from specdecode.model.transformer import (
@@ -39,7 +42,6 @@ from specdecode.model.transformer import (
 )
 
 LAYER = "layers.0."
-WEIGHTS_FILE = "model.safetensors"
 
 
 def head_tensor_shapes(cfg: Eagle3HeadConfig) -> dict[str, tuple[int, ...]]:
@@ -73,12 +75,6 @@ def head_tensor_shapes(cfg: Eagle3HeadConfig) -> dict[str, tuple[int, ...]]:
             f"{LAYER}self_attn.v_proj.bias": (kv_out,),
         }
     return shapes
-
-
-def draft_ids_to_d2t(target_ids: Tensor) -> Tensor:
-    """EAGLE-3's `d2t` ([Vd] int64 offsets: target id = draft id + d2t[draft id]) for the
-    sorted target ids of the draft vocabulary."""
-    return target_ids - torch.arange(len(target_ids))
 
 
 class Eagle3Head(nn.Module):
@@ -116,9 +112,8 @@ class Eagle3Head(nn.Module):
         self.lm_head = make_linear(
             weights["lm_head.weight"], quantization=HEAD_FORMAT[quantization]
         )
-        d2t = weights["d2t"].long()
         # draft row -> target id
-        self.register_buffer("draft_to_target", d2t + torch.arange(len(d2t), device=d2t.device))
+        self.register_buffer("draft_to_target", d2t_to_draft_ids(weights["d2t"]))
         device = weights["norm.weight"].device
         self.rotary = Rotary(cfg.layer.head_dim, cfg.layer.rope_theta, max_positions).to(device)
 
@@ -177,47 +172,19 @@ def read_head_weights(path: Path, cfg: Eagle3HeadConfig) -> dict[str, Tensor]:
     """The head's tensors from `path`'s *.safetensors, checked against `cfg` (names, shapes,
     a draft-to-target map inside the target's vocabulary); "midlayer." names (the original
     EAGLE-3 layout) are read as "layers.0."."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(
-            f"{path} has no *.safetensors file; an EAGLE-3 head folder holds {WEIGHTS_FILE}"
-        )
-    weights: dict[str, Tensor] = {}
-    for file in files:
-        try:
-            loaded = load_file(str(file))
-        except (SafetensorError, OSError, ValueError) as err:
-            raise UserError(f"cannot read head weights from {file} (truncated?): {err}") from err
-        weights.update({name.replace("midlayer.", LAYER): t for name, t in loaded.items()})
-    shapes = head_tensor_shapes(cfg)
-    missing = [name for name in shapes if name not in weights]
-    if missing:
-        raise UserError(f"{path} lacks {len(missing)} head tensor(s), e.g. {missing[:3]}")
-    wrong = [
-        f"{name} {tuple(weights[name].shape)} (config says {shape})"
-        for name, shape in shapes.items()
-        if tuple(weights[name].shape) != shape
-    ]
-    if "fc.bias" in weights and tuple(weights["fc.bias"].shape) != (cfg.hidden_size,):
-        wrong.append(f"fc.bias {tuple(weights['fc.bias'].shape)}")
-    if wrong:
-        raise UserError(f"{path}: head tensors do not match its config.json: {'; '.join(wrong)}")
-    target_ids = weights["d2t"].long() + torch.arange(cfg.draft_vocab_size)
-    if target_ids.min() < 0 or target_ids.max() >= cfg.layer.vocab_size:
-        raise UserError(
-            f"{path}: d2t maps draft tokens outside the target's vocabulary "
-            f"(0..{cfg.layer.vocab_size - 1})"
-        )
-    return weights
+    return read_head_tensors(
+        path,
+        head_tensor_shapes(cfg),
+        {"fc.bias": (cfg.hidden_size,)},
+        cfg.layer.vocab_size,
+        lambda name: name.replace("midlayer.", LAYER),
+    )
 
 
 def load_eagle3_head(path: Path, target: Transformer, quantization: str | None) -> Eagle3Head:
     """Load the head in folder `path` for `target` (refused if trained for another target),
     its projections in `quantization` and its other tensors in the target's dtype."""
-    if not path.is_dir():
-        raise ModelNotFoundError(
-            f"no such EAGLE-3 head folder: {path} (train one with `specdecode train`)"
-        )
+    check_head_folder(path, "EAGLE-3")
     cfg = Eagle3HeadConfig.from_folder(path, target.config.num_layers)
     cfg.check_target(target.config)
     weights = read_head_weights(path, cfg)
@@ -241,10 +208,4 @@ def save_eagle3_head(
 ) -> None:
     """Write `cfg` (config.json, speculators' keys; `extra` under "specdecode") and `weights`
     (model.safetensors, with the derived `t2d` mask) into folder `path`."""
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().contiguous().cpu() for name, t in weights.items()}
-    t2d = torch.zeros(cfg.layer.vocab_size, dtype=torch.bool)
-    t2d[tensors["d2t"].long() + torch.arange(cfg.draft_vocab_size)] = True
-    tensors["t2d"] = t2d
-    save_file(tensors, str(path / WEIGHTS_FILE))
-    (path / "config.json").write_text(cfg.to_json(extra=extra))
+    save_head_folder(path, cfg.to_json(extra=extra), weights, cfg.layer.vocab_size)

@@ -315,16 +315,8 @@ class Transformer(nn.Module):
                 f"tokens {tuple(tokens.shape)} do not match the metadata's "
                 f"[{meta.batch_size}, {meta.width}]"
             )
-        cache.check(meta)
-        # every layer has the same format
-        view, cos, sin = pass_view(self.layers[0].self_attn, self.rotary, meta, self.dtype)
-        x = self.embed_tokens(tokens)  # [B, T, hidden]
         captured: dict[int, Tensor] = {}
-        for index, block in enumerate(self.layers[:num_layers]):
-            if hidden_layers is not None and index in hidden_layers:
-                captured[index] = x
-            x = block(x, cos, sin, cache, meta, view)
-        cache.advance(meta)
+        x = self.body(tokens, meta, cache, num_layers, hidden_layers or (), captured)
         final = self.norm(x)  # [B, T, hidden]
         hidden = final
         if hidden_layers is not None:
@@ -334,3 +326,28 @@ class Transformer(nn.Module):
             rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
             final = final[rows, logits_index]  # [B, N, hidden]
         return self.lm_head(final), hidden
+
+    @torch.inference_mode()
+    def body(
+        self,
+        tokens: Tensor,  # [B, T] int64
+        meta: AttentionMetadata,
+        cache: KVCache,
+        num_layers: int,
+        capture: tuple[int, ...] = (),
+        captured: dict[int, Tensor] | None = None,
+    ) -> Tensor:
+        """Run the first `num_layers` blocks (no final norm, no head) over the new tokens,
+        storing their keys and values in `cache` (which may hold only those layers) and
+        advancing its lengths; returns the residual stream after them ([B, T, hidden]). The
+        inputs of the blocks in `capture` go into `captured` (block index -> [B, T, hidden])."""
+        cache.check(meta)
+        # every layer has the same format
+        view, cos, sin = pass_view(self.layers[0].self_attn, self.rotary, meta, self.dtype)
+        x = self.embed_tokens(tokens)  # [B, T, hidden]
+        for index, block in enumerate(self.layers[:num_layers]):
+            if captured is not None and index in capture:
+                captured[index] = x
+            x = block(x, cos, sin, cache, meta, view)
+        cache.advance(meta)
+        return x

@@ -19,12 +19,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     d = _DEFAULTS
     p = sub.add_parser(
         "train",
-        help="train a draft head (EAGLE-3) for a target, on this CPU",
-        description="Trains an EAGLE-3 head on the target's own hidden states: ShareGPT "
+        help="train a draft head (EAGLE-3, Medusa, LayerSkip exit) for a target, on this CPU",
+        description="Trains a draft head on the target's own hidden states: ShareGPT "
         "exchanges and Python standard-library code (never the bench's prompts), answered by "
         "the dataset (teacher forcing) or by the target itself. Writes config.json and "
-        "model.safetensors (speculators' format) into --out, usable as speculative_config "
-        '{"method": "eagle3", "model": OUT, "num_speculative_tokens": 4}. '
+        "model.safetensors (EAGLE-3: speculators' format) into --out, usable as "
+        'speculative_config {"method": METHOD, "model": OUT, "num_speculative_tokens": 4}. '
         "See docs/training.md.",
     )
     p.add_argument("--model", required=True, help="target: alias, Hugging Face folder or .gguf")
@@ -44,7 +44,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=int, default=d["max_length"], help="tokens per example")
     p.add_argument("--max-answer-tokens", type=int, default=d["max_answer_tokens"])
     p.add_argument("--batch-size", type=int, default=d["batch_size"])
-    p.add_argument("--unroll", type=int, default=d["unroll"], help="TTT steps")
+    p.add_argument("--unroll", type=int, default=d["unroll"], help="EAGLE-3's TTT steps")
+    p.add_argument("--medusa-heads", type=int, default=d["medusa_heads"], help="Medusa's K")
+    p.add_argument(
+        "--exit-layer", type=int, default=None, help="layer_skip's E (default: layers // 4)"
+    )
     p.add_argument("--lr", type=float, default=d["lr"])
     p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"])
     p.add_argument("--init", default=d["init"], choices=INITS)

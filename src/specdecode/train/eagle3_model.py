@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdecode.heads.eagle3 import LAYER, head_tensor_shapes
+from specdecode.heads.eagle3 import LAYER, head_tensor_shapes, save_eagle3_head
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
 
 
-def _key(name: str) -> str:
+def param_key(name: str) -> str:
+    """A tensor name as a ParameterDict key (no dots)."""
     return name.replace(".", "__")
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm in fp32, scaled by `weight`, back in x's dtype ([..., h] -> [..., h])."""
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -51,25 +54,35 @@ class TrainableEagle3(nn.Module):
         self.config = cfg
         self.params = nn.ParameterDict(
             {
-                _key(name): nn.Parameter(weights[name].detach().float().clone())
+                param_key(name): nn.Parameter(weights[name].detach().float().clone())
                 for name in head_tensor_shapes(cfg)
                 if name != "d2t"
             }
         )
         self.register_buffer("d2t", weights["d2t"].long().clone())
         self.register_buffer("embed", embed.detach(), persistent=False)
+        self.shift = 1  # step j of column t predicts token t + j + 2
         lay = cfg.layer
         inv = 1.0 / lay.rope_theta ** (
             torch.arange(0, lay.head_dim, 2, dtype=torch.float64) / lay.head_dim
         )
         self.register_buffer("inv_freq", inv.float(), persistent=False)
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs the head fuses."""
+        return self.config.aux_layers
+
+    def save(self, path: Path, weights: Mapping[str, Tensor], extra: dict[str, object]) -> None:
+        """Write the head folder with `weights` (`head_weights()`, cast) and `extra`."""
+        save_eagle3_head(path, self.config, weights, extra)
+
     def p(self, name: str) -> Tensor:
-        return self.params[_key(name)]
+        return self.params[param_key(name)]
 
     def _linear(self, x: Tensor, weight: str) -> Tensor:
         """x @ W^T (+ the bias where the head has one), W named `weight`."""
-        bias = _key(weight.removesuffix("weight") + "bias")
+        bias = param_key(weight.removesuffix("weight") + "bias")
         return F.linear(x, self.p(weight), self.params.get(bias, None))
 
     def head_weights(self) -> dict[str, Tensor]:
@@ -100,8 +113,8 @@ class TrainableEagle3(nn.Module):
         for step in range(steps):
             shifted = torch.zeros_like(tokens)
             shifted[:, : length - step - 1] = tokens[:, step + 1 :]  # column t: token t+step+1
-            embeds = _rms_norm(self.embed[shifted], self.p(f"{LAYER}input_layernorm.weight"), eps)
-            normed = _rms_norm(hidden, self.p(f"{LAYER}hidden_norm.weight"), eps)
+            embeds = rms_norm(self.embed[shifted], self.p(f"{LAYER}input_layernorm.weight"), eps)
+            normed = rms_norm(hidden, self.p(f"{LAYER}hidden_norm.weight"), eps)
             residual = normed if self.config.norm_before_residual else hidden
             x = torch.cat([embeds.to(normed.dtype), normed], dim=-1)  # [B, T, 2h]
             q = self._linear(x, f"{LAYER}self_attn.q_proj.weight")
@@ -120,7 +133,7 @@ class TrainableEagle3(nn.Module):
             attn = self._ttt_attention(q, keys, values)  # [B, H, T, D]
             attn = attn.transpose(1, 2).reshape(batch, length, heads * dim)
             x = residual + self._linear(attn, f"{LAYER}self_attn.o_proj.weight")
-            y = _rms_norm(x, self.p(f"{LAYER}post_attention_layernorm.weight"), eps)
+            y = rms_norm(x, self.p(f"{LAYER}post_attention_layernorm.weight"), eps)
             gate = self._linear(y, f"{LAYER}mlp.gate_proj.weight")
             up = self._linear(y, f"{LAYER}mlp.up_proj.weight")
             x = x + self._linear(F.silu(gate) * up, f"{LAYER}mlp.down_proj.weight")
@@ -130,7 +143,7 @@ class TrainableEagle3(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """The output head over pre-norm outputs: [..., h] -> [..., Vd] logits."""
-        normed = _rms_norm(hidden, self.p("norm.weight"), self.config.layer.rms_norm_eps)
+        normed = rms_norm(hidden, self.p("norm.weight"), self.config.layer.rms_norm_eps)
         return self._linear(normed, "lm_head.weight")
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Starting weights of an EAGLE-3 head: random, or borrowed from the target (saves compute)."""
+"""Starting weights of a draft head: random, or borrowed from the target (saves compute)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from safetensors import safe_open
 from torch import Tensor
 
 from specdecode.errors import UserError
-from specdecode.heads.eagle3 import LAYER, draft_ids_to_d2t, head_tensor_shapes
+from specdecode.heads.eagle3 import LAYER, head_tensor_shapes
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
+from specdecode.heads.exit_head import ExitHeadConfig
+from specdecode.heads.files import draft_ids_to_d2t
 from specdecode.model.loading import LAYER_TENSORS
 
 INIT_STD = 0.02  # Hugging Face's initializer_range
@@ -28,6 +30,48 @@ def read_tensors(path: Path, names: list[str]) -> dict[str, Tensor]:
     if missing:
         raise UserError(f"{path} lacks {missing[:3]}: cannot start the head from the target")
     return found
+
+
+def target_output(target_path: Path, draft_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """The target's output rows for the draft vocabulary ([Vd, h]; the embedding's when tied)
+    and its final norm ([h]), fp32."""
+    names: set[str] = set()
+    for file in target_path.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            names |= set(f.keys())
+    head = "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"
+    t = read_tensors(target_path, [head, "model.norm.weight"])
+    return t[head][draft_ids], t["model.norm.weight"]
+
+
+def initial_exit_weights(
+    cfg: ExitHeadConfig, target_path: Path, draft_ids: Tensor, init: str, seed: int
+) -> dict[str, Tensor]:
+    """An exit head's first weights (fp32; d2t from `draft_ids`, [Vd] sorted target ids).
+
+    "target" (Medusa's start): zero blocks (each head starts as the identity) and the target's
+    own output rows and final norm, so every head starts as the target's next-token head.
+    "random": N(0, 0.02) blocks and output rows, a unit norm.
+    """
+    if init not in INITS:
+        raise UserError(f"unknown head init {init!r}; allowed: {', '.join(INITS)}")
+    gen = torch.Generator().manual_seed(seed)
+    weights: dict[str, Tensor] = {}
+    for name, shape in cfg.tensor_shapes().items():
+        if name == "d2t":
+            weights[name] = draft_ids_to_d2t(draft_ids)
+        elif name == "norm.weight":
+            weights[name] = torch.ones(shape)
+        elif init == "target" or name.endswith(".bias"):
+            weights[name] = torch.zeros(shape)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * INIT_STD
+    if init == "target":
+        rows, norm = target_output(target_path, draft_ids)
+        weights["lm_head.weight"] = rows
+        if cfg.normed_input:
+            weights["norm.weight"] = norm
+    return weights
 
 
 def initial_weights(
@@ -59,15 +103,8 @@ def initial_weights(
         raise UserError("init 'target' needs the target's layer count in the head config")
     last = f"model.layers.{cfg.verifier_layers - 1}."
     parts = LAYER_TENSORS
-    names = [last + p for p in parts] + ["model.norm.weight"]
-    files = set()
-    for file in target_path.glob("*.safetensors"):
-        with safe_open(str(file), framework="pt") as f:
-            files |= set(f.keys())
-    head_name = "lm_head.weight" if "lm_head.weight" in files else "model.embed_tokens.weight"
-    t = read_tensors(target_path, [*names, head_name])
-    weights["lm_head.weight"] = t[head_name][draft_ids]
-    weights["norm.weight"] = t["model.norm.weight"]
+    t = read_tensors(target_path, [last + p for p in parts])
+    weights["lm_head.weight"], weights["norm.weight"] = target_output(target_path, draft_ids)
     for p in parts:
         weights[LAYER + p] = t[last + p]
     weights[f"{LAYER}hidden_norm.weight"] = t[last + "input_layernorm.weight"]

@@ -1,10 +1,13 @@
-"""What training fits and how the head is scored: EAGLE-3's TTT loss and the held-out estimate.
+"""What training fits and how a head is scored: the multi-step loss and the held-out estimate.
 
-The loss of one batch: the head's `steps` unrolled steps (`TrainableEagle3`) against the
-target's distribution over the draft vocabulary, soft cross-entropy (= forward KL up to a
-constant) on answer positions only, step j weighted STEP_DECAY ** j. The held-out estimate:
-per step j, how often the head's top token is the target's top token given a correct prefix
-(a_j), and the chain length that implies, tau ~ 1 + a_0 + a_0 a_1 + ...
+A head (`TrainableHead`: EAGLE-3's TTT steps, Medusa's heads, LayerSkip's exit) gives outputs
+j = 0, 1, ...; output j of column t predicts token t + j + shift + 1. The loss of one batch:
+every output against the target's distribution over the draft vocabulary at that token
+(teacher row t + j + shift), soft cross-entropy (= forward KL up to a constant) on answer
+positions only, output j weighted STEP_DECAY ** j. The held-out estimate: per output j, how
+often the head's top token is the target's top token given a correct prefix (a_j), and the
+chain length that implies, tau ~ 1 + a_0 + a_0 a_1 + ... over `steps` drafted tokens (a head
+with fewer outputs, LayerSkip's exit, drafts on with its last one: its rate repeats).
 """
 
 from __future__ import annotations
@@ -12,12 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.target_pass import TargetPass
 
 STEP_DECAY = 0.8  # weight of TTT step j's loss: STEP_DECAY ** j
@@ -27,10 +30,24 @@ SHAPE_BUCKET = 64  # sequence lengths
 ROW_BUCKET = 256  # answer positions through the output head
 
 
+class TrainableHead(Protocol):
+    """What the objective needs of a trainable head (`TrainableEagle3`, `TrainableExitHead`)."""
+
+    shift: int  # output j of column t predicts token t + j + shift + 1
+
+    def __call__(self, features: Tensor, tokens: Tensor, steps: int) -> list[Tensor]:
+        """Outputs ([B, T, h] each) over target states [B, T, F] and tokens [B, T]."""
+        ...
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[..., h] outputs -> [..., Vd] draft logits."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Evaluation:
-    """The head on held-out exchanges: per TTT step the top-1 agreement with the target
-    given a correct prefix, the tau it implies, and the loss."""
+    """The head on held-out exchanges: per output the top-1 agreement with the target given a
+    correct prefix, the tau it implies, and the loss."""
 
     agreement: tuple[float, ...]
     tau: float
@@ -60,18 +77,18 @@ def padded_batch(passes: Sequence[TargetPass]) -> tuple[Tensor, Tensor, Tensor, 
 
 
 def batch_loss(
-    head: TrainableEagle3, passes: Sequence[TargetPass], steps: int, target_ids: Tensor
+    head: TrainableHead, passes: Sequence[TargetPass], steps: int, target_ids: Tensor
 ) -> tuple[Tensor, tuple[list[int], list[int]]]:
-    """The TTT loss over a batch, and per step (agreeing, counted) answer positions. Logits
-    are computed for answer positions only."""
+    """The loss over a batch (`steps`: EAGLE-3's TTT steps), and per output (agreeing,
+    counted) answer positions. Logits are computed for answer positions only."""
     tokens, features, teacher, argmax, answer = padded_batch(passes)
     total = torch.zeros(())
     agree, counted = [], []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outputs = head(features, tokens, steps)
     for j, hidden in enumerate(outputs):
-        # column t predicts token t + j + 2: teacher row t + j + 1 (an answer position)
-        rows, cols_at = answer[:, j + 1 :].nonzero(as_tuple=True)  # [n] each
+        ahead = j + head.shift  # column t predicts token t + ahead + 1: teacher row t + ahead
+        rows, cols_at = answer[:, ahead:].nonzero(as_tuple=True)  # [n] each
         n = len(rows)
         if n == 0:
             break
@@ -82,27 +99,33 @@ def batch_loss(
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = head.logits(hidden[rows, cols_at])  # [padded, Vd]
         logp = F.log_softmax(logits.float(), dim=-1)[:n]  # [n, Vd]
-        target_p = F.softmax(teacher[rows[:n], cols_at[:n] + j + 1].float(), dim=-1)  # [n, Vd]
+        target_p = F.softmax(teacher[rows[:n], cols_at[:n] + ahead].float(), dim=-1)  # [n, Vd]
         ce = -(target_p * logp).sum(-1)  # [n]
         total = total + STEP_DECAY**j * ce.mean()
         top = target_ids[logp.argmax(-1)]
-        agree.append(int((top == argmax[rows[:n], cols_at[:n] + j + 1]).sum()))
+        agree.append(int((top == argmax[rows[:n], cols_at[:n] + ahead]).sum()))
         counted.append(n)
     return total, (agree, counted)
 
 
 @torch.no_grad()
 def evaluate(
-    head: TrainableEagle3, held: Sequence[TargetPass], steps: int, target_ids: Tensor
+    head: TrainableHead, held: Sequence[TargetPass], steps: int, target_ids: Tensor
 ) -> Evaluation:
     """Score the head on held-out sequences (module docstring)."""
-    agree, counted, losses = [0] * steps, [0] * steps, []
+    agree: list[int] = []
+    counted: list[int] = []
+    losses = []
     for p in held:
         loss, (a, c) = batch_loss(head, [p], steps, target_ids)
         losses.append(float(loss))
         for j in range(len(a)):
+            if j == len(agree):
+                agree.append(0)
+                counted.append(0)
             agree[j] += a[j]
             counted[j] += c[j]
     rates = tuple(a / c if c else 0.0 for a, c in zip(agree, counted, strict=True))
-    tau = 1.0 + sum(math.prod(rates[: j + 1]) for j in range(len(rates)))
+    chain = rates + rates[-1:] * max(steps - len(rates), 0)
+    tau = 1.0 + sum(math.prod(chain[: j + 1]) for j in range(len(chain)))
     return Evaluation(rates, tau, sum(losses) / len(losses))

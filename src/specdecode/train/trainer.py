@@ -1,12 +1,13 @@
-"""`specdecode train`: an EAGLE-3 head trained on the target's own states, on a CPU.
+"""`specdecode train`: a draft head trained on the target's own states, on a CPU.
 
+Methods: "eagle3" (`train.eagle3_model`), "medusa" and "layer_skip" (`train.exit_model`).
 The loop, per optimizer step: take `batch_size` examples from the stream (ShareGPT exchanges
 and standard-library code, never the bench's prompts: `train.data`), let the target answer
 them (responses "target": self-distillation) or keep the dataset's answers ("dataset": teacher
-forcing), run the target once over each sequence (`run_target`: its fused states and its
-logits), and fit the head's `unroll` TTT steps to the target's distribution over the draft
-vocabulary (`train.objective`). Matmuls run in bf16 (AMX where the CPU has it), weights and
-optimizer state in fp32.
+forcing), run the target once over each sequence (`run_target`: the states the head reads and
+its logits), and fit the head's outputs (EAGLE-3's `unroll` TTT steps, Medusa's heads, the
+exit) to the target's distribution over the draft vocabulary (`train.objective`). Matmuls
+run in bf16 (AMX where the CPU has it), weights and optimizer state in fp32.
 
 Every `eval_every` steps the head is scored on held-out ShareGPT exchanges
 (`objective.evaluate`: top-1 agreement per TTT step and the tau it implies). Checkpoints
@@ -28,8 +29,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from specdecode.errors import UserError
-from specdecode.heads.eagle3 import save_eagle3_head
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
+from specdecode.heads.exit_head import ExitHeadConfig
 from specdecode.llm import LLM
 from specdecode.model.loading import parse_dtype
 from specdecode.model.quant import parse_quantization
@@ -44,13 +45,14 @@ from specdecode.train.data import (
     stdlib_code_examples,
 )
 from specdecode.train.eagle3_model import TrainableEagle3
-from specdecode.train.init import INITS, initial_weights
+from specdecode.train.exit_model import TrainableExitHead
+from specdecode.train.init import INITS, initial_exit_weights, initial_weights
 from specdecode.train.objective import Evaluation, batch_loss, evaluate
 from specdecode.train.target_pass import TargetPass, run_target
 from specdecode.train.vocab import draft_vocabulary
 from specdecode.types import SamplingParams
 
-METHODS = ("eagle3",)
+METHODS = ("eagle3", "medusa", "layer_skip")
 RESPONSES = ("dataset", "target")
 
 EVAL_START = 900  # held-out ShareGPT conversations 900.. score the head (training starts at 1000)
@@ -63,15 +65,18 @@ class TrainConfig:
     """What `specdecode train` does (its flags, one to one).
 
     model: the target (alias, folder or .gguf). out: the head's folder.
-    method: "eagle3" (Medusa and early-exit heads are not trainable yet).
+    method: "eagle3", "medusa" or "layer_skip".
     budget_minutes / budget_examples: stop at whichever comes first (at least one given).
     responses: "dataset" (teacher forcing on the dataset's answers) or "target" (the target
         answers each prompt greedily, up to max_answer_tokens: self-distillation, slower).
     quantization / dtype: the target's format for its passes (int8: fast prefill).
     draft_vocab_size: the head's vocabulary (the most frequent answer tokens of the first
         vocab_examples examples). max_length: tokens per sequence (prompt + answer).
-    batch_size: sequences per optimizer step. unroll: TTT steps. lr / warmup_steps: AdamW's
-        rate, reached linearly over the first steps, then constant.
+    batch_size: sequences per optimizer step. unroll: EAGLE-3's TTT steps (and the chain
+        length the held-out tau counts). lr / warmup_steps: AdamW's rate, reached linearly
+        over the first steps, then constant.
+    medusa_heads: Medusa's heads (the longest chain it drafts). exit_layer: layer_skip's E
+        (None: a quarter of the target's layers).
     init: "target" (start from the target's last layer and output rows) or "random".
     eval_examples / eval_every: held-out exchanges scored every eval_every steps.
     checkpoint_minutes: how often checkpoint.pt is written. resume: continue from it.
@@ -92,6 +97,8 @@ class TrainConfig:
     max_answer_tokens: int = 256
     batch_size: int = 4
     unroll: int = 3
+    medusa_heads: int = 4
+    exit_layer: int | None = None
     lr: float = 5e-4
     warmup_steps: int = 20
     init: str = "target"
@@ -123,6 +130,8 @@ class TrainConfig:
             "max_answer_tokens",
             "batch_size",
             "unroll",
+            "medusa_heads",
+            "exit_layer",
             "eval_examples",
             "eval_every",
         ):
@@ -188,18 +197,18 @@ def train(
     else:
         draft_ids = saved["draft_ids"]
         encoded = (item for item in encoded if item[0] >= state.examples)
-    cfg = Eagle3HeadConfig.for_target(llm.model.config, len(draft_ids), config.model)
-    head = TrainableEagle3(
-        cfg,
-        initial_weights(cfg, llm.model_path, draft_ids, config.init, config.seed),
-        llm.model.embed_tokens.weight,
-    )
+    head = _new_head(config, llm, draft_ids)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95))
     if saved is not None:
         head.load_state_dict(saved["head"])
         optimizer.load_state_dict(saved["optimizer"])
     held = _held_out_passes(
-        llm, held_default if held_out is None else held_out, bench, cfg, draft_ids, config
+        llm,
+        held_default if held_out is None else held_out,
+        bench,
+        head.feature_layers,
+        draft_ids,
+        config,
     )
     if state.step == 0:
         _record(state, evaluate(head, held, config.unroll, draft_ids), 0.0)
@@ -222,7 +231,9 @@ def train(
             break
         if config.responses == "target":
             batch = _self_distilled(llm, batch, config)
-        passes = [run_target(llm.model, ids, n, cfg.aux_layers, draft_ids) for _, ids, n in batch]
+        passes = [
+            run_target(llm.model, ids, n, head.feature_layers, draft_ids) for _, ids, n in batch
+        ]
         loss = _optimizer_step(head, optimizer, passes, state.step, config, draft_ids)
         state.step += 1
         state.examples = batch[-1][0] + 1
@@ -246,8 +257,34 @@ def train(
         _record(state, ev, elapsed())
     state.seconds = elapsed()
     _save_checkpoint(config.out / CHECKPOINT, head, optimizer, state, draft_ids)
-    _save_head(config, cfg, head, state, ev)
+    _save_head(config, head, state, ev)
     return state
+
+
+def _new_head(
+    config: TrainConfig, llm: LLM, draft_ids: Tensor
+) -> TrainableEagle3 | TrainableExitHead:
+    """A fresh trainable head of `config.method` for the target, started as `config.init` says."""
+    target = llm.model.config
+    if config.method == "eagle3":
+        cfg = Eagle3HeadConfig.for_target(target, len(draft_ids), config.model)
+        return TrainableEagle3(
+            cfg,
+            initial_weights(cfg, llm.model_path, draft_ids, config.init, config.seed),
+            llm.model.embed_tokens.weight,
+        )
+    exit_cfg = ExitHeadConfig.for_target(
+        config.method,
+        target,
+        len(draft_ids),
+        config.medusa_heads if config.method == "medusa" else 1,
+        config.exit_layer,
+        config.model,
+    )
+    return TrainableExitHead(
+        exit_cfg,
+        initial_exit_weights(exit_cfg, llm.model_path, draft_ids, config.init, config.seed),
+    )
 
 
 def _load_checkpoint(config: TrainConfig) -> dict | None:
@@ -264,7 +301,7 @@ def _held_out_passes(
     llm: LLM,
     examples: Iterable[Example],
     bench: BenchFilter,
-    cfg: Eagle3HeadConfig,
+    feature_layers: tuple[int, ...],
     draft_ids: Tensor,
     config: TrainConfig,
 ) -> list[TargetPass]:
@@ -279,11 +316,11 @@ def _held_out_passes(
         raise UserError("no held-out example fits max_length: cannot score the head")
     if config.responses == "target":
         encoded = _self_distilled(llm, encoded, config)
-    return [run_target(llm.model, ids, n, cfg.aux_layers, draft_ids) for _, ids, n in encoded]
+    return [run_target(llm.model, ids, n, feature_layers, draft_ids) for _, ids, n in encoded]
 
 
 def _optimizer_step(
-    head: TrainableEagle3,
+    head: TrainableEagle3 | TrainableExitHead,
     optimizer: torch.optim.Optimizer,
     passes: Sequence[TargetPass],
     step: int,
@@ -303,8 +340,7 @@ def _optimizer_step(
 
 def _save_head(
     config: TrainConfig,
-    cfg: Eagle3HeadConfig,
-    head: TrainableEagle3,
+    head: TrainableEagle3 | TrainableExitHead,
     state: TrainState,
     ev: Evaluation,
 ) -> None:
@@ -325,7 +361,7 @@ def _save_head(
         "responses": config.responses,
         "parameters": sum(p.numel() for p in head.parameters()),
     }
-    save_eagle3_head(config.out, cfg, weights, extra=summary)
+    head.save(config.out, weights, summary)
     log = {"config": _jsonable(asdict(config)), "summary": summary, "history": state.history}
     (config.out / LOG).write_text(json.dumps(log, indent=2) + "\n")
 
@@ -384,7 +420,11 @@ def _record(state: TrainState, ev: Evaluation, seconds: float) -> None:
 
 
 def _save_checkpoint(
-    path: Path, head: TrainableEagle3, optimizer, state: TrainState, draft_ids: Tensor
+    path: Path,
+    head: TrainableEagle3 | TrainableExitHead,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    draft_ids: Tensor,
 ) -> None:
     """Write the run's state atomically (a stop mid-write leaves the old checkpoint)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,213 @@
+"""Medusa drafting: K trained heads over the target's final state draft a whole step at once.
+
+Cai et al. 2024, "Medusa". The heads (`specdecode.heads.exit_head`, kind "medusa") read the
+target's final-normed state after token t; head k (1-based) predicts token t + k + 1. After
+every target pass the engine leaves the states of the committed tokens but the last
+(`seq.features`, this drafter asks for block L's input = the final-normed output), so the
+newest state s is the one after token n - 2 of n committed tokens: the target's own head read
+it to commit token n - 1, and head k drafts token n - 2 + k + 1, i.e. d_k follows the last
+committed token at distance k. One head pass drafts all K tokens; no cache, nothing to roll
+back.
+
+Chains: d_k is head k's argmax (greedy) or a sample from q_k, head k's distribution after the
+request's sampling parameters, zero outside the reduced draft vocabulary (verification uses
+the target's full distribution, so it stays exact). Trees (`tree_width` > 1): EAGLE-2's
+dynamic tree (`drafters.dynamic_tree`) where every node of level d proposes head d + 1's top
+tokens (the heads do not see the drafted prefix, so a level's children are the same for every
+parent; the cumulative scores pick which paths are worth a slot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from specdecode.drafters.base import (
+    Drafter,
+    SeqView,
+    check_draft_length,
+    check_draft_limits,
+    check_model_drafter_config,
+    check_tree_shape,
+)
+from specdecode.drafters.dynamic_tree import DynamicTree, reduced_log_confidence
+from specdecode.errors import UserError
+from specdecode.heads.exit_head import ExitHead, load_exit_head
+from specdecode.model.quant import parse_quantization
+from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
+from specdecode.tree.token_tree import ROOT
+from specdecode.types import Draft, Verdict
+
+if TYPE_CHECKING:
+    from specdecode.drafters.registry import DrafterContext
+
+
+@dataclass(frozen=True, slots=True)
+class MedusaConfig:
+    """speculative_config of Medusa heads, method "medusa" (vLLM's method name).
+
+    model: the heads' folder (`specdecode train --method medusa` writes one).
+    num_speculative_tokens: draft at most this many tokens per step (K; a tree's nodes; a
+        chain is at most as long as the heads are many).
+    quantization: the heads' weight format ("none", "int8", "int4"); None = the target's.
+    tree_width: children per expanded node of a dynamic tree (1 = a chain).
+    tree_depth: levels of the tree (default: min(K, heads)); at most the number of heads.
+    """
+
+    model: str
+    num_speculative_tokens: int
+    quantization: str | None = None
+    tree_width: int = 1
+    tree_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        check_model_drafter_config(
+            self.model,
+            self.num_speculative_tokens,
+            self.quantization,
+            self.tree_width,
+            self.tree_depth,
+            "a medusa config",
+        )
+
+
+def build_medusa_drafter(config: MedusaConfig, context: DrafterContext) -> Drafter:
+    """The registry's factory: load the heads for the target (refused if trained for another)."""
+    quantization = config.quantization
+    if quantization is None:
+        quantization = context.target.quantization
+    head = load_exit_head(
+        Path(config.model).expanduser(),
+        context.target,
+        parse_quantization(quantization),
+        "medusa",
+    )
+    return MedusaDrafter(head, config.num_speculative_tokens, config.tree_width, config.tree_depth)
+
+
+class MedusaDrafter:
+    """Proposes up to K tokens per sequence from one pass of Medusa heads (module docstring).
+
+    Args:
+        head: the loaded heads (for the target whose final states they read).
+        num_speculative_tokens: draft at most this many tokens per step (K, 1..64).
+        tree_width: children per expanded node of a dynamic tree (1 = chains).
+        tree_depth: levels of a tree (None = min(K, heads)).
+
+    Raises:
+        UserError: a chain longer, or a tree deeper, than the heads are many.
+    """
+
+    def __init__(
+        self,
+        head: ExitHead,
+        num_speculative_tokens: int,
+        tree_width: int = 1,
+        tree_depth: int | None = None,
+    ) -> None:
+        check_draft_length(num_speculative_tokens)
+        check_tree_shape(tree_width, tree_depth, num_speculative_tokens)
+        heads = head.config.num_heads
+        depth = num_speculative_tokens if tree_width == 1 else tree_depth
+        if depth is not None and depth > heads:
+            raise UserError(
+                f"these Medusa heads draft at most {heads} levels (one per head): "
+                + (
+                    f"num_speculative_tokens {depth} is too long for a chain"
+                    if tree_width == 1
+                    else f"tree_depth {depth} is too deep"
+                )
+            )
+        self.head = head
+        self.hidden_layers: tuple[int, ...] = (head.config.feature_layer,)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.tree_width = tree_width
+        self.tree_depth = min(tree_depth or num_speculative_tokens, heads)
+        self.vocab_size = head.config.vocab_size
+        self._draft_ids = head.draft_to_target.cpu()  # [Vd] draft row -> target id (host)
+        self._states: dict[str, tuple[int, Tensor]] = {}  # id -> (token index, its state [h])
+
+    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+        """One draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
+
+        Args:
+            seqs: the sequences to draft for (their `features` hold the newest target states).
+            max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
+
+        Returns:
+            drafts: per sequence, a chain `Draft(tokens [k_i] int64, probs [k_i, V] float32)`,
+            or with tree_width > 1 a tree `Draft(tokens [k_i], None, tree)`.
+        """
+        check_draft_limits(seqs, max_tokens)
+        drafts = []
+        with torch.inference_mode():
+            for seq, limit in zip(seqs, max_tokens, strict=True):
+                k = min(limit, self.num_speculative_tokens) if seq.token_ids else 0
+                if k == 0:
+                    drafts.append(self._empty())
+                    continue
+                levels = k if self.tree_width == 1 else min(self.tree_depth, k)
+                logits = self.head(self._newest_state(seq)[None], levels)[0]  # [levels, Vd]
+                draft = self._chain if self.tree_width == 1 else self._tree
+                drafts.append(draft(seq, logits, k))
+        return drafts
+
+    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+        """Nothing to do: the next `propose` reads the state the verification pass left."""
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished sequence's newest state (unknown ids are ignored)."""
+        self._states.pop(request_id, None)
+
+    def _empty(self) -> Draft:
+        if self.tree_width == 1:
+            return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, self.vocab_size))
+        return Draft(torch.zeros(0, dtype=torch.long))
+
+    def _newest_state(self, seq: SeqView) -> Tensor:
+        """The target's state after token n - 2 ([h]) of the n committed tokens, from the
+        sequence's newest features (kept until a later pass replaces it)."""
+        wanted = len(seq.token_ids) - 2
+        features = seq.features
+        if features is not None and features.start <= wanted < features.start + len(
+            features.hidden
+        ):
+            state = features.hidden[wanted - features.start].to(self.head.device)
+            self._states[seq.request_id] = (wanted, state)
+            return state
+        index, state = self._states.get(seq.request_id, (None, None))
+        if index != wanted or state is None:
+            raise ValueError(
+                f"medusa: request {seq.request_id} has {len(seq.token_ids)} tokens but no target "
+                f"state for token {wanted}; the engine gives the states of every committed "
+                "token but the last"
+            )
+        return state
+
+    def _chain(self, seq: SeqView, logits: Tensor, k: int) -> Draft:
+        """Head j's pick for d_j, j = 1..k (logits [k, Vd])."""
+        st = SamplingTensors.from_params([seq.params], self.head.device)
+        q = probs_from_logits(logits[None], st)[0].cpu()  # [k, Vd]
+        if st.all_greedy:
+            picks = q.argmax(-1)
+        else:
+            picks = torch.cat([sample(q[j : j + 1], [seq.generator]) for j in range(k)])
+        probs = torch.zeros(k, self.vocab_size)  # [k, V]
+        probs[:, self._draft_ids] = q
+        return Draft(self._draft_ids[picks], probs)
+
+    def _tree(self, seq: SeqView, logits: Tensor, k: int) -> Draft:
+        """A dynamic tree whose level d nodes take head d + 1's top tokens (logits [D, Vd])."""
+        scores = reduced_log_confidence(logits, self._draft_ids, self.vocab_size)  # [D, V]
+        tree = DynamicTree(self.tree_width, k)
+        tree.expand([ROOT], scores[:1])
+        for level in range(1, len(logits)):
+            frontier = tree.frontier
+            tree.expand(frontier, scores[level : level + 1].expand(len(frontier), -1))
+        tokens, shape = tree.draft()
+        return Draft(torch.tensor(tokens, dtype=torch.long), tree=shape)
