@@ -19,7 +19,7 @@ def main(argv: list[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out, runs = Path(argv[0]), [a.split("=", 1) for a in argv[1:]]
+    out, runs = Path(argv[0]), [a.rsplit("=", 1) for a in argv[1:]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for label, folder in runs:
         history = json.loads((Path(folder) / "train_log.json").read_text())["history"]

@@ -82,7 +82,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmark methods side by side, interleaved, vs plain decoding",
-        description="Methods: plain, ngram:k=8[:max=4][:min=2], draft:MODEL:k=4; peers: hf, "
+        description="Methods: plain, ngram:k=8[:max=4][:min=2], draft:MODEL:k=4, trained "
+        "heads eagle3:HEAD:k=3, medusa:HEAD:k=2, layer_skip:HEAD:k=2 (HEAD: a `specdecode "
+        "train` folder), any of them a tree with :w=3:d=3; peers: hf, "
         "hf-assisted:MODEL:k=4, hf-lookup:k=8[:max=2], llamacpp, llamacpp-lookup:k=10[:max=2] "
         "(a peer whose library is missing is skipped). Prompt sets: code (HumanEval), chat, "
         "translation, summarize, qa, math, rag, edit, or a .jsonl file. "

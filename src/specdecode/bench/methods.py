@@ -3,6 +3,7 @@
     plain[:q=int8]                 our plain decoding
     ngram:k=8[:max=4][:min=2]      our prompt lookup (speculative_config method "ngram")
     draft:MODEL:k=4[:dq=int4]      our draft-model speculation with MODEL (alias, folder, .gguf)
+    eagle3:HEAD:k=3[:hq=int8]      a trained head (folder HEAD); also medusa:HEAD, layer_skip:HEAD
     ...:w=3:d=4                    a token tree: tree_width 3, tree_depth 4 (k = its nodes)
     hf                             Hugging Face transformers `generate()` on the same weights
     hf-assisted:MODEL:k=4          HF assisted generation (`assistant_model=`, K draft tokens)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -74,17 +75,38 @@ def check_tree_shape(width: object, depth: object, k: int) -> None:
         )
 
 
-def check_model_drafter_config(
-    model: object, k: object, quantization: object, width: object, depth: object, what: str
-) -> None:
-    """The checks every drafter config with a "model" (a draft model, a head) shares: a
-    non-empty model name or path, K, the tree's shape and a known weight format."""
-    if not isinstance(model, str) or not model:
-        raise UserError(f"{what} needs 'model' (alias or path), got {model!r}")
-    check_draft_length(k)
-    check_tree_shape(width, depth, k)  # type: ignore[arg-type]
-    if quantization is not None:
-        parse_quantization(quantization)  # type: ignore[arg-type]
+@dataclass(frozen=True, slots=True)
+class ModelDrafterConfig:
+    """The speculative_config fields every drafter with a "model" (a draft model, a trained
+    head) has; each such method's config subclasses it (its own class, so the registry tells
+    them apart) and sets `WHAT`, its name in error messages.
+
+    model: the draft model or head folder.
+    num_speculative_tokens: draft at most this many tokens per step (K, 1..64; a tree's nodes).
+    quantization: the drafter's weight format ("none", "int8", "int4"); None = the target's.
+    tree_width: children per expanded node of a dynamic tree (1 = a chain).
+    tree_depth: levels of the tree, one drafting pass each (default: K).
+    """
+
+    WHAT: ClassVar[str] = "a drafter config"
+
+    model: str
+    num_speculative_tokens: int
+    quantization: str | None = None
+    tree_width: int = 1
+    tree_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise UserError(f"{self.WHAT} needs 'model' (alias or path), got {self.model!r}")
+        check_draft_length(self.num_speculative_tokens)
+        check_tree_shape(self.tree_width, self.tree_depth, self.num_speculative_tokens)
+        if self.quantization is not None:
+            parse_quantization(self.quantization)
+
+    def weight_format(self, target_format: str | None) -> str | None:
+        """The drafter's parsed weight format: its own, else the target's."""
+        return parse_quantization(target_format if self.quantization is None else self.quantization)
 
 
 def cache_with_room(

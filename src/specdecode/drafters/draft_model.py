@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -38,11 +38,11 @@ from torch import Tensor
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import (
     Drafter,
+    ModelDrafterConfig,
     SeqView,
     cache_with_room,
     check_draft_length,
     check_draft_limits,
-    check_model_drafter_config,
     check_tree_shape,
 )
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, log_confidence
@@ -80,7 +80,7 @@ class DraftLM(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class DraftModelConfig:
+class DraftModelConfig(ModelDrafterConfig):
     """speculative_config of a draft model, method "draft_model" (vLLM's form: a "model" key).
 
     model: the draft model (alias, Hugging Face folder or .gguf), with the target's vocabulary.
@@ -90,21 +90,7 @@ class DraftModelConfig:
     tree_depth: levels of the tree, one draft pass each (default: K).
     """
 
-    model: str
-    num_speculative_tokens: int
-    quantization: str | None = None
-    tree_width: int = 1
-    tree_depth: int | None = None
-
-    def __post_init__(self) -> None:
-        check_model_drafter_config(
-            self.model,
-            self.num_speculative_tokens,
-            self.quantization,
-            self.tree_width,
-            self.tree_depth,
-            "a draft_model",
-        )
+    WHAT: ClassVar[str] = "a draft_model"
 
 
 def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:

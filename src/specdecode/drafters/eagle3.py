@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
@@ -34,17 +34,16 @@ from torch import Tensor
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import (
     Drafter,
+    ModelDrafterConfig,
     SeqView,
     cache_with_room,
     check_draft_length,
     check_draft_limits,
-    check_model_drafter_config,
     check_tree_shape,
 )
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, reduced_log_confidence
 from specdecode.heads.eagle3 import Eagle3Head, load_eagle3_head
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
-from specdecode.model.quant import parse_quantization
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
 from specdecode.types import Draft, Verdict
@@ -54,7 +53,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
-class Eagle3Config:
+class Eagle3Config(ModelDrafterConfig):
     """speculative_config of an EAGLE-3 head, method "eagle3" (vLLM's keys).
 
     model: the head's folder (config.json + model.safetensors, speculators' format;
@@ -65,30 +64,15 @@ class Eagle3Config:
     tree_depth: levels of the tree, one head pass each (default: K).
     """
 
-    model: str
-    num_speculative_tokens: int
-    quantization: str | None = None
-    tree_width: int = 1
-    tree_depth: int | None = None
-
-    def __post_init__(self) -> None:
-        check_model_drafter_config(
-            self.model,
-            self.num_speculative_tokens,
-            self.quantization,
-            self.tree_width,
-            self.tree_depth,
-            "an eagle3 config",
-        )
+    WHAT: ClassVar[str] = "an eagle3 config"
 
 
 def build_eagle3_drafter(config: Eagle3Config, context: DrafterContext) -> Drafter:
     """The registry's factory: load the head for the target (refused if trained for another)."""
-    quantization = config.quantization
-    if quantization is None:
-        quantization = context.target.quantization
     head = load_eagle3_head(
-        Path(config.model).expanduser(), context.target, parse_quantization(quantization)
+        Path(config.model).expanduser(),
+        context.target,
+        config.weight_format(context.target.quantization),
     )
     return Eagle3Drafter(head, config.num_speculative_tokens, config.tree_width, config.tree_depth)
 

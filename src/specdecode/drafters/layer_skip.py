@@ -16,18 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
-from specdecode.drafters.base import Drafter, check_model_drafter_config
+from specdecode.drafters.base import Drafter, ModelDrafterConfig
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.heads.exit_head import ExitHead, load_exit_head
 from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.config import ModelConfig
-from specdecode.model.quant import parse_quantization
 from specdecode.model.transformer import Transformer
 
 if TYPE_CHECKING:
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
-class LayerSkipConfig:
+class LayerSkipConfig(ModelDrafterConfig):
     """speculative_config of early-exit self-speculation, method "layer_skip".
 
     model: the exit head's folder (`specdecode train --method layer_skip` writes one; the
@@ -47,33 +46,16 @@ class LayerSkipConfig:
     tree_depth: levels of the tree, one pass of the first E blocks each (default: K).
     """
 
-    model: str
-    num_speculative_tokens: int
-    quantization: str | None = None
-    tree_width: int = 1
-    tree_depth: int | None = None
-
-    def __post_init__(self) -> None:
-        check_model_drafter_config(
-            self.model,
-            self.num_speculative_tokens,
-            self.quantization,
-            self.tree_width,
-            self.tree_depth,
-            "a layer_skip config",
-        )
+    WHAT: ClassVar[str] = "a layer_skip config"
 
 
 def build_layer_skip_drafter(config: LayerSkipConfig, context: DrafterContext) -> Drafter:
     """The registry's factory: load the exit head for the target (refused if trained for
     another) and draft with the target's first E blocks."""
-    quantization = config.quantization
-    if quantization is None:
-        quantization = context.target.quantization
     head = load_exit_head(
         Path(config.model).expanduser(),
         context.target,
-        parse_quantization(quantization),
+        config.weight_format(context.target.quantization),
         "layer_skip",
     )
     return DraftModelDrafter(

@@ -22,23 +22,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
 
 from specdecode.drafters.base import (
     Drafter,
+    ModelDrafterConfig,
     SeqView,
     check_draft_length,
     check_draft_limits,
-    check_model_drafter_config,
     check_tree_shape,
 )
 from specdecode.drafters.dynamic_tree import DynamicTree, reduced_log_confidence
 from specdecode.errors import UserError
 from specdecode.heads.exit_head import ExitHead, load_exit_head
-from specdecode.model.quant import parse_quantization
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
 from specdecode.types import Draft, Verdict
@@ -48,7 +47,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
-class MedusaConfig:
+class MedusaConfig(ModelDrafterConfig):
     """speculative_config of Medusa heads, method "medusa" (vLLM's method name).
 
     model: the heads' folder (`specdecode train --method medusa` writes one).
@@ -59,32 +58,15 @@ class MedusaConfig:
     tree_depth: levels of the tree (default: min(K, heads)); at most the number of heads.
     """
 
-    model: str
-    num_speculative_tokens: int
-    quantization: str | None = None
-    tree_width: int = 1
-    tree_depth: int | None = None
-
-    def __post_init__(self) -> None:
-        check_model_drafter_config(
-            self.model,
-            self.num_speculative_tokens,
-            self.quantization,
-            self.tree_width,
-            self.tree_depth,
-            "a medusa config",
-        )
+    WHAT: ClassVar[str] = "a medusa config"
 
 
 def build_medusa_drafter(config: MedusaConfig, context: DrafterContext) -> Drafter:
     """The registry's factory: load the heads for the target (refused if trained for another)."""
-    quantization = config.quantization
-    if quantization is None:
-        quantization = context.target.quantization
     head = load_exit_head(
         Path(config.model).expanduser(),
         context.target,
-        parse_quantization(quantization),
+        config.weight_format(context.target.quantization),
         "medusa",
     )
     return MedusaDrafter(head, config.num_speculative_tokens, config.tree_width, config.tree_depth)
