@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_eagle3_head, build_tiny_model
+from head_cases import check_certify, check_reduced_vocabulary, edited_head
 from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples, train_config
 
-from specdecode.certify import CertifyConfig, certify
 from specdecode.drafters.eagle3 import Eagle3Drafter
-from specdecode.engine import step
 from specdecode.errors import UserError
 from specdecode.heads.eagle3 import (
     Eagle3Head,
@@ -26,7 +25,6 @@ from specdecode.heads.eagle3_config import Eagle3HeadConfig
 from specdecode.llm import LLM
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.loading import load_model
-from specdecode.sampling.rejection import verify_chain
 from specdecode.train.data import Example
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.trainer import TrainConfig, train
@@ -77,23 +75,7 @@ def test_drafts_stay_in_the_draft_vocabulary_and_q_is_zero_outside(
     output uses tokens outside it (and is unchanged)."""
     llm = _eagle(tiny_model_dir, head_dir)
     drafter = llm.engine.drafter
-    allowed = set(drafter.head.draft_to_target.tolist())
-    seen: list = []
-    original = drafter.propose
-
-    def spy(seqs, max_tokens):
-        drafts = original(seqs, max_tokens)
-        seen.extend(drafts)
-        return drafts
-
-    drafter.propose = spy
-    params = SamplingParams(temperature=0.8, max_tokens=30, seed=3, ignore_eos=True)
-    llm.generate(PROMPTS, params)
-    assert seen and all(set(d.tokens.tolist()) <= allowed for d in seen)
-    outside = torch.ones(300, dtype=torch.bool)
-    outside[list(allowed)] = False
-    assert all(float(d.probs[:, outside].sum()) == 0.0 for d in seen if d.probs is not None)
-    assert any(t not in allowed for want in expected for t in want)
+    check_reduced_vocabulary(llm, drafter.head.draft_to_target, expected)
 
 
 def test_trainable_head_equals_the_inference_head(tiny_model_dir: Path, head_dir: Path) -> None:
@@ -185,23 +167,9 @@ def test_sampling_matches_the_target_and_a_biased_verifier_fails(
     """`certify`'s chi-square test over whole continuations with a trained head (its q is
     neither one-hot nor p, and zero outside the draft vocabulary): exact; treating q as
     one-hot fails the same test."""
-    if biased:
-
-        def one_hot_q(target_probs, draft_tokens, draft_probs, *args, **kwargs):
-            if draft_probs is not None:
-                draft_probs = draft_probs.scatter(-1, draft_tokens[..., None], 1.0)
-            return verify_chain(target_probs, draft_tokens, draft_probs, *args, **kwargs)
-
-        monkeypatch.setattr(step, "verify_chain", one_hot_q)
     model_dir, out = trained
     llm = _eagle(model_dir, out, num_speculative_tokens=2)
-    prompt = tuple(chat_prompts(model_dir, examples(1, 5000))[0]["prompt_token_ids"])
-    result = certify(llm, CertifyConfig(prompt, top_k=4, num_samples=3000, seed=1))
-    print(result.as_dict())
-    assert result.num_draft_tokens > 1000 and 0.05 < result.acceptance_rate < 0.95
-    assert result.passed is not biased
-    if biased:
-        assert result.p_value < 1e-6
+    check_certify(llm, model_dir, monkeypatch, biased)
 
 
 def test_training_is_deterministic_and_resumes_exactly(
@@ -248,16 +216,6 @@ def test_a_head_from_another_trainer_loads(
     assert [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)] == expected
 
 
-def _edited_head(head_dir: Path, tmp_path: Path, edit) -> Path:
-    out = tmp_path / "edited"
-    out.mkdir()
-    cfg = json.loads((head_dir / "config.json").read_text())
-    edit(cfg)
-    (out / "config.json").write_text(json.dumps(cfg))
-    (out / "model.safetensors").write_bytes((head_dir / "model.safetensors").read_bytes())
-    return out
-
-
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -270,13 +228,13 @@ def test_a_head_for_another_target_is_refused(
     tiny_model_dir: Path, head_dir: Path, tmp_path: Path, edit, message: str
 ) -> None:
     with pytest.raises(UserError, match=f"another target.*{message}"):
-        _eagle(tiny_model_dir, _edited_head(head_dir, tmp_path, edit))
+        _eagle(tiny_model_dir, edited_head(head_dir, tmp_path, edit))
 
 
 def test_truncated_or_missing_head_files_are_clear_errors(
     tiny_model_dir: Path, head_dir: Path, tmp_path: Path
 ) -> None:
-    out = _edited_head(head_dir, tmp_path, lambda c: None)
+    out = edited_head(head_dir, tmp_path, lambda c: None)
     data = (out / "model.safetensors").read_bytes()
     (out / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(UserError, match="truncated"):

@@ -10,21 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_exit_head, build_tiny_model
+from head_cases import check_certify, check_reduced_vocabulary, edited_head
 from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples, train_config
 
-from specdecode.certify import CertifyConfig, certify
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.layer_skip import EarlyExit
 from specdecode.drafters.medusa import MedusaDrafter
-from specdecode.engine import step
 from specdecode.errors import UserError
 from specdecode.heads.exit_head import ExitHead, ExitHeadConfig, load_exit_head, save_exit_head
 from specdecode.heads.files import read_head_tensors
 from specdecode.llm import LLM
 from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.loading import load_model
-from specdecode.sampling.rejection import verify_chain
 from specdecode.train.exit_model import TrainableExitHead
 from specdecode.train.init import initial_exit_weights
 from specdecode.train.trainer import train
@@ -87,23 +85,7 @@ def test_drafts_stay_in_the_draft_vocabulary_and_q_is_zero_outside(
     llm = _llm(tiny_model_dir, kind, heads[kind])
     drafter = llm.engine.drafter
     head = drafter.head if kind == "medusa" else drafter.model.head
-    allowed = set(head.draft_to_target.tolist())
-    seen: list = []
-    original = drafter.propose
-
-    def spy(seqs, max_tokens):
-        drafts = original(seqs, max_tokens)
-        seen.extend(drafts)
-        return drafts
-
-    drafter.propose = spy
-    params = SamplingParams(temperature=0.8, max_tokens=30, seed=3, ignore_eos=True)
-    llm.generate(PROMPTS, params)
-    assert seen and all(set(d.tokens.tolist()) <= allowed for d in seen)
-    outside = torch.ones(300, dtype=torch.bool)
-    outside[list(allowed)] = False
-    assert all(float(d.probs[:, outside].sum()) == 0.0 for d in seen if d.probs is not None)
-    assert any(t not in allowed for want in expected for t in want)
+    check_reduced_vocabulary(llm, head.draft_to_target, expected)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -211,23 +193,9 @@ def test_sampling_matches_the_target_and_a_biased_verifier_fails(
     """`certify`'s chi-square test over whole continuations with a trained head (q neither
     one-hot nor p, zero outside the draft vocabulary): exact; a verifier that treats q as
     one-hot fails the same test."""
-    if biased:
-
-        def one_hot_q(target_probs, draft_tokens, draft_probs, *args, **kwargs):
-            if draft_probs is not None:
-                draft_probs = draft_probs.scatter(-1, draft_tokens[..., None], 1.0)
-            return verify_chain(target_probs, draft_tokens, draft_probs, *args, **kwargs)
-
-        monkeypatch.setattr(step, "verify_chain", one_hot_q)
     kind, model_dir, out = trained
     llm = _llm(model_dir, kind, out, num_speculative_tokens=2)
-    prompt = tuple(chat_prompts(model_dir, examples(1, 5000))[0]["prompt_token_ids"])
-    result = certify(llm, CertifyConfig(prompt, top_k=4, num_samples=3000, seed=1))
-    print(result.as_dict())
-    assert result.num_draft_tokens > 1000 and 0.05 < result.acceptance_rate < 0.95
-    assert result.passed is not biased
-    if biased:
-        assert result.p_value < 1e-6
+    check_certify(llm, model_dir, monkeypatch, biased)
 
 
 def test_config_json_says_what_the_head_is(trained: tuple[str, Path, Path]) -> None:
@@ -238,16 +206,6 @@ def test_config_json_says_what_the_head_is(trained: tuple[str, Path, Path]) -> N
     assert cfg["num_heads"] == (3 if kind == "medusa" else 1)
     assert cfg["verifier"]["num_hidden_layers"] == 3
     assert cfg["specdecode"]["steps"] == 16 and cfg["specdecode"]["method"] == kind
-
-
-def _edited(head: Path, tmp_path: Path, edit) -> Path:
-    out = tmp_path / "edited"
-    out.mkdir()
-    cfg = json.loads((head / "config.json").read_text())
-    edit(cfg)
-    (out / "config.json").write_text(json.dumps(cfg))
-    (out / "model.safetensors").write_bytes((head / "model.safetensors").read_bytes())
-    return out
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -264,7 +222,7 @@ def test_a_head_for_another_target_is_refused(
     tiny_model_dir: Path, heads: dict, tmp_path: Path, kind: str, edit, message: str
 ) -> None:
     with pytest.raises(UserError, match=message):
-        _llm(tiny_model_dir, kind, _edited(heads[kind], tmp_path, edit))
+        _llm(tiny_model_dir, kind, edited_head(heads[kind], tmp_path, edit))
 
 
 def test_bad_files_and_configs_are_clear_errors(
@@ -285,7 +243,7 @@ def test_bad_files_and_configs_are_clear_errors(
             tree_width=2,
             tree_depth=4,
         )
-    out = _edited(heads["medusa"], tmp_path, lambda c: None)
+    out = edited_head(heads["medusa"], tmp_path, lambda c: None)
     data = (out / "model.safetensors").read_bytes()
     (out / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(UserError, match="truncated"):

@@ -1,0 +1,75 @@
+"""Checks every trained-head drafter shares: the reduced vocabulary, exact sampling (with a
+biased verifier that must fail), and head folders edited to be wrong."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from spec_cases import PROMPTS
+from train_cases import chat_prompts, examples
+
+from specdecode.certify import CertifyConfig, certify
+from specdecode.engine import step
+from specdecode.llm import LLM
+from specdecode.sampling.rejection import verify_chain
+from specdecode.types import SamplingParams
+
+
+def check_reduced_vocabulary(
+    llm: LLM, draft_to_target: torch.Tensor, expected: list[list[int]]
+) -> None:
+    """Sampled drafts and their q only cover the head's tokens (`draft_to_target`), while the
+    target's greedy output (`expected`) uses tokens outside them."""
+    drafter = llm.engine.drafter
+    allowed = set(draft_to_target.tolist())
+    seen: list = []
+    original = drafter.propose
+
+    def spy(seqs, max_tokens):
+        drafts = original(seqs, max_tokens)
+        seen.extend(drafts)
+        return drafts
+
+    drafter.propose = spy
+    params = SamplingParams(temperature=0.8, max_tokens=30, seed=3, ignore_eos=True)
+    llm.generate(PROMPTS, params)
+    assert seen and all(set(d.tokens.tolist()) <= allowed for d in seen)
+    outside = torch.ones(300, dtype=torch.bool)
+    outside[list(allowed)] = False
+    assert all(float(d.probs[:, outside].sum()) == 0.0 for d in seen if d.probs is not None)
+    assert any(t not in allowed for want in expected for t in want)
+
+
+def check_certify(llm: LLM, model_dir: Path, monkeypatch: pytest.MonkeyPatch, biased: bool) -> None:
+    """`certify`'s chi-square test over whole continuations passes; with `biased`, a verifier
+    that treats q as one-hot fails it."""
+    if biased:
+
+        def one_hot_q(target_probs, draft_tokens, draft_probs, *args, **kwargs):
+            if draft_probs is not None:
+                draft_probs = draft_probs.scatter(-1, draft_tokens[..., None], 1.0)
+            return verify_chain(target_probs, draft_tokens, draft_probs, *args, **kwargs)
+
+        monkeypatch.setattr(step, "verify_chain", one_hot_q)
+    prompt = tuple(chat_prompts(model_dir, examples(1, 5000))[0]["prompt_token_ids"])
+    result = certify(llm, CertifyConfig(prompt, top_k=4, num_samples=3000, seed=1))
+    print(result.as_dict())
+    assert result.num_draft_tokens > 1000 and 0.05 < result.acceptance_rate < 0.95
+    assert result.passed is not biased
+    if biased:
+        assert result.p_value < 1e-6
+
+
+def edited_head(head: Path, tmp_path: Path, edit: Callable[[dict], None]) -> Path:
+    """A copy of the head folder `head` whose config.json went through `edit`."""
+    out = tmp_path / "edited"
+    out.mkdir()
+    cfg = json.loads((head / "config.json").read_text())
+    edit(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / "model.safetensors").write_bytes((head / "model.safetensors").read_bytes())
+    return out
