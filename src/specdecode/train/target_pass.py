@@ -17,7 +17,8 @@ class TargetPass:
 
     tokens: [T] int64 the sequence (prompt + answer).
     prompt_length: tokens of the prompt; positions >= prompt_length - 1 predict answer tokens.
-    features: [T, F] the inputs of the head's aux layers (target dtype).
+    features: [T, F] the inputs of the layers the head reads (target dtype; see
+        `Transformer.forward`'s hidden_layers).
     teacher: [T, Vd] the target's logits over the draft vocabulary (bf16): row t predicts
         token t + 1.
     argmax: [T] int64 the target's most likely next token over its whole vocabulary.
@@ -35,15 +36,16 @@ def run_target(
     model: Transformer,
     tokens: list[int],
     prompt_length: int,
-    aux_layers: tuple[int, ...],
+    layers: tuple[int, ...],
     draft_ids: Tensor,
 ) -> TargetPass:
-    """One PREFILL pass of `model` over `tokens` (draft_ids: [Vd] the draft vocabulary)."""
+    """One PREFILL pass of `model` over `tokens`, keeping the inputs of `layers` (draft_ids:
+    [Vd] the draft vocabulary)."""
     device = model.device
     ids = torch.tensor([tokens], device=device)  # [1, T]
     cache = model.new_cache(1, len(tokens))
     meta = AttentionMetadata.prefill([len(tokens)], device)
-    logits, hidden = model(ids, meta, cache, hidden_layers=aux_layers)  # [1, T, V], [1, T, F]
+    logits, hidden = model(ids, meta, cache, hidden_layers=layers)  # [1, T, V], [1, T, F]
     return TargetPass(
         ids[0].cpu(),
         prompt_length,
