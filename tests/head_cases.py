@@ -64,6 +64,18 @@ def check_certify(llm: LLM, model_dir: Path, monkeypatch: pytest.MonkeyPatch, bi
         assert result.p_value < 1e-6
 
 
+def sampled_runs(model_dir: Path, drafters: list[object]) -> list[list[tuple]]:
+    """Per drafter, (tokens, accepted draft tokens) of each of three held-out prompts sampled
+    with a seed: equal lists mean the drafters draft alike."""
+    prompts = chat_prompts(model_dir, examples(3, 3000))
+    params = SamplingParams(temperature=0.7, max_tokens=24, seed=4, ignore_eos=True)
+    results = []
+    for drafter in drafters:
+        outs = LLM(str(model_dir), dtype="float32", drafter=drafter).generate(prompts, params)
+        results.append([(o.token_ids, o.metrics.spec.num_accepted_tokens) for o in outs])
+    return results
+
+
 def edited_head(head: Path, tmp_path: Path, edit: Callable[[dict], None]) -> Path:
     """A copy of the head folder `head` whose config.json went through `edit`."""
     out = tmp_path / "edited"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_eagle3_head, build_tiny_model
-from head_cases import check_certify, check_reduced_vocabulary, edited_head
+from head_cases import check_certify, check_reduced_vocabulary, edited_head, sampled_runs
 from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples, train_config
 
@@ -147,16 +147,8 @@ def test_saved_head_drafts_like_the_trained_weights(trained: tuple[Path, Path]) 
     trainable = TrainableEagle3(cfg, read_head_weights(out, cfg), target.embed_tokens.weight)
     trainable.load_state_dict(checkpoint["head"])
     in_memory = Eagle3Head(cfg, trainable.head_weights(), target.embed_tokens, None, 256).eval()
-    prompts = chat_prompts(model_dir, examples(3, 3000))
-    params = SamplingParams(temperature=0.7, max_tokens=24, seed=4, ignore_eos=True)
-    results = []
-    for drafter in (
-        Eagle3Drafter(in_memory, 3),
-        Eagle3Drafter(load_eagle3_head(out, target, None), 3),
-    ):
-        llm = LLM(str(model_dir), dtype="float32", drafter=drafter)
-        outs = llm.generate(prompts, params)
-        results.append([(o.token_ids, o.metrics.spec.num_accepted_tokens) for o in outs])
+    loaded = load_eagle3_head(out, target, None)
+    results = sampled_runs(model_dir, [Eagle3Drafter(in_memory, 3), Eagle3Drafter(loaded, 3)])
     assert results[0] == results[1]
 
 

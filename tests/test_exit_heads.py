@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_exit_head, build_tiny_model
-from head_cases import check_certify, check_reduced_vocabulary, edited_head
+from head_cases import check_certify, check_reduced_vocabulary, edited_head, sampled_runs
 from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples, train_config
 
@@ -172,17 +172,12 @@ def test_saved_head_drafts_like_the_trained_weights(trained: tuple[str, Path, Pa
     trainable = TrainableExitHead(cfg, weights)
     trainable.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=False)["head"])
     in_memory = ExitHead(cfg, trainable.head_weights(), None).eval()
-    prompts = chat_prompts(model_dir, examples(3, 3000))
-    params = SamplingParams(temperature=0.7, max_tokens=24, seed=4, ignore_eos=True)
-    results = []
-    for head in (in_memory, load_exit_head(out, target, None, kind)):
-        if kind == "medusa":
-            drafter = MedusaDrafter(head, 3)
-        else:
-            drafter = DraftModelDrafter(EarlyExit(target, head), 3, 300)
-        llm = LLM(str(model_dir), dtype="float32", drafter=drafter)
-        outs = llm.generate(prompts, params)
-        results.append([(o.token_ids, o.metrics.spec.num_accepted_tokens) for o in outs])
+    heads = (in_memory, load_exit_head(out, target, None, kind))
+    if kind == "medusa":
+        drafters = [MedusaDrafter(head, 3) for head in heads]
+    else:
+        drafters = [DraftModelDrafter(EarlyExit(target, head), 3, 300) for head in heads]
+    results = sampled_runs(model_dir, drafters)
     assert results[0] == results[1]
 
 

@@ -113,7 +113,7 @@ class EarlyExit:
         Returns (logits [B, N, V] over the target's vocabulary, -inf outside the draft
         vocabulary (N = T when logits_index is None), the residual after block E [B, T, h]).
         """
-        x = self.target.body(tokens, meta, cache, self.exit_layer)  # [B, T, h]
+        x, _ = self.target.body(tokens, meta, cache, self.exit_layer)  # [B, T, h]
         exits = x
         if logits_index is not None:
             rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]

@@ -28,6 +28,7 @@ from specdecode.heads.files import (
     d2t_to_draft_ids,
     read_head_tensors,
     save_head_folder,
+    tensors_for_target,
 )
 from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.linear import make_linear
@@ -189,11 +190,7 @@ def load_eagle3_head(path: Path, target: Transformer, quantization: str | None) 
     cfg.check_target(target.config)
     weights = read_head_weights(path, cfg)
     used = {*head_tensor_shapes(cfg), "fc.bias"}
-    cast = {
-        name: t.to(device=target.device, dtype=target.dtype if t.is_floating_point() else t.dtype)
-        for name, t in weights.items()
-        if name in used
-    }
+    cast = tensors_for_target(weights, used, target.device, target.dtype)
     head = Eagle3Head(
         cfg, cast, target.embed_tokens, quantization, target.config.max_position_embeddings
     )

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.errors import UserError
+from specdecode.heads.files import check_draft_vocab_size
 from specdecode.model.config import ModelConfig, read_config_json
 
 
@@ -54,11 +55,7 @@ class Eagle3HeadConfig:
     verifier_vocab: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0 < self.draft_vocab_size <= self.layer.vocab_size:
-            raise UserError(
-                f"draft_vocab_size must be in 1..{self.layer.vocab_size} (the target's "
-                f"vocabulary), got {self.draft_vocab_size}"
-            )
+        check_draft_vocab_size(self.draft_vocab_size, self.layer.vocab_size)
         if not self.aux_layers or min(self.aux_layers) < 0:
             raise UserError(f"aux layer ids must be >= 0, got {list(self.aux_layers)}")
 

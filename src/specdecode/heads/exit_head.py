@@ -31,10 +31,12 @@ from torch import Tensor, nn
 
 from specdecode.errors import UserError
 from specdecode.heads.files import (
+    check_draft_vocab_size,
     check_head_folder,
     d2t_to_draft_ids,
     read_head_tensors,
     save_head_folder,
+    tensors_for_target,
 )
 from specdecode.model.config import ModelConfig, read_config_json
 from specdecode.model.linear import make_linear
@@ -84,11 +86,7 @@ class ExitHeadConfig:
             )
         if not 1 <= self.num_heads <= 64:
             raise UserError(f"num_heads must be in 1..64, got {self.num_heads}")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise UserError(
-                f"draft_vocab_size must be in 1..{self.vocab_size} (the target's vocabulary), "
-                f"got {self.draft_vocab_size}"
-            )
+        check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
 
     @property
     def normed_input(self) -> bool:
@@ -253,12 +251,9 @@ def load_exit_head(
     if cfg.kind != kind:
         raise UserError(f"{path} holds a {cfg.kind} head, not a {kind} head")
     cfg.check_target(target.config)
-    weights = read_head_tensors(path, cfg.tensor_shapes(), {}, cfg.vocab_size)
-    cast = {
-        name: t.to(device=target.device, dtype=target.dtype if t.is_floating_point() else t.dtype)
-        for name, t in weights.items()
-        if name in cfg.tensor_shapes()
-    }
+    shapes = cfg.tensor_shapes()
+    weights = read_head_tensors(path, shapes, {}, cfg.vocab_size)
+    cast = tensors_for_target(weights, shapes, target.device, target.dtype)
     return ExitHead(cfg, cast, quantization).eval()
 
 

@@ -9,7 +9,7 @@ vocabulary outside the target's, and writing a folder.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -28,6 +28,26 @@ def check_head_folder(path: Path, kind: str) -> None:
         raise ModelNotFoundError(
             f"no such {kind} head folder: {path} (train one with `specdecode train`)"
         )
+
+
+def check_draft_vocab_size(draft_vocab_size: int, vocab_size: int) -> None:
+    """Refuse a draft vocabulary that is empty or larger than the target's."""
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise UserError(
+            f"draft_vocab_size must be in 1..{vocab_size} (the target's vocabulary), "
+            f"got {draft_vocab_size}"
+        )
+
+
+def tensors_for_target(
+    weights: Mapping[str, Tensor], names: Collection[str], device: torch.device, dtype: torch.dtype
+) -> dict[str, Tensor]:
+    """The tensors of `weights` named in `names`, on `device`, floating ones in `dtype`."""
+    return {
+        name: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        for name, t in weights.items()
+        if name in names
+    }
 
 
 def draft_ids_to_d2t(target_ids: Tensor) -> Tensor:

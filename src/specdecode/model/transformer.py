@@ -315,8 +315,7 @@ class Transformer(nn.Module):
                 f"tokens {tuple(tokens.shape)} do not match the metadata's "
                 f"[{meta.batch_size}, {meta.width}]"
             )
-        captured: dict[int, Tensor] = {}
-        x = self.body(tokens, meta, cache, num_layers, hidden_layers or (), captured)
+        x, captured = self.body(tokens, meta, cache, num_layers, hidden_layers or ())
         final = self.norm(x)  # [B, T, hidden]
         hidden = final
         if hidden_layers is not None:
@@ -335,19 +334,19 @@ class Transformer(nn.Module):
         cache: KVCache,
         num_layers: int,
         capture: tuple[int, ...] = (),
-        captured: dict[int, Tensor] | None = None,
-    ) -> Tensor:
+    ) -> tuple[Tensor, dict[int, Tensor]]:
         """Run the first `num_layers` blocks (no final norm, no head) over the new tokens,
         storing their keys and values in `cache` (which may hold only those layers) and
-        advancing its lengths; returns the residual stream after them ([B, T, hidden]). The
-        inputs of the blocks in `capture` go into `captured` (block index -> [B, T, hidden])."""
+        advancing its lengths. Returns the residual stream after them ([B, T, hidden]) and
+        the inputs of the blocks in `capture` (block index -> [B, T, hidden])."""
         cache.check(meta)
         # every layer has the same format
         view, cos, sin = pass_view(self.layers[0].self_attn, self.rotary, meta, self.dtype)
         x = self.embed_tokens(tokens)  # [B, T, hidden]
+        captured: dict[int, Tensor] = {}
         for index, block in enumerate(self.layers[:num_layers]):
-            if captured is not None and index in capture:
+            if index in capture:
                 captured[index] = x
             x = block(x, cos, sin, cache, meta, view)
         cache.advance(meta)
-        return x
+        return x, captured

@@ -17,21 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from specdecode.heads.eagle3 import LAYER, head_tensor_shapes, save_eagle3_head
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
-
-
-def param_key(name: str) -> str:
-    """A tensor name as a ParameterDict key (no dots)."""
-    return name.replace(".", "__")
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm in fp32, scaled by `weight`, back in x's dtype ([..., h] -> [..., h])."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+from specdecode.train.head_params import HeadParameters, param_key, rms_norm
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -40,7 +30,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-class TrainableEagle3(nn.Module):
+class TrainableEagle3(HeadParameters):
     """EAGLE-3 head parameters (speculators' names) and the TTT forward.
 
     Args:
@@ -50,16 +40,8 @@ class TrainableEagle3(nn.Module):
     """
 
     def __init__(self, cfg: Eagle3HeadConfig, weights: Mapping[str, Tensor], embed: Tensor):
-        super().__init__()
+        super().__init__(head_tensor_shapes(cfg), weights)
         self.config = cfg
-        self.params = nn.ParameterDict(
-            {
-                param_key(name): nn.Parameter(weights[name].detach().float().clone())
-                for name in head_tensor_shapes(cfg)
-                if name != "d2t"
-            }
-        )
-        self.register_buffer("d2t", weights["d2t"].long().clone())
         self.register_buffer("embed", embed.detach(), persistent=False)
         self.shift = 1  # step j of column t predicts token t + j + 2
         lay = cfg.layer
@@ -77,21 +59,10 @@ class TrainableEagle3(nn.Module):
         """Write the head folder with `weights` (`head_weights()`, cast) and `extra`."""
         save_eagle3_head(path, self.config, weights, extra)
 
-    def p(self, name: str) -> Tensor:
-        return self.params[param_key(name)]
-
     def _linear(self, x: Tensor, weight: str) -> Tensor:
         """x @ W^T (+ the bias where the head has one), W named `weight`."""
         bias = param_key(weight.removesuffix("weight") + "bias")
         return F.linear(x, self.p(weight), self.params.get(bias, None))
-
-    def head_weights(self) -> dict[str, Tensor]:
-        """The head's tensors under speculators' names (detached fp32, d2t int64)."""
-        out = {
-            name: self.p(name).detach() for name in head_tensor_shapes(self.config) if name != "d2t"
-        }
-        out["d2t"] = self.d2t
-        return out
 
     def forward(self, features: Tensor, tokens: Tensor, steps: int) -> list[Tensor]:
         """Pre-norm outputs of `steps` unrolled steps over a batch of sequences (`logits`

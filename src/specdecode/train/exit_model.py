@@ -13,13 +13,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from specdecode.heads.exit_head import ExitHeadConfig, save_exit_head
-from specdecode.train.eagle3_model import param_key, rms_norm
+from specdecode.train.head_params import HeadParameters, rms_norm
 
 
-class TrainableExitHead(nn.Module):
+class TrainableExitHead(HeadParameters):
     """Exit head parameters (the folder's names) and their forward over sequences.
 
     Args:
@@ -28,17 +28,9 @@ class TrainableExitHead(nn.Module):
     """
 
     def __init__(self, cfg: ExitHeadConfig, weights: Mapping[str, Tensor]) -> None:
-        super().__init__()
+        super().__init__(cfg.tensor_shapes(), weights)
         self.config = cfg
         self.shift = 1 if cfg.kind == "medusa" else 0
-        self.params = nn.ParameterDict(
-            {
-                param_key(name): nn.Parameter(weights[name].detach().float().clone())
-                for name in cfg.tensor_shapes()
-                if name != "d2t"
-            }
-        )
-        self.register_buffer("d2t", weights["d2t"].long().clone())
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -49,34 +41,17 @@ class TrainableExitHead(nn.Module):
         """Per head k: y_k = x + SiLU(W_k x + b_k) over x = the (normed) target states
         (features [B, T, h]; tokens and steps are not read: the heads see no drafted token).
         Returns [B, T, h] per head; head j's column t predicts token t + j + shift + 1."""
-        x = features.to(self.params[param_key("lm_head.weight")].dtype)
+        x = features.to(self.p("lm_head.weight").dtype)
         if self.config.normed_input:
-            x = rms_norm(x, self.params[param_key("norm.weight")], self.config.rms_norm_eps)
+            x = rms_norm(x, self.p("norm.weight"), self.config.rms_norm_eps)
         return [
-            x
-            + F.silu(
-                F.linear(
-                    x,
-                    self.params[param_key(f"blocks.{k}.weight")],
-                    self.params[param_key(f"blocks.{k}.bias")],
-                )
-            )
+            x + F.silu(F.linear(x, self.p(f"blocks.{k}.weight"), self.p(f"blocks.{k}.bias")))
             for k in range(self.config.num_heads)
         ]
 
     def logits(self, hidden: Tensor) -> Tensor:
         """The shared output head: [..., h] -> [..., Vd] logits."""
-        return F.linear(hidden, self.params[param_key("lm_head.weight")])
-
-    def head_weights(self) -> dict[str, Tensor]:
-        """The head's tensors under the folder's names (detached fp32, d2t int64)."""
-        out = {
-            name: self.params[param_key(name)].detach()
-            for name in self.config.tensor_shapes()
-            if name != "d2t"
-        }
-        out["d2t"] = self.d2t
-        return out
+        return F.linear(hidden, self.p("lm_head.weight"))
 
     def save(self, path: Path, weights: Mapping[str, Tensor], extra: dict[str, object]) -> None:
         """Write the head folder with `weights` (`head_weights()`, cast) and `extra`."""
