@@ -46,7 +46,7 @@ from specdecode.metrics import SpecCounters
 from specdecode.model.loading import load_model
 from specdecode.types import SamplingParams
 
-SHIPPED = ["chat", "translation", "summarize", "qa", "math", "rag", "edit"]
+SHIPPED = ["chat", "translation", "summarize", "qa", "math", "rag", "edit", "multiturn"]
 
 
 # --- method specs ---------------------------------------------------------------------------
@@ -159,6 +159,11 @@ def test_shipped_prompt_sets_are_well_formed(name: str) -> None:
         assert p.messages[-1]["role"] == "user" and p.messages[-1]["content"].strip()
     if name == "chat":  # multi-turn
         assert all(len(p.messages) >= 3 for p in prompts)
+    if name == "multiturn":  # re-edits code the assistant wrote in earlier turns
+        for p in prompts:
+            replies = [m["content"] for m in p.messages if m["role"] == "assistant"]
+            assert len(replies) >= 2 and all("```" in r for r in replies), p.id
+            assert 2000 <= sum(len(m["content"]) for m in p.messages) <= 4500, p.id
 
 
 def test_code_set_is_humaneval_wrapped_in_a_request() -> None:

@@ -271,6 +271,11 @@ def _example_config(method: str, model_dir: Path) -> dict[str, object]:
     """A speculative_config of each registered method for the tiny models."""
     examples: dict[str, dict[str, object]] = {
         "ngram": {"num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        "suffix": {  # no global trie: a seeded sample's draws depend on the drafts
+            "num_speculative_tokens": 4,
+            "suffix_decoding_min_token_prob": 0.0,
+            "suffix_decoding_max_cached_requests": 0,
+        },
         "draft_model": {"model": str(model_dir), "num_speculative_tokens": 3},
         "eagle3": {
             "model": str(build_tiny_eagle3_head(model_dir, model_dir / "eagle3")),

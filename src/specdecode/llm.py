@@ -18,6 +18,7 @@ from specdecode.drafters.registry import (
     build_drafter,
     parse_speculative_config,
 )
+from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import Request
 from specdecode.errors import UserError
@@ -106,10 +107,12 @@ class LLM:
         decoding); metrics start from zero."""
         self.drafter_config = config  # the validated speculative_config, or None
         self.draft_model: Transformer | None = None  # the draft model the drafter runs, if any
+        draft_length = None
         if config is not None:
             context = DrafterContext(self.model, self.tokenizer, self._load_draft_model)
             drafter = build_drafter(config, context)
-        self.engine = Engine(self.model, self.tokenizer, drafter)
+            draft_length = DraftLength(config.draft_length, config.num_speculative_tokens)
+        self.engine = Engine(self.model, self.tokenizer, drafter, draft_length)
         self.spec_metrics = SpecCounters()  # all requests of this LLM added together
 
     def _load_draft_model(

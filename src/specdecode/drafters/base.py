@@ -9,6 +9,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from specdecode.cache.kv_cache import KVCache
+from specdecode.engine.draft_length import check_draft_length_policy
 from specdecode.errors import UserError
 from specdecode.model.quant import parse_quantization
 from specdecode.tree.token_tree import TokenTree
@@ -26,6 +27,11 @@ class SeqView(Protocol):
     @property
     def token_ids(self) -> list[int]:
         """Committed tokens: prompt + generated, in order."""
+        ...
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """How many of `token_ids` are the prompt's (the rest were generated)."""
         ...
 
     @property
@@ -86,6 +92,8 @@ class ModelDrafterConfig:
     quantization: the drafter's weight format ("none", "int8", "int4"); None = the target's.
     tree_width: children per expanded node of a dynamic tree (1 = a chain).
     tree_depth: levels of the tree, one drafting pass each (default: K).
+    draft_length: how many of the K tokens a step drafts ("fixed", "heuristic", "cost"; see
+        `specdecode.engine.draft_length`).
     """
 
     WHAT: ClassVar[str] = "a drafter config"
@@ -95,12 +103,14 @@ class ModelDrafterConfig:
     quantization: str | None = None
     tree_width: int = 1
     tree_depth: int | None = None
+    draft_length: str = "fixed"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise UserError(f"{self.WHAT} needs 'model' (alias or path), got {self.model!r}")
         check_draft_length(self.num_speculative_tokens)
         check_tree_shape(self.tree_width, self.tree_depth, self.num_speculative_tokens)
+        check_draft_length_policy(self.draft_length)
         if self.quantization is not None:
             parse_quantization(self.quantization)
 

@@ -22,6 +22,7 @@ from specdecode.drafters.base import (
     check_tree_shape,
     is_positive_int,
 )
+from specdecode.engine.draft_length import check_draft_length_policy
 from specdecode.errors import UserError
 from specdecode.tree.token_tree import ROOT, TokenTree
 from specdecode.types import Draft, Verdict
@@ -40,6 +41,8 @@ class NgramConfig:
     prompt_lookup_min: the shortest suffix looked up; tried last (default min(2, max)).
     tree_width: continuations merged into a tree draft (1 = a chain, the one continuation).
     tree_depth: tokens per continuation (default: K).
+    draft_length: how many of the K tokens a step drafts ("fixed", "heuristic", "cost"; see
+        `specdecode.engine.draft_length`).
     """
 
     num_speculative_tokens: int
@@ -47,9 +50,11 @@ class NgramConfig:
     prompt_lookup_min: int | None = None
     tree_width: int = 1
     tree_depth: int | None = None
+    draft_length: str = "fixed"
 
     def __post_init__(self) -> None:
         check_draft_length(self.num_speculative_tokens)
+        check_draft_length_policy(self.draft_length)
         check_tree_shape(self.tree_width, self.tree_depth, self.num_speculative_tokens)
         if self.prompt_lookup_min is None and is_positive_int(self.prompt_lookup_max):
             object.__setattr__(self, "prompt_lookup_min", min(2, self.prompt_lookup_max))

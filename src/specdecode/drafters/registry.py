@@ -24,6 +24,7 @@ from specdecode.drafters.eagle3 import Eagle3Config, build_eagle3_drafter
 from specdecode.drafters.layer_skip import LayerSkipConfig, build_layer_skip_drafter
 from specdecode.drafters.medusa import MedusaConfig, build_medusa_drafter
 from specdecode.drafters.ngram import NgramConfig, build_ngram_drafter
+from specdecode.drafters.suffix import SuffixConfig, build_suffix_drafter
 from specdecode.errors import UserError
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
@@ -34,6 +35,11 @@ class DrafterConfig(Protocol):
 
     @property
     def num_speculative_tokens(self) -> int: ...
+
+    @property
+    def draft_length(self) -> str:
+        """The draft length policy ("fixed", "heuristic", "cost")."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +85,7 @@ HEAD_OPTIONS = {
     "hq": "quantization",
     "w": "tree_width",
     "d": "tree_depth",
+    "dl": "draft_length",
 }
 
 DRAFTERS: dict[str, DrafterMethod] = {
@@ -95,6 +102,22 @@ DRAFTERS: dict[str, DrafterMethod] = {
                 "min": "prompt_lookup_min",
                 "w": "tree_width",
                 "d": "tree_depth",
+                "dl": "draft_length",
+            },
+        ),
+        DrafterMethod(
+            "suffix",
+            SuffixConfig,
+            build_suffix_drafter,
+            "suffix",
+            {
+                "k": "num_speculative_tokens",
+                "depth": "suffix_decoding_max_tree_depth",
+                "cached": "suffix_decoding_max_cached_requests",
+                "factor": "suffix_decoding_max_spec_factor",
+                "p": "suffix_decoding_min_token_prob",
+                "w": "tree_width",
+                "dl": "draft_length",
             },
         ),
         DrafterMethod(
@@ -107,6 +130,7 @@ DRAFTERS: dict[str, DrafterMethod] = {
                 "dq": "quantization",
                 "w": "tree_width",
                 "d": "tree_depth",
+                "dl": "draft_length",
             },
             model_field="model",
         ),

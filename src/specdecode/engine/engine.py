@@ -11,6 +11,7 @@ from torch import Tensor
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
 from specdecode.drafters.plain import EMPTY_DRAFT, PlainDrafter
+from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.request import Request
 from specdecode.engine.step import commit, keep_features, speculative_step
@@ -22,13 +23,20 @@ from specdecode.sampling.rejection import verdicts, verify_chain
 
 
 class Engine:
-    """Batched decoding over a `Transformer`, speculative when given a drafter."""
+    """Batched decoding over a `Transformer`, speculative when given a drafter; with a
+    `draft_length` policy, each request's draft limit is chosen per step (default: the
+    drafter's own K, up to MAX_SPECULATIVE_TOKENS)."""
 
     def __init__(
-        self, model: Transformer, tokenizer: Tokenizer, drafter: Drafter | None = None
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        drafter: Drafter | None = None,
+        draft_length: DraftLength | None = None,
     ) -> None:
         self.model = model
         self.drafter: Drafter = drafter if drafter is not None else PlainDrafter()
+        self.draft_length = draft_length or DraftLength("fixed", MAX_SPECULATIVE_TOKENS)
         self.outputs = OutputProcessor(tokenizer)
 
     def _prefill(self, reqs: list[Request]) -> tuple[Tensor, KVCache]:
@@ -88,6 +96,7 @@ class Engine:
         """The drafter and the output processor forget a request, once."""
         live.discard(request_id)
         self.drafter.release(request_id)
+        self.draft_length.release(request_id)
         self.outputs.release(request_id)
 
     def _run(self, reqs: list[Request], live: set[str]) -> Iterator[tuple[Request, str]]:
@@ -110,4 +119,6 @@ class Engine:
                 cache.keep_rows(keep)
                 active = [active[row] for row in keep]
                 st = SamplingTensors.from_params([r.params for r in active], self.model.device)
-            texts = speculative_step(self.model, cache, active, self.drafter, st, self.outputs)
+            texts = speculative_step(
+                self.model, cache, active, self.drafter, st, self.outputs, self.draft_length
+            )

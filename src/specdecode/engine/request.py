@@ -74,6 +74,10 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
     def length(self) -> int:
         """Committed tokens: prompt + generated."""
         return len(self.prompt_ids) + len(self.output_ids)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter, check_drafts
+from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.request import Request
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
@@ -140,12 +141,20 @@ def speculative_step(
     drafter: Drafter,
     st: SamplingTensors,
     outputs: OutputProcessor,
+    draft_length: DraftLength,
 ) -> list[str]:
-    """Draft, verify and commit once for every request; returns each one's new text."""
-    limits = [min(MAX_SPECULATIVE_TOKENS, r.max_new - len(r.output_ids) - 1) for r in reqs]
+    """Draft (at most `draft_length`'s limit per request), verify and commit once for every
+    request; returns each one's new text."""
+    chosen = draft_length.limits([r.request_id for r in reqs])
+    limits = [
+        min(k, MAX_SPECULATIVE_TOKENS, r.max_new - len(r.output_ids) - 1)
+        for r, k in zip(reqs, chosen, strict=True)
+    ]
     start = time.perf_counter()
     drafts = drafter.propose(reqs, limits)
-    draft_s = (time.perf_counter() - start) / len(reqs)
+    drafted = time.perf_counter()
     check_drafts(drafts, limits, model.config.vocab_size)
     verdicts = verify(model, cache, reqs, drafts, st, drafter.hidden_layers or None)
-    return commit(reqs, drafts, verdicts, drafter, outputs, draft_s)
+    ids = [r.request_id for r in reqs]
+    draft_length.observe(ids, drafts, verdicts, drafted - start, time.perf_counter() - drafted)
+    return commit(reqs, drafts, verdicts, drafter, outputs, (drafted - start) / len(reqs))

@@ -1,0 +1,189 @@
+"""Adaptive draft length: how many tokens each request may draft this step.
+
+`num_speculative_tokens` (K) is the most a drafter may draft; a `DraftLength` policy picks, per
+request and per step, a limit k in 0..K (0 = decode one token without a draft):
+
+- "fixed": always K (the drafter may still draft fewer).
+- "heuristic": Hugging Face's dynamic schedule for assistant models: start at K; after a step
+  whose draft was wholly accepted, k += 2 (at most K), else k -= 1 (at least 1).
+- "cost" (ours): the k with the most expected tokens per second. With the request's acceptance
+  rate a (each draft token accepted with probability a), a step of k draft tokens emits
+  E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs k * d + t(B * (k + 1)) / B seconds, where
+  d = measured drafting seconds per draft token, t(n) = measured seconds of a verification pass
+  over n tokens and B = the rows in the batch. k = 0 costs t(B) / B for one token, so a
+  request drafts only where that pays; after `PROBE_EVERY` steps without a draft it drafts once
+  more (its acceptance may have changed). A tree draft's limit is its node count; its
+acceptance is counted along its depth, so the rule treats it as a chain (an approximation).
+
+Worked example ("cost", B = 1): a = 0.6, d = 25 ms, t(1) = t(2) = 70 ms, t(3) = 72 ms,
+t(4) = 75 ms: k = 0 gives 1 / 70 = 14.3 tok/s; k = 1 gives 1.6 / 95 = 16.8; k = 2 gives
+1.96 / 122 = 16.1; k = 3 gives 2.18 / 150 = 14.5. So k = 1.
+
+The acceptance rate is estimated per request from its verdicts, the most recent weighing most:
+each drafted position up to the first rejection is a success, the first rejection a failure,
+counts decay by `DECAY` per step and start from `PRIOR_WEIGHT` pseudo-positions at the rate of
+all requests so far. Pass seconds are learned from the engine's own passes (an exponential
+average per pass width); a width never measured is read off its measured neighbours (linear
+between them, flat beyond the widest), which is optimistic about untried long drafts: trying
+them measures them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specdecode.errors import UserError
+from specdecode.types import Draft, Verdict
+
+POLICIES = ("fixed", "heuristic", "cost")
+DECAY = 0.9  # weight of the older acceptance counts after each step
+PRIOR_WEIGHT = 2.0  # pseudo-positions of the all-request rate a new request starts from
+PASS_AVERAGE = 0.2  # weight of a new pass's seconds in its width's running average
+PROBE_EVERY = 8  # steps without a draft before a request drafts again
+
+
+def check_draft_length_policy(policy: object) -> None:
+    """Refuse a draft_length that is not one of POLICIES."""
+    if policy not in POLICIES:
+        raise UserError(f"draft_length must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """E[tokens per step] = (1 - a^(k+1)) / (1 - a) (k + 1 when a = 1)."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+@dataclass(slots=True)
+class _Request:
+    """One request's acceptance counts and its current limit."""
+
+    successes: float
+    failures: float
+    limit: int
+    idle: int = 0  # steps since it last drafted
+
+
+class PassCosts:
+    """Running average seconds of verification passes by width (new tokens in the pass)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, width: int, seconds: float) -> None:
+        old = self.seconds.get(width)
+        self.seconds[width] = seconds if old is None else old + PASS_AVERAGE * (seconds - old)
+
+    def estimate(self, width: int) -> float | None:
+        """Seconds of a pass of `width` tokens: measured, else interpolated between the
+        nearest measured widths (flat beyond them); None before any pass."""
+        if width in self.seconds:
+            return self.seconds[width]
+        below = [w for w in self.seconds if w < width]
+        above = [w for w in self.seconds if w > width]
+        if not below and not above:
+            return None
+        if not above:
+            return self.seconds[max(below)]
+        if not below:
+            return self.seconds[min(above)]
+        lo, hi = max(below), min(above)
+        share = (width - lo) / (hi - lo)
+        return self.seconds[lo] + share * (self.seconds[hi] - self.seconds[lo])
+
+
+class DraftLength:
+    """Chooses each request's draft limit (module docstring) and learns from every step.
+
+    Args:
+        policy: "fixed", "heuristic" or "cost".
+        max_tokens: K, the drafter's num_speculative_tokens.
+    """
+
+    def __init__(self, policy: str, max_tokens: int) -> None:
+        check_draft_length_policy(policy)
+        self.policy = policy
+        self.max_tokens = max_tokens
+        self.passes = PassCosts()
+        self.draft_s_per_token = 0.0  # running average seconds of drafting per draft token
+        self._successes = self._failures = 1.0  # all requests' counts (rate 0.5 at first)
+        self._requests: dict[str, _Request] = {}
+
+    def limits(self, request_ids: list[str]) -> list[int]:
+        """This step's draft limit per request (0..K), in order."""
+        if self.policy == "fixed":
+            return [self.max_tokens] * len(request_ids)
+        rows = len(request_ids)
+        return [self._limit(self._request(r), rows) for r in request_ids]
+
+    def observe(
+        self,
+        request_ids: Sequence[str],
+        drafts: Sequence[Draft],
+        verdicts: Sequence[Verdict],
+        draft_s: float,
+        verify_s: float,
+    ) -> None:
+        """Learn from one step: drafting took `draft_s` seconds, the verification pass over
+        every row's [last token, draft...] (padded to the longest) `verify_s`."""
+        if self.policy == "fixed":
+            return
+        longest = max(int(d.tokens.numel()) for d in drafts)
+        self.passes.observe(len(drafts) * (1 + longest), verify_s)
+        drafted = sum(int(d.tokens.numel()) for d in drafts)
+        if drafted:
+            per_token, old = draft_s / drafted, self.draft_s_per_token
+            self.draft_s_per_token = old + PASS_AVERAGE * (per_token - old) if old else per_token
+        for request_id, draft, verdict in zip(request_ids, drafts, verdicts, strict=True):
+            depth = draft.tree.depth if draft.tree is not None else int(draft.tokens.numel())
+            self._observe_verdict(request_id, depth, verdict.num_accepted)
+
+    def _observe_verdict(self, request_id: str, drafted: int, accepted: int) -> None:
+        """One request's verdict: `accepted` of its `drafted` positions (a tree's depth)."""
+        req = self._request(request_id)
+        req.idle = 0 if drafted else req.idle + 1
+        if not drafted:
+            return
+        rejected = int(accepted < drafted)
+        req.successes = DECAY * req.successes + accepted
+        req.failures = DECAY * req.failures + rejected
+        self._successes += accepted
+        self._failures += rejected
+        if self.policy == "heuristic":
+            step = 2 if accepted == drafted else -1
+            req.limit = max(1, min(self.max_tokens, req.limit + step))
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (unknown ids are ignored)."""
+        self._requests.pop(request_id, None)
+
+    def _request(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            rate = self._successes / (self._successes + self._failures)
+            req = _Request(PRIOR_WEIGHT * rate, PRIOR_WEIGHT * (1 - rate), self.max_tokens)
+            self._requests[request_id] = req
+        return req
+
+    def _limit(self, req: _Request, rows: int) -> int:
+        if self.policy == "heuristic":
+            return req.limit
+        best = self.best_k(req.successes / (req.successes + req.failures), rows)
+        if best == 0 and req.idle >= PROBE_EVERY:  # probe at the all-request rate
+            return max(1, self.best_k(self._successes / (self._successes + self._failures), rows))
+        return best
+
+    def best_k(self, acceptance: float, rows: int) -> int:
+        """The k in 0..K with the most expected tokens per second (module docstring); K
+        before any pass was measured."""
+        best, best_rate = self.max_tokens, 0.0
+        for k in range(self.max_tokens + 1):
+            verify = self.passes.estimate(rows * (k + 1))
+            if verify is None:
+                return self.max_tokens
+            rate = expected_tokens(acceptance, k) / (k * self.draft_s_per_token + verify / rows)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best

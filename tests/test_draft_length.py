@@ -1,0 +1,137 @@
+"""Adaptive draft length: the cost rule's choices, Hugging Face's +2/-1 schedule, probing, and
+through the engine: never above K, never a different output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from spec_cases import GREEDY, PROMPTS
+
+from specdecode.drafters.registry import parse_speculative_config
+from specdecode.engine.draft_length import PROBE_EVERY, DraftLength, PassCosts, expected_tokens
+from specdecode.errors import UserError
+from specdecode.llm import LLM
+from specdecode.types import Draft, Verdict
+
+
+def _costs(policy: str, k: int, seconds: dict[int, float], draft_s: float) -> DraftLength:
+    length = DraftLength(policy, k)
+    length.passes.seconds = dict(seconds)
+    length.draft_s_per_token = draft_s
+    return length
+
+
+def _step(length: DraftLength, rid: str, drafted: int, accepted: int) -> None:
+    """Feed one verdict, with the pass seconds the policy already holds (timing unchanged)."""
+    draft = Draft(torch.zeros(drafted, dtype=torch.long))
+    verdict = Verdict(accepted, torch.zeros(accepted + 1, dtype=torch.long))
+    verify_s = length.passes.estimate(1 + drafted) or 0.07
+    length.observe([rid], [draft], [verdict], drafted * length.draft_s_per_token, verify_s)
+
+
+def test_the_docstring_example() -> None:
+    length = _costs("cost", 3, {1: 0.070, 2: 0.070, 3: 0.072, 4: 0.075}, 0.025)
+    assert length.best_k(0.6, 1) == 1
+    assert length.best_k(0.95, 1) == 3
+    assert length.best_k(0.1, 1) == 0
+    assert expected_tokens(0.6, 2) == pytest.approx(1.96)
+
+
+def test_pass_costs_interpolate_between_measured_widths() -> None:
+    costs = PassCosts()
+    assert costs.estimate(3) is None
+    costs.observe(2, 1.0)
+    costs.observe(6, 3.0)
+    assert costs.estimate(4) == pytest.approx(2.0)
+    assert costs.estimate(1) == costs.estimate(2) == 1.0 and costs.estimate(9) == 3.0
+    costs.observe(2, 2.0)  # a running average
+    assert 1.0 < costs.estimate(2) < 2.0
+
+
+def test_cost_policy_stops_drafting_where_nothing_pays_and_probes_later() -> None:
+    length = _costs("cost", 6, {w: 0.07 + 0.01 * w for w in range(1, 8)}, 0.02)
+    assert length.limits(["a"])[0] >= 1  # the prior rate, 0.5, pays
+    for _ in range(10):
+        _step(length, "a", 2, 0)
+    assert length.limits(["a"]) == [0]
+    for _ in range(PROBE_EVERY - 1):
+        _step(length, "a", 0, 0)
+        assert length.limits(["a"]) == [0]
+    _step(length, "a", 0, 0)
+    assert length.limits(["a"])[0] >= 1  # a probe
+    for _ in range(10):
+        _step(length, "a", 4, 4)
+    assert length.limits(["a"])[0] >= 4  # the rate climbed back
+    length.release("a")
+    length.release("unknown")
+    assert not length._requests
+
+
+def test_heuristic_schedule_adds_two_after_a_full_accept_and_drops_one_otherwise() -> None:
+    length = DraftLength("heuristic", 5)
+    assert length.limits(["a", "b"]) == [5, 5]
+    _step(length, "a", 5, 2)
+    _step(length, "a", 4, 1)
+    assert length.limits(["a"]) == [3]
+    _step(length, "a", 3, 3)
+    assert length.limits(["a"]) == [5]  # +2, at most K
+    _step(length, "a", 5, 5)
+    assert length.limits(["a"]) == [5]
+    for _ in range(9):
+        _step(length, "a", 1, 0)
+    assert length.limits(["a"]) == [1]  # at least 1
+
+
+def test_fixed_is_always_k() -> None:
+    length = DraftLength("fixed", 4)
+    _step(length, "a", 4, 0)
+    assert length.limits(["a", "b"]) == [4, 4] and not length._requests
+
+
+def test_the_policy_is_validated() -> None:
+    with pytest.raises(UserError, match="draft_length must be one of fixed, heuristic, cost"):
+        parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
+                                  "draft_length": "auto"})  # fmt: skip
+    with pytest.raises(UserError, match="draft_length must be one of"):
+        DraftLength("sometimes", 3)
+
+
+class LimitSpy:
+    """Wraps a drafter; records every limit it was given."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.seen = inner, []
+        self.hidden_layers = inner.hidden_layers
+
+    def propose(self, seqs, max_tokens):
+        self.seen += list(max_tokens)
+        return self.inner.propose(seqs, max_tokens)
+
+    def commit(self, seq, verdict) -> None:
+        self.inner.commit(seq, verdict)
+
+    def release(self, request_id: str) -> None:
+        self.inner.release(request_id)
+
+
+@pytest.mark.parametrize("policy", ["heuristic", "cost"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_adaptive_length_never_exceeds_k_nor_changes_the_output(
+    tiny_model_dir: Path, policy: str, method: str
+) -> None:
+    plain = LLM(model=str(tiny_model_dir), dtype="float32")
+    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    config = {"method": method, "num_speculative_tokens": 5, "draft_length": policy}
+    if method == "draft_model":
+        config["model"] = str(tiny_model_dir)
+    else:
+        config["prompt_lookup_min"] = 1
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    spy = LimitSpy(llm.engine.drafter)
+    llm.engine.drafter = spy
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert spy.seen and max(spy.seen) <= 5
+    assert llm.engine.draft_length.passes.seconds  # it measured its passes
+    assert not llm.engine.draft_length._requests  # released
