@@ -60,6 +60,7 @@ def test_method_specs_parse_into_speculative_configs() -> None:
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
         "tree_width": 1,
+        "draft_length": "fixed",
     }
     assert MethodSpec.parse("ngram:k=5:max=3:min=1").speculative_config() == {
         "method": "ngram",
@@ -67,6 +68,7 @@ def test_method_specs_parse_into_speculative_configs() -> None:
         "prompt_lookup_max": 3,
         "prompt_lookup_min": 1,
         "tree_width": 1,
+        "draft_length": "fixed",
     }
     draft = MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=4")
     assert draft.speculative_config() == {
@@ -74,9 +76,16 @@ def test_method_specs_parse_into_speculative_configs() -> None:
         "model": "qwen2.5-coder-0.5b",
         "num_speculative_tokens": 4,
         "tree_width": 1,
+        "draft_length": "fixed",
+        "ssd": False,
     }
     tree = MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=8:w=3:d=4").speculative_config()
     assert tree is not None and (tree["tree_width"], tree["tree_depth"]) == (3, 4)
+    suffix = MethodSpec.parse("suffix:k=16:factor=1.5:p=0.2:dl=cost").speculative_config()
+    assert suffix is not None and suffix["suffix_decoding_max_spec_factor"] == 1.5
+    assert (suffix["suffix_decoding_min_token_prob"], suffix["draft_length"]) == (0.2, "cost")
+    staged = MethodSpec.parse("draft:m:k=4:st=ngram:ssd=true").speculative_config()
+    assert staged is not None and (staged["staged"], staged["ssd"]) == ("ngram", True)
     assert draft.is_speculative and draft.num_speculative_tokens == 4
     assert not draft.is_peer
     peer = MethodSpec.parse("hf-assisted:qwen2.5-coder-0.5b:k=4")
@@ -117,6 +126,8 @@ def test_our_methods_take_a_weight_format() -> None:
         "model": "m",
         "num_speculative_tokens": 3,
         "tree_width": 1,
+        "draft_length": "fixed",
+        "ssd": False,
     }
     assert MethodSpec.parse("draft:m:k=3:q=int8:dq=int4").speculative_config() == {
         "method": "draft_model",
@@ -124,6 +135,8 @@ def test_our_methods_take_a_weight_format() -> None:
         "num_speculative_tokens": 3,
         "quantization": "int4",
         "tree_width": 1,
+        "draft_length": "fixed",
+        "ssd": False,
     }
     with pytest.raises(ValueError, match="bad option 'dq=int4'"):
         MethodSpec.parse("ngram:k=8:dq=int4")

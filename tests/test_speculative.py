@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import build_tiny_eagle3_head, build_tiny_exit_head
 from spec_cases import GREEDY, PROMPTS, assert_fully_accepted
+from test_cross_tokenizer import build_tiny_cross_draft
 
 from specdecode.drafters.base import SeqView
 from specdecode.drafters.registry import DRAFTERS
@@ -276,7 +277,12 @@ def _example_config(method: str, model_dir: Path) -> dict[str, object]:
             "suffix_decoding_min_token_prob": 0.0,
             "suffix_decoding_max_cached_requests": 0,
         },
+        "lookahead": {"window_size": 2, "ngram_size": 3, "guess_set_size": 2},
         "draft_model": {"model": str(model_dir), "num_speculative_tokens": 3},
+        "cross_tokenizer": {
+            "model": str(build_tiny_cross_draft(model_dir, model_dir / "cross_tokenizer")),
+            "num_speculative_tokens": 3,
+        },
         "eagle3": {
             "model": str(build_tiny_eagle3_head(model_dir, model_dir / "eagle3")),
             "num_speculative_tokens": 3,

@@ -74,7 +74,7 @@ class MethodSpec:
     name: str
     kind: str
     model: str | None = None
-    options: dict[str, int | float | str] = field(default_factory=dict)
+    options: dict[str, bool | int | float | str] = field(default_factory=dict)
     quantization: str | None = None
     config: DrafterConfig | None = None
 
@@ -96,7 +96,7 @@ class MethodSpec:
             if not fields or "=" in fields[0] or not fields[0]:
                 raise UserError(f"method {kind!r} needs a model: {kind}:MODEL:k=4, got {text!r}")
             model, *fields = fields
-        options: dict[str, int | float | str] = {}
+        options: dict[str, bool | int | float | str] = {}
         quantization = None
         for item in fields:
             key, eq, value = item.partition("=")
@@ -161,8 +161,11 @@ class MethodSpec:
         return matches[0] if matches else None
 
 
-def _number(value: str) -> int | float | str:
-    """An option's value: an int ("8"), a float ("0.5", "1e-2") or the string as written."""
+def _number(value: str) -> bool | int | float | str:
+    """An option's value: a bool ("true", "false"), an int ("8"), a float ("0.5", "1e-2") or
+    the string as written."""
+    if value in ("true", "false"):
+        return value == "true"
     if value.isdigit():
         return int(value)
     try:
@@ -172,7 +175,7 @@ def _number(value: str) -> int | float | str:
 
 
 def _drafter_config(
-    kind: str, model: str | None, options: dict[str, int | float | str], text: str
+    kind: str, model: str | None, options: dict[str, bool | int | float | str], text: str
 ) -> DrafterConfig:
     """The registry's validated config for our speculative method `kind`."""
     method = OURS[kind]

@@ -43,6 +43,13 @@ class SeqView(Protocol):
         ...
 
     @property
+    def target_argmax(self) -> list[int] | None:
+        """The target's most likely next token after each token of its last pass over the
+        sequence: [0] after the last committed token, [n + 1] after draft node n; None unless
+        the drafter asked (`Drafter.wants_target_argmax`)."""
+        ...
+
+    @property
     def features(self) -> TargetFeatures | None:
         """The target's hidden states from its last pass over the sequence, of the layers the
         drafter asked for (`Drafter.hidden_layers`); None when it asked for none."""
@@ -158,6 +165,10 @@ class Drafter(Protocol):
     means the final-normed output), or None for none. When set, every target pass leaves the
     sequence's `features` (see `SeqView`) for `commit` and the next `propose` to read; when
     None, nothing is kept and the pass costs nothing more.
+
+    wants_target_argmax (optional, default False): when True, every verification pass leaves
+    the sequence's `target_argmax` (the target's most likely token after each draft node,
+    kept or not) for `commit` to read (lookahead's Jacobi window advances on it).
     """
 
     hidden_layers: tuple[int, ...] | None

@@ -24,26 +24,31 @@ committed tokens, its ancestors from earlier passes and itself: `tree_starts`), 
 `num_speculative_tokens` best nodes by cumulative draft probability form the draft
 (deterministic nodes, `probs=None`). The tree's slots are dropped right after drafting (the
 cache holds the committed tokens); the next propose feeds the accepted tokens and the bonus.
+
+With `draft_vocab_size` the draft model's output head keeps only the rows of the most frequent
+target tokens (FR-Spec, `drafters.trimmed_head`): its logits are -inf elsewhere, so q is exactly
+0 there and nothing else here changes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import (
-    Drafter,
+    MAX_SPECULATIVE_TOKENS,
     ModelDrafterConfig,
     SeqView,
     cache_with_room,
     check_draft_length,
     check_draft_limits,
     check_tree_shape,
+    is_positive_int,
 )
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, log_confidence
 from specdecode.errors import UserError
@@ -54,8 +59,7 @@ from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
 from specdecode.types import Draft, Verdict
 
-if TYPE_CHECKING:
-    from specdecode.drafters.registry import DrafterContext
+STAGERS = (None, "ngram", "suffix")  # the model-free drafters that can stage a draft model
 
 
 class DraftLM(Protocol):
@@ -88,9 +92,51 @@ class DraftModelConfig(ModelDrafterConfig):
     quantization: the draft model's weight format ("none", "int8", "int4"); None = the target's.
     tree_width: children per expanded node of a dynamic tree (1 = a chain of sampled tokens).
     tree_depth: levels of the tree, one draft pass each (default: K).
+    draft_vocab_size: keep only this many of the draft model's output rows, those of the most
+        frequent target tokens (FR-Spec, `drafters.trimmed_head`): an int in 1..vocabulary, at
+        least tree_width; None = the whole head.
+    staged: "ngram" or "suffix": that model-free drafter guesses the draft model's own drafts,
+        checked in one draft-model pass each (staged drafting, `drafters.staged`; chains);
+        None = token by token.
+    ssd: draft the next step on a second thread while the target verifies (speculative-
+        speculative decoding, `drafters.overlap`; chains, greedy requests, K <= 63).
     """
 
     WHAT: ClassVar[str] = "a draft_model"
+
+    draft_vocab_size: int | None = None
+    staged: str | None = None
+    ssd: bool = False
+
+    def __post_init__(self) -> None:
+        ModelDrafterConfig.__post_init__(self)  # (slots dataclasses break a bare super())
+        if self.staged not in STAGERS:
+            raise UserError(
+                f"staged must be one of {', '.join(repr(s) for s in STAGERS)}, got {self.staged!r}"
+            )
+        if not isinstance(self.ssd, bool):
+            raise UserError(f"ssd must be true or false, got {self.ssd!r}")
+        for name, on in (("staged drafting", self.staged), ("ssd", self.ssd)):
+            if on and self.tree_width > 1:
+                raise UserError(
+                    f"{name} prepares chains: use tree_width 1, got tree_width {self.tree_width}"
+                )
+        if self.ssd and self.num_speculative_tokens >= MAX_SPECULATIVE_TOKENS:
+            raise UserError(
+                f"ssd needs num_speculative_tokens <= {MAX_SPECULATIVE_TOKENS - 1} (it drafts "
+                f"the predicted bonus token too), got {self.num_speculative_tokens}"
+            )
+        size = self.draft_vocab_size
+        if size is not None and not is_positive_int(size):
+            raise UserError(
+                "draft_vocab_size must be None (the whole head) or an int in 1..vocabulary "
+                f"size, got {size!r}"
+            )
+        if size is not None and size < self.tree_width:
+            raise UserError(
+                f"draft_vocab_size {size} is smaller than tree_width {self.tree_width}: each "
+                "tree node's children are tree_width distinct kept tokens"
+            )
 
 
 def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
@@ -106,20 +152,8 @@ def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) 
     raise UserError(
         f"draft model {draft_name!r} has a different vocabulary from the target "
         f"({len(theirs)} vs {len(ours)} tokens, {len(differ)} differ, e.g. {examples}); "
-        "a draft model must share the target's tokenizer"
-    )
-
-
-def build_draft_model_drafter(config: DraftModelConfig, context: DrafterContext) -> Drafter:
-    """The registry's factory: load (or share) the draft model, check its vocabulary."""
-    model, tokenizer = context.load_model(config.model, config.quantization)
-    check_same_vocabulary(context.tokenizer, tokenizer, config.model)
-    return DraftModelDrafter(
-        model,
-        config.num_speculative_tokens,
-        context.target.config.vocab_size,
-        config.tree_width,
-        config.tree_depth,
+        "a draft model must share the target's tokenizer; for a draft model with its own "
+        'tokenizer use "method": "cross_tokenizer"'
     )
 
 

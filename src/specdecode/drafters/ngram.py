@@ -198,16 +198,24 @@ class NgramDrafter:
 
     def _propose_one(self, seq: SeqView, k: int) -> list[int]:
         """The chain draft of one sequence, at most k tokens (possibly none)."""
+        return self.continuation(seq, (), k)
+
+    def continuation(self, seq: SeqView, extra: Sequence[int], k: int) -> list[int]:
+        """At most k tokens to follow `seq.token_ids` + `extra` (tokens not committed, e.g. a
+        draft so far): the continuation, in the committed history, of the most recent earlier
+        occurrence of the longest suffix of that context (the index holds only committed
+        tokens, so `extra` is looked up but never indexed)."""
         index, tokens = self._sync(seq)
-        length = len(tokens)
+        context = tokens + list(extra) if extra else tokens
+        length = len(context)
         if k == 0:
             return []
         for n in range(
             min(self.config.prompt_lookup_max, length), self.config.prompt_lookup_min - 1, -1
         ):
-            start = index.last_start.get(tuple(tokens[length - n :]))
+            start = index.last_start.get(tuple(context[length - n :]))
             if start is not None:
-                return self._cut_at_eos(tokens[start + n : min(start + n + k, length)])
+                return self._cut_at_eos(tokens[start + n : start + n + k])
         return []
 
     def _continuations(self, seq: SeqView, k: int) -> list[list[int]]:

@@ -19,9 +19,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from specdecode.drafters.base import Drafter
-from specdecode.drafters.draft_model import DraftModelConfig, build_draft_model_drafter
+from specdecode.drafters.cross_tokenizer import CrossTokenizerConfig, build_cross_tokenizer_drafter
+from specdecode.drafters.draft_model import DraftModelConfig
+from specdecode.drafters.draft_model_build import build_draft_model_drafter
 from specdecode.drafters.eagle3 import Eagle3Config, build_eagle3_drafter
 from specdecode.drafters.layer_skip import LayerSkipConfig, build_layer_skip_drafter
+from specdecode.drafters.lookahead import LookaheadConfig, build_lookahead_drafter
 from specdecode.drafters.medusa import MedusaConfig, build_medusa_drafter
 from specdecode.drafters.ngram import NgramConfig, build_ngram_drafter
 from specdecode.drafters.suffix import SuffixConfig, build_suffix_drafter
@@ -121,6 +124,19 @@ DRAFTERS: dict[str, DrafterMethod] = {
             },
         ),
         DrafterMethod(
+            "lookahead",
+            LookaheadConfig,
+            build_lookahead_drafter,
+            "lookahead",
+            {
+                "k": "num_speculative_tokens",
+                "W": "window_size",
+                "N": "ngram_size",
+                "G": "guess_set_size",
+                "dl": "draft_length",
+            },
+        ),
+        DrafterMethod(
             "draft_model",
             DraftModelConfig,
             build_draft_model_drafter,
@@ -131,7 +147,18 @@ DRAFTERS: dict[str, DrafterMethod] = {
                 "w": "tree_width",
                 "d": "tree_depth",
                 "dl": "draft_length",
+                "v": "draft_vocab_size",
+                "st": "staged",
+                "ssd": "ssd",
             },
+            model_field="model",
+        ),
+        DrafterMethod(
+            "cross_tokenizer",
+            CrossTokenizerConfig,
+            build_cross_tokenizer_drafter,
+            "cross",
+            {"k": "num_speculative_tokens", "dq": "quantization", "dl": "draft_length"},
             model_field="model",
         ),
         *(

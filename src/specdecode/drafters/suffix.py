@@ -15,7 +15,7 @@ the verifier keeps the output exact for greedy and sampled requests alike.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,15 @@ from specdecode.drafters.base import (
     check_draft_limits,
     is_positive_int,
 )
-from specdecode.drafters.suffix_tree import Cursor, Node, SuffixTree, best_candidate
+from specdecode.drafters.suffix_tree import (
+    EMPTY,
+    Candidate,
+    Cursor,
+    Node,
+    SuffixTree,
+    best_candidate,
+    match,
+)
 from specdecode.engine.draft_length import check_draft_length_policy
 from specdecode.errors import UserError
 from specdecode.tree.token_tree import TokenTree
@@ -149,28 +157,44 @@ class SuffixDrafter:
             tree_width > 1 also `tree=` the draft's shape.
         """
         check_draft_limits(seqs, max_tokens)
-        cfg = self.config
+        width = self.config.tree_width
         drafts = []
         for seq, limit in zip(seqs, max_tokens, strict=True):
             state = self._sync(seq)
-            k = min(limit, cfg.num_speculative_tokens)  # type: ignore[type-var]
-            best = None
-            for matches in (state.opened, state.global_cursor.nodes):
-                found = best_candidate(
-                    matches,
-                    k,
-                    cfg.suffix_decoding_max_spec_factor,
-                    cfg.suffix_decoding_min_token_prob,
-                    cfg.tree_width,
-                    self.eos_token_ids,
-                )
-                if best is None or found.score > best.score:
-                    best = found
-            assert best is not None
+            k = min(limit, self.config.num_speculative_tokens)  # type: ignore[type-var]
+            best = self._best((state.opened, state.global_cursor.nodes), k, width)
             tokens = torch.tensor(best.tokens, dtype=torch.long)
-            tree = TokenTree(best.parents) if cfg.tree_width > 1 else None
-            drafts.append(Draft(tokens, tree=tree))
+            drafts.append(Draft(tokens, tree=TokenTree(best.parents) if width > 1 else None))
         return drafts
+
+    def continuation(self, seq: SeqView, extra: Sequence[int], k: int) -> list[int]:
+        """At most k tokens to follow `seq.token_ids` + `extra` (tokens not committed, e.g. a
+        draft so far): the best chain after that context's suffixes in both tries (matched
+        from the root: O(max_tree_depth^2); `extra` joins neither trie)."""
+        state = self._sync(seq)
+        if not extra:
+            matches = (state.opened, state.global_cursor.nodes)
+        else:
+            context = (seq.token_ids + list(extra))[-self.config.suffix_decoding_max_tree_depth :]
+            matches = (match(state.tree, context), match(self.global_tree, context))
+        return list(self._best(matches, k, 1).tokens)
+
+    def _best(self, matches: Iterable[Sequence[Node]], k: int, width: int) -> Candidate:
+        """The best-scoring draft of at most k tokens after any of the matched suffixes."""
+        cfg = self.config
+        best = EMPTY
+        for nodes in matches:
+            found = best_candidate(
+                nodes,
+                k,
+                cfg.suffix_decoding_max_spec_factor,
+                cfg.suffix_decoding_min_token_prob,
+                width,
+                self.eos_token_ids,
+            )
+            if found.score > best.score:
+                best = found
+        return best
 
     def commit(self, seq: SeqView, verdict: Verdict) -> None:
         """Follow the tokens of `verdict`, already appended to `seq.token_ids`."""

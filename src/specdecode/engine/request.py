@@ -58,6 +58,7 @@ class Request:
         self.output_ids: list[int] = []
         self.spec = SpecCounters()  # draft / accept counters of this request
         self.features: TargetFeatures | None = None  # what the drafter asked to see
+        self.target_argmax: list[int] | None = None  # likewise (Drafter.wants_target_argmax)
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
         self.stop_reason: str | int | None = None  # the stop string or EOS id
         self.t_start = time.perf_counter()

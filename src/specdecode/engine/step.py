@@ -78,10 +78,12 @@ def verify(
     drafts: Seq[Draft],
     st: SamplingTensors,
     hidden_layers: tuple[int, ...] | None = None,
+    keep_argmax: bool = False,
 ) -> list[Verdict]:
     """Run [last token, draft...] of every row through the target and verify the drafts
     (chains, or trees when any draft is one); with `hidden_layers`, keep the hidden states of
-    the tokens kept (see `keep_features`)."""
+    the tokens kept (see `keep_features`); with `keep_argmax`, each request's
+    `target_argmax`."""
     device = model.device
     draft_tokens, q, num_draft = pad_drafts(drafts, model.config.vocab_size, device)
     last = torch.tensor([r.output_ids[-1] for r in reqs], device=device)  # [B]
@@ -98,6 +100,10 @@ def verify(
         )
     logits, hidden = model(tokens, meta, cache, hidden_layers=hidden_layers)  # [B, K + 1, V]
     p = probs_from_logits(logits, st)  # [B, K + 1, V]
+    if keep_argmax:
+        best = p.argmax(-1).tolist()  # [B][K + 1]
+        for req, row, n in zip(reqs, best, num_draft.tolist(), strict=True):
+            req.target_argmax = row[: n + 1]
     generators = [r.generator for r in reqs]
     hidden = hidden if hidden_layers else None
     if trees is None:
@@ -154,7 +160,8 @@ def speculative_step(
     drafts = drafter.propose(reqs, limits)
     drafted = time.perf_counter()
     check_drafts(drafts, limits, model.config.vocab_size)
-    verdicts = verify(model, cache, reqs, drafts, st, drafter.hidden_layers or None)
+    keep_argmax = getattr(drafter, "wants_target_argmax", False)
+    verdicts = verify(model, cache, reqs, drafts, st, drafter.hidden_layers or None, keep_argmax)
     ids = [r.request_id for r in reqs]
     draft_length.observe(ids, drafts, verdicts, drafted - start, time.perf_counter() - drafted)
     return commit(reqs, drafts, verdicts, drafter, outputs, (drafted - start) / len(reqs))

@@ -1,0 +1,201 @@
+"""FR-Spec (Zhao et al. 2025, frequency-ranked speculative sampling): a draft model whose output
+head covers only the target's most frequent tokens.
+
+On the CPU a draft model's output matrix is a large part of a draft token's cost (Qwen2.5-0.5B:
+151,936 x 896, about a quarter of it). `TrimmedHeadLM` multiplies by the rows of the kept
+tokens only, in the head's own weight format, and spreads the result back over the whole
+vocabulary with -inf elsewhere, so the drafter is unchanged: q (after any temperature, top-k,
+top-p) is exactly 0 outside the kept tokens, and only kept tokens are drafted. Verification is
+unchanged too: greedy output equals plain greedy, and sampling stays exact because q is the
+distribution each draft token was drawn from.
+
+Worked example, kept = [2, 5, 7] of V = 8: the trimmed head computes the logits of rows 2, 5, 7,
+say [1.0, 3.0, 0.5]; the draft model returns [-inf, -inf, 1.0, -inf, -inf, 3.0, -inf, 0.5].
+
+The kept tokens (`frequent_tokens`) are the most frequent target tokens of a fixed amount of
+training text (`frequency_texts`), never text of the bench's prompt sets; the tokenized text is
+cached per tokenizer under `cache_root()/"frequency"`, so only the first load tokenizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from specdecode import kernels
+from specdecode.cache.kv_cache import KVCache
+from specdecode.errors import UserError
+from specdecode.model.attention_metadata import AttentionMetadata
+from specdecode.model.linear import Bf16Linear, DenseLinear
+from specdecode.model.quant import Int8DynamicLinear
+from specdecode.model.registry import cache_root
+from specdecode.model.tokenizer import Tokenizer
+from specdecode.model.transformer import Transformer
+from specdecode.sharegpt import HELD_OUT_CONVERSATIONS
+from specdecode.train.data import (
+    CODE_EVERY,
+    BenchFilter,
+    bench_texts,
+    interleaved,
+    sharegpt_examples,
+    stdlib_code_examples,
+)
+from specdecode.train.vocab import draft_vocabulary
+
+# Answer text counted for the table: ~1,300 examples, ~335k Qwen2.5 tokens, ~5 s on first use.
+FREQUENCY_CHARS = 1_500_000
+# What `frequency_texts` reads; part of the cache key, so a change of sources rebuilds the table.
+FREQUENCY_SOURCE = f"sharegpt-from-{HELD_OUT_CONVERSATIONS}+stdlib-every-{CODE_EVERY}"
+
+
+class TrimmedHeadLM:
+    """A `DraftLM`: `model` with its output head cut to the rows of `kept`.
+
+    Args:
+        model: the draft model (left as it is: the trimmed head is a new module).
+        kept: [Vk] int64 sorted, distinct target ids (1 <= Vk <= the model's vocabulary).
+
+    Raises:
+        UserError: `kept` is not a sorted, distinct, in-range 1-D set of ids, or the head's
+            format cannot be sliced.
+    """
+
+    def __init__(self, model: Transformer, kept: Tensor) -> None:
+        check_kept(kept, model.config.vocab_size)
+        self.model = model
+        self.config = model.config
+        self.kept = kept.to(model.device)  # [Vk]
+        self.lm_head = trimmed_linear(model.lm_head, self.kept)  # [..., hidden] -> [..., Vk]
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """An empty cache of the draft model (see `Transformer.new_cache`)."""
+        return self.model.new_cache(batch_size, capacity)
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        tokens: Tensor,  # [B, T] int64
+        meta: AttentionMetadata,
+        cache: KVCache,
+        logits_index: Tensor | None = None,  # [B, N] which of the T positions get logits
+    ) -> tuple[Tensor, Tensor]:
+        """As `Transformer.forward`: (logits [B, N, V], final-normed hidden [B, T, hidden]),
+        the logits -inf outside the kept tokens."""
+        x, _ = self.model.body(tokens, meta, cache, self.config.num_layers)
+        hidden = self.model.norm(x)  # [B, T, hidden]
+        final = hidden
+        if logits_index is not None:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+            final = hidden[rows, logits_index]  # [B, N, hidden]
+        reduced = self.lm_head(final)  # [B, N, Vk]
+        logits = reduced.new_full((*reduced.shape[:-1], self.config.vocab_size), float("-inf"))
+        return logits.index_copy_(-1, self.kept, reduced), hidden  # [B, N, V]
+
+
+def check_kept(kept: Tensor, vocab_size: int) -> None:
+    """Refuse `kept` unless it is 1..vocab_size sorted, distinct int64 ids below vocab_size."""
+    ok = kept.dim() == 1 and kept.dtype == torch.long and 0 < len(kept) <= vocab_size
+    ok = ok and bool((kept[1:] > kept[:-1]).all()) and int(kept[0]) >= 0
+    if not ok or int(kept[-1]) >= vocab_size:
+        raise UserError(
+            f"the kept tokens must be 1..{vocab_size} sorted, distinct int64 ids in "
+            f"0..{vocab_size - 1}, got {kept.dtype} of shape {tuple(kept.shape)}"
+        )
+
+
+def trimmed_linear(head: nn.Module, kept: Tensor) -> nn.Module:
+    """The rows `kept` ([Vk] int64) of the output projection `head`, in its own format, so that
+    `trimmed(x) == head(x)[..., kept]`: bit for bit for the row-exact formats (bf16 on the CPU
+    kernel, int8: the same int8 rows and scales). fp32 `DenseLinear` rows are copied as they
+    are (BLAS may round a narrower matrix differently)."""
+    bias = getattr(head, "bias", None)
+    bias = None if bias is None else bias[kept]  # [Vk]
+    if isinstance(head, Int8DynamicLinear):
+        q = kernels.unpack(head.packed, head.out_features, head.in_features)[kept]  # [Vk, in]
+        # q * scale re-quantizes to q exactly; its derived scale may differ by an ulp, so the
+        # original scales are copied in.
+        trimmed = Int8DynamicLinear(q.float() * head.scale[kept, None], bias)
+        trimmed.scale[: len(kept)] = head.scale[kept]
+        return trimmed
+    if isinstance(head, Bf16Linear):
+        weight = kernels.unpack(head.packed, head.out_features, head.in_features)  # [V, in]
+        return Bf16Linear(weight[kept], bias)
+    if isinstance(head, DenseLinear):
+        return DenseLinear(head.weight[kept], bias)
+    raise UserError(
+        f"draft_vocab_size cannot trim an output head of type {type(head).__name__}; it trims "
+        "int8, bf16 (with specdecode's CPU kernels) and fp32 heads (leave draft_vocab_size "
+        "unset for this model)"
+    )
+
+
+def trimmed_draft_model(model: Transformer, tokenizer: Tokenizer, size: int) -> TrimmedHeadLM:
+    """`model` with its head cut to the `size` most frequent tokens of `tokenizer` (the
+    target's; `frequent_tokens`). UserError when `size` exceeds the model's vocabulary."""
+    vocab = model.config.vocab_size
+    if size > vocab:
+        raise UserError(
+            f"draft_vocab_size must be in 1..{vocab} (the draft model's vocabulary), got {size}"
+        )
+    return TrimmedHeadLM(model, frequent_tokens(tokenizer, size, vocab).to(model.device))
+
+
+def frequent_tokens(
+    tokenizer: Tokenizer, size: int, vocab_size: int, chars: int = FREQUENCY_CHARS
+) -> Tensor:
+    """The `size` most frequent tokens of `frequency_texts(chars)` under `tokenizer`, always
+    with its EOS ids (`draft_vocabulary`: ties lower id first, unused low ids fill up), as
+    sorted ids ([size] int64) below `vocab_size`."""
+    ids = counted_tokens(tokenizer, chars)  # [n] int32
+    return draft_vocabulary([ids.tolist()], size, vocab_size, tokenizer.eos_token_ids)
+
+
+def counted_tokens(tokenizer: Tokenizer, chars: int = FREQUENCY_CHARS) -> Tensor:
+    """The token ids ([n] int32) of `frequency_texts(chars)` under `tokenizer`, one text after
+    another; read from the cache file `frequency_path(tokenizer, chars)` when it exists,
+    else tokenized and written there."""
+    path = frequency_path(tokenizer, chars)
+    if path.is_file():
+        return torch.load(path, weights_only=True)
+    texts = frequency_texts(chars)
+    ids = [t for text in texts for t in tokenizer.encode(text, add_special_tokens=False)]
+    counted = torch.tensor(ids, dtype=torch.int32)  # [n]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save(counted, partial)
+    os.replace(partial, path)  # atomic: a concurrent reader sees no half-written table
+    return counted
+
+
+def frequency_path(tokenizer: Tokenizer, chars: int) -> Path:
+    """The cache file of the counted tokens: `cache_root()/"frequency"/"<key>.pt"`, the key a
+    hash of the tokenizer's vocabulary (token -> id), the sources and `chars`."""
+    vocab = json.dumps(sorted(tokenizer.vocab().items()), ensure_ascii=False)
+    key = hashlib.sha256(f"{vocab}\n{FREQUENCY_SOURCE}\n{chars}".encode()).hexdigest()[:24]
+    return cache_root() / "frequency" / f"{key}.pt"
+
+
+def frequency_texts(chars: int = FREQUENCY_CHARS) -> Iterator[str]:
+    """The answers the table counts, in a fixed order: the draft-head training stream
+    (`specdecode.train.data`: ShareGPT answers from conversation HELD_OUT_CONVERSATIONS on,
+    with a standard-library function after every CODE_EVERY - 1 of them), until `chars`
+    characters are given. An example sharing text with the bench's prompt sets (`BenchFilter`)
+    is skipped."""
+    bench = BenchFilter(bench_texts())
+    total = 0
+    for example in interleaved(sharegpt_examples(), stdlib_code_examples()):
+        if total >= chars:
+            return
+        if example.answer and not bench.touches(example):
+            total += len(example.answer)
+            yield example.answer

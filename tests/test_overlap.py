@@ -1,0 +1,108 @@
+"""Speculative-speculative decoding (the overlap drafter): prepared drafts are used exactly when
+the hypothesis comes true, and the output is identical with and without the overlap."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from spec_cases import GREEDY, PROMPTS
+
+from specdecode.drafters.base import SeqView
+from specdecode.drafters.overlap import OverlapDrafter
+from specdecode.errors import UserError
+from specdecode.llm import LLM
+from specdecode.types import Draft, SamplingParams, Verdict
+
+
+@dataclass
+class FakeSeq:
+    """A minimal SeqView."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int = 1
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    generator: torch.Generator | None = None
+    features: None = None
+    target_argmax: None = None
+
+
+class Counter:
+    """Drafts last + 1, last + 2, ...; records the contexts it drafted after."""
+
+    hidden_layers = None
+
+    def __init__(self) -> None:
+        self.contexts: list[list[int]] = []
+
+    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+        drafts = []
+        for seq, limit in zip(seqs, max_tokens, strict=True):
+            self.contexts.append(list(seq.token_ids))
+            last = seq.token_ids[-1]
+            drafts.append(Draft(torch.arange(last + 1, last + 1 + min(limit, 4))))
+        return drafts
+
+    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def test_a_prepared_draft_is_used_only_when_the_hypothesis_comes_true() -> None:
+    inner = Counter()
+    drafter = OverlapDrafter(inner, 3)
+    seq = FakeSeq("r", [1, 2])
+    assert drafter.propose([seq], [3])[0].tokens.tolist() == [3, 4, 5]
+    seq.token_ids += [3, 4, 5, 6]  # all accepted + the bonus the drafter predicted (6)
+    drafter.commit(seq, Verdict(3, torch.tensor([3, 4, 5, 6])))
+    assert inner.contexts == [[1, 2], [1, 2, 3, 4, 5]]  # the real draft, then the prepared one
+    assert drafter.propose([seq], [2])[0].tokens.tolist() == [7, 8]  # prepared, cut to 2
+    assert drafter.num_hits == 1
+    seq.token_ids += [7, 0]  # the bonus differs from the prediction
+    drafter.commit(seq, Verdict(1, torch.tensor([7, 0])))
+    assert drafter.propose([seq], [3])[0].tokens.tolist() == [1, 2, 3]  # drafted afresh
+    drafter._wait()  # (the next step's preparation drafted after the fresh draft)
+    assert drafter.num_hits == 1 and inner.contexts[-2] == seq.token_ids
+    drafter.release("r")
+    assert not drafter._prepared
+
+
+def test_sampled_sequences_are_not_prepared() -> None:
+    inner = Counter()
+    drafter = OverlapDrafter(inner, 3)
+    seq = FakeSeq("r", [1, 2], params=SamplingParams(temperature=0.8))
+    drafter.propose([seq], [3])
+    drafter.commit(seq, Verdict(0, torch.tensor([9])))
+    assert inner.contexts == [[1, 2]] and drafter.num_prepared == 0
+
+
+def test_greedy_output_is_identical_with_and_without_the_overlap(tiny_model_dir: Path) -> None:
+    plain = LLM(model=str(tiny_model_dir), dtype="float32")
+    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 3, "ssd": True}
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert [o.token_ids for o in llm.generate(PROMPTS[1], GREEDY)] == expected[1:2]
+    assert llm.engine.drafter.num_hits > 0  # the target drafting itself: every guess is right
+    params = SamplingParams(temperature=0.9, max_tokens=20, seed=5, ignore_eos=True)
+    first, second = llm.generate(PROMPTS, params), llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"tree_width": 2}, "ssd prepares chains"),
+        ({"num_speculative_tokens": 64}, r"ssd needs num_speculative_tokens <= 63"),
+    ],
+)
+def test_bad_ssd_configs_are_refused(tiny_model_dir: Path, extra: dict, message: str) -> None:
+    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 3, "ssd": True, **extra}
+    with pytest.raises(UserError, match=message):
+        LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
