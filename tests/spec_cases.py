@@ -1,8 +1,12 @@
-"""Prompts and greedy settings shared by the speculative-decoding tests."""
+"""Prompts, greedy settings and a fake sequence shared by the speculative-decoding tests."""
 
 from __future__ import annotations
 
-from specdecode.types import RequestOutput, SamplingParams
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.types import RequestOutput, SamplingParams, TargetFeatures
 
 # Token-id prompts of different lengths, some repetitive (so prompt lookup finds matches).
 PROMPTS = [
@@ -12,6 +16,19 @@ PROMPTS = [
     {"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2]},
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@dataclass
+class FakeSeq:
+    """A minimal SeqView for calling a drafter directly."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int = 0
+    params: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None
+    features: TargetFeatures | None = None
+    target_argmax: list[int] | None = None
 
 
 def assert_fully_accepted(outs: list[RequestOutput], k: int) -> None:

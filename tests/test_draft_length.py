@@ -135,3 +135,23 @@ def test_adaptive_length_never_exceeds_k_nor_changes_the_output(
     assert spy.seen and max(spy.seen) <= 5
     assert llm.engine.draft_length.passes.seconds  # it measured its passes
     assert not llm.engine.draft_length._requests  # released
+
+
+def test_a_confidence_threshold_cuts_chains_and_keeps_the_output(tiny_model_dir: Path) -> None:
+    plain = LLM(model=str(tiny_model_dir), dtype="float32")
+    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    lengths = {}
+    for bound in (None, 0.9):
+        config = {"model": str(tiny_model_dir), "num_speculative_tokens": 5,
+                  "confidence_threshold": bound}  # fmt: skip
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+        spec = llm.spec_metrics
+        lengths[bound] = spec.num_draft_tokens / spec.num_drafts
+    assert lengths[0.9] < lengths[None]
+    with pytest.raises(UserError, match=r"confidence_threshold must be None or in 0\.\.1"):
+        parse_speculative_config({"model": "m", "num_speculative_tokens": 3,
+                                  "confidence_threshold": 2})  # fmt: skip
+    with pytest.raises(UserError, match="takes neither staged nor tree_width > 1"):
+        parse_speculative_config({"model": "m", "num_speculative_tokens": 3,
+                                  "confidence_threshold": 0.5, "tree_width": 2})  # fmt: skip

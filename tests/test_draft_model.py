@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_model
 from spec_cases import GREEDY, PROMPTS, assert_fully_accepted
 
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -18,13 +17,6 @@ from specdecode.types import SamplingParams
 def expected(tiny_model_dir: Path) -> list[list[int]]:
     plain = LLM(model=str(tiny_model_dir), dtype="float32")
     return [list(o.token_ids) for o in plain.generate(PROMPTS, GREEDY)]
-
-
-@pytest.fixture(scope="module")
-def other_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A different tiny model (seed 1) of the same architecture and vocabulary."""
-    arch = "llama" if "llama" in tiny_model_dir.name else "qwen2"
-    return build_tiny_model(tmp_path_factory.mktemp(f"draft_{arch}"), arch, seed=1)
 
 
 def _speculative(target_dir: Path, draft_dir: Path, k: int) -> LLM:

@@ -4,12 +4,11 @@ equality, certify with a biased verifier that fails)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
-from spec_cases import GREEDY, PROMPTS
+from spec_cases import GREEDY, PROMPTS, FakeSeq
 from test_certify import always_accept
 
 from specdecode.certify import CertifyConfig, certify
@@ -19,22 +18,9 @@ from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.sampling import tree as tree_verifier
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import SamplingParams, Verdict
+from specdecode.types import Verdict
 
 EOS = 99
-
-
-@dataclass
-class FakeSeq:
-    """A minimal SeqView."""
-
-    request_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int = 0
-    params: SamplingParams = field(default_factory=SamplingParams)
-    generator: torch.Generator | None = None
-    features: None = None
-    target_argmax: list[int] | None = None
 
 
 def _drafter(w: int = 2, n: int = 3, g: int = 2) -> LookaheadDrafter:

@@ -4,31 +4,17 @@ the hypothesis comes true, and the output is identical with and without the over
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
-from spec_cases import GREEDY, PROMPTS
+from spec_cases import GREEDY, PROMPTS, FakeSeq
 
 from specdecode.drafters.base import SeqView
 from specdecode.drafters.overlap import OverlapDrafter
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.types import Draft, SamplingParams, Verdict
-
-
-@dataclass
-class FakeSeq:
-    """A minimal SeqView."""
-
-    request_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int = 1
-    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
-    generator: torch.Generator | None = None
-    features: None = None
-    target_argmax: None = None
 
 
 class Counter:
@@ -57,7 +43,7 @@ class Counter:
 def test_a_prepared_draft_is_used_only_when_the_hypothesis_comes_true() -> None:
     inner = Counter()
     drafter = OverlapDrafter(inner, 3)
-    seq = FakeSeq("r", [1, 2])
+    seq = FakeSeq("r", [1, 2], 1, SamplingParams(temperature=0.0))
     assert drafter.propose([seq], [3])[0].tokens.tolist() == [3, 4, 5]
     seq.token_ids += [3, 4, 5, 6]  # all accepted + the bonus the drafter predicted (6)
     drafter.commit(seq, Verdict(3, torch.tensor([3, 4, 5, 6])))
@@ -76,7 +62,7 @@ def test_a_prepared_draft_is_used_only_when_the_hypothesis_comes_true() -> None:
 def test_sampled_sequences_are_not_prepared() -> None:
     inner = Counter()
     drafter = OverlapDrafter(inner, 3)
-    seq = FakeSeq("r", [1, 2], params=SamplingParams(temperature=0.8))
+    seq = FakeSeq("r", [1, 2], 1, SamplingParams(temperature=0.8))
     drafter.propose([seq], [3])
     drafter.commit(seq, Verdict(0, torch.tensor([9])))
     assert inner.contexts == [[1, 2]] and drafter.num_prepared == 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_model
 from spec_cases import GREEDY, PROMPTS
 from test_certify import always_accept
 
@@ -64,21 +63,15 @@ def test_staged_configs_are_checked(tiny_model_dir: Path) -> None:
         _llm(tiny_model_dir, staged="ngram", tree_width=2)
 
 
-@pytest.fixture(scope="module")
-def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny draft model far from the target (q != p), same vocabulary."""
-    return build_tiny_model(tmp_path_factory.mktemp("staged_draft"), "llama", seed=1)
-
-
 @pytest.mark.parametrize("biased", [False, True])
 def test_certify_passes_and_a_biased_inner_check_fails(
-    tiny_model_dir: Path, other_dir: Path, monkeypatch: pytest.MonkeyPatch, biased: bool
+    tiny_model_dir: Path, other_draft_dir: Path, monkeypatch: pytest.MonkeyPatch, biased: bool
 ) -> None:
     """A draft model that keeps every guess (as if q accepted it) drafts tokens whose
     distribution is not the q it reports: the target's output goes wrong."""
     if biased:
         monkeypatch.setattr(staged, "verify_chain", always_accept)
-    config = {"model": str(other_dir), "num_speculative_tokens": 3, "staged": "suffix"}
+    config = {"model": str(other_draft_dir), "num_speculative_tokens": 3, "staged": "suffix"}
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
     prompt = (5, 17, 42, 5, 17, 42, 5, 17)
     params = CertifyConfig(prompt, num_tokens=4, top_k=4, num_samples=4000, seed=3)

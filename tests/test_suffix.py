@@ -5,12 +5,11 @@ through the engine (greedy equality, certify with a biased verifier that fails).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
-from spec_cases import GREEDY, PROMPTS
+from spec_cases import GREEDY, PROMPTS, FakeSeq
 from test_certify import always_accept
 
 from specdecode.certify import CertifyConfig, certify
@@ -20,21 +19,9 @@ from specdecode.engine import step
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import SamplingParams, Verdict
+from specdecode.types import Verdict
 
 EOS = 99
-
-
-@dataclass
-class FakeSeq:
-    """A minimal SeqView."""
-
-    request_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int = 0
-    params: SamplingParams = field(default_factory=SamplingParams)
-    generator: torch.Generator | None = None
-    features: None = None
 
 
 def paths(tree: SuffixTree) -> dict[tuple[int, ...], int]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, build_tiny_model
+from conftest import TINY_VOCAB
 from head_cases import check_certify, check_reduced_vocabulary
 from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples
@@ -38,13 +38,6 @@ KEPT = torch.randperm(TINY_VOCAB, generator=torch.Generator().manual_seed(5))[:6
 def expected(tiny_model_dir: Path) -> list[list[int]]:
     plain = LLM(model=str(tiny_model_dir), dtype="float32")
     return [list(o.token_ids) for o in plain.generate(PROMPTS, GREEDY)]
-
-
-@pytest.fixture(scope="module")
-def other_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A different tiny model (seed 1) of the same architecture and vocabulary."""
-    arch = "llama" if "llama" in tiny_model_dir.name else "qwen2"
-    return build_tiny_model(tmp_path_factory.mktemp(f"draft_{arch}"), arch, seed=1)
 
 
 def _trimmed(target_dir: Path, draft_dir: Path, kept: torch.Tensor, k: int, **tree) -> LLM:

@@ -82,12 +82,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmark methods side by side, interleaved, vs plain decoding",
-        description="Methods: plain, ngram:k=8[:max=4][:min=2], draft:MODEL:k=4, trained "
-        "heads eagle3:HEAD:k=3, medusa:HEAD:k=2, layer_skip:HEAD:k=2 (HEAD: a `specdecode "
-        "train` folder), any of them a tree with :w=3:d=3; peers: hf, "
-        "hf-assisted:MODEL:k=4, hf-lookup:k=8[:max=2], llamacpp, llamacpp-lookup:k=10[:max=2] "
-        "(a peer whose library is missing is skipped). Prompt sets: code (HumanEval), chat, "
-        "translation, summarize, qa, math, rag, edit, or a .jsonl file. "
+        description="Methods: plain, ngram:k=8[:max=4][:min=2], suffix:k=24[:factor=1][:p=0.1]"
+        "[:depth=24][:cached=0], lookahead:k=16:W=4:N=3:G=4, draft:MODEL:k=4[:st=ngram|suffix]"
+        "[:v=32768][:ssd=true][:conf=0.4], cross:MODEL:k=4 (a draft model with its own "
+        "tokenizer), trained heads eagle3:HEAD:k=3, medusa:HEAD:k=2, layer_skip:HEAD:k=2 (HEAD: "
+        "a `specdecode train` folder), a tree with :w=3[:d=3], adaptive length with "
+        ":dl=cost|heuristic (docs/drafters.md); peers: hf, hf-assisted:MODEL:k=4, "
+        "hf-lookup:k=8[:max=2], llamacpp, llamacpp-lookup:k=10[:max=2] (a peer whose library is "
+        "missing is skipped). Prompt sets: code (HumanEval), chat, translation, summarize, qa, "
+        "math, rag, edit, multiturn, or a .jsonl file. "
         f"Presets: {presets}.",
     )
     default = BENCH_DEFAULTS

@@ -7,15 +7,16 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
+from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
-from specdecode.engine.draft_length import check_draft_length_policy
 from specdecode.errors import UserError
 from specdecode.model.quant import parse_quantization
 from specdecode.tree.token_tree import TokenTree
 from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
 
 MAX_SPECULATIVE_TOKENS = 64  # the longest draft; the engine keeps this many spare cache slots
+DRAFT_LENGTH_POLICIES = ("fixed", "heuristic", "cost")  # see specdecode.engine.draft_length
 
 
 class SeqView(Protocol):
@@ -67,6 +68,13 @@ def check_draft_length(k: object) -> None:
         raise UserError(
             f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
         )
+
+
+def check_draft_length_policy(policy: object) -> None:
+    """Refuse a draft_length that is not one of DRAFT_LENGTH_POLICIES."""
+    if policy not in DRAFT_LENGTH_POLICIES:
+        choices = ", ".join(DRAFT_LENGTH_POLICIES)
+        raise UserError(f"draft_length must be one of {choices}, got {policy!r}")
 
 
 def check_tree_shape(width: object, depth: object, k: int) -> None:
@@ -143,6 +151,13 @@ def cache_with_room(
     if cache is not None:
         grown.load_prefix(cache, cache.lengths[0])
     return grown
+
+
+def spread_logits(reduced: Tensor, ids: Tensor, vocab_size: int) -> Tensor:
+    """Logits over a reduced draft vocabulary ([..., Vd]; `ids` [Vd] their target ids) spread
+    over the target's `vocab_size` tokens ([..., V]), -inf elsewhere: q is exactly 0 there."""
+    logits = reduced.new_full((*reduced.shape[:-1], vocab_size), float("-inf"))
+    return logits.index_copy_(-1, ids, reduced)
 
 
 def check_draft_limits(seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> None:

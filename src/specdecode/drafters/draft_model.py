@@ -100,6 +100,8 @@ class DraftModelConfig(ModelDrafterConfig):
         None = token by token.
     ssd: draft the next step on a second thread while the target verifies (speculative-
         speculative decoding, `drafters.overlap`; chains, greedy requests, K <= 63).
+    confidence_threshold: stop a chain after a token the draft model gives a probability below
+        this (0..1; HF's assistant_confidence_threshold); None = always K tokens.
     """
 
     WHAT: ClassVar[str] = "a draft_model"
@@ -107,6 +109,7 @@ class DraftModelConfig(ModelDrafterConfig):
     draft_vocab_size: int | None = None
     staged: str | None = None
     ssd: bool = False
+    confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
         ModelDrafterConfig.__post_init__(self)  # (slots dataclasses break a bare super())
@@ -116,6 +119,16 @@ class DraftModelConfig(ModelDrafterConfig):
             )
         if not isinstance(self.ssd, bool):
             raise UserError(f"ssd must be true or false, got {self.ssd!r}")
+        bound = self.confidence_threshold
+        if bound is not None and (
+            isinstance(bound, bool) or not isinstance(bound, int | float) or not 0 <= bound <= 1
+        ):
+            raise UserError(f"confidence_threshold must be None or in 0..1, got {bound!r}")
+        if bound is not None and (self.staged or self.tree_width > 1):
+            raise UserError(
+                "confidence_threshold stops a token-by-token chain: it takes neither staged "
+                "nor tree_width > 1"
+            )
         for name, on in (("staged drafting", self.staged), ("ssd", self.ssd)):
             if on and self.tree_width > 1:
                 raise UserError(
@@ -170,6 +183,9 @@ class DraftModelDrafter:
         target_vocab_size: the target's vocabulary size, checked against the draft model's.
         tree_width: children per expanded node of a dynamic tree (1 = chains).
         tree_depth: levels of a tree (None = K).
+        confidence_threshold: a chain stops after a token whose probability under the draft
+            model (softmax of its logits) is below this (HF's assistant_confidence_threshold);
+            None = always K tokens.
 
     Raises:
         UserError: K or the tree's shape is out of range, or the vocabulary sizes differ.
@@ -184,6 +200,7 @@ class DraftModelDrafter:
         target_vocab_size: int,
         tree_width: int = 1,
         tree_depth: int | None = None,
+        confidence_threshold: float | None = None,
     ) -> None:
         check_draft_length(num_speculative_tokens)
         check_tree_shape(tree_width, tree_depth, num_speculative_tokens)
@@ -196,6 +213,7 @@ class DraftModelDrafter:
         self.num_speculative_tokens = num_speculative_tokens
         self.tree_width = tree_width
         self.tree_depth = tree_depth or num_speculative_tokens
+        self.confidence_threshold = confidence_threshold
         self._caches: dict[str, KVCache] = {}
 
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
@@ -241,12 +259,21 @@ class DraftModelDrafter:
         probs = torch.empty(k, vocab)  # [k, V]
         new = ids[cached:]  # the last committed token, plus any not fed yet
         for j in range(k):
-            q = self._next_probs(cache, new, cached, st)  # [V]
+            logits = self._last_logits(cache, new, cached)  # [1, V]
+            q = probs_from_logits(logits, st)[0].cpu()  # [V]
             token = self._draw(q, st, seq.generator)
             tokens[j], probs[j] = token, q
             cached += len(new)
             new = [token]
+            if self._unsure(logits[0], token):
+                return Draft(tokens[: j + 1], probs[: j + 1])
         return Draft(tokens, probs)
+
+    def _unsure(self, logits: Tensor, token: int) -> bool:
+        """With a confidence_threshold: the draft model's own probability of `token`
+        (softmax of its raw logits [V], whatever the sampling parameters) is below it."""
+        bound = self.confidence_threshold
+        return bound is not None and float(torch.softmax(logits.float(), -1)[token]) < bound
 
     def _propose_tree(self, seq: SeqView, max_tokens: int) -> Draft:
         """Catch up on the committed tokens, then grow a dynamic tree (module docstring)."""
@@ -302,12 +329,6 @@ class DraftModelDrafter:
         last = torch.tensor([[len(new) - 1]], device=device)  # [1, 1]
         logits, _ = self.model(tokens, meta, cache, logits_index=last)  # [1, 1, V]
         return logits[:, 0]
-
-    def _next_probs(
-        self, cache: KVCache, new: list[int], start: int, st: SamplingTensors
-    ) -> Tensor:
-        """Feed `new` at positions start.. and return q ([V] float32) after the last of them."""
-        return probs_from_logits(self._last_logits(cache, new, start), st)[0].cpu()  # [V]
 
     @staticmethod
     def _draw(q: Tensor, st: SamplingTensors, generator: torch.Generator | None) -> int:

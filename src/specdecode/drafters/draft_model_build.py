@@ -34,7 +34,9 @@ def build_draft_model_drafter(config: DraftModelConfig, context: DrafterContext)
     if config.staged is not None:
         drafter = StagedDrafter(draft, k, vocab, stager(config.staged, k, context))
     else:
-        drafter = DraftModelDrafter(draft, k, vocab, config.tree_width, config.tree_depth)
+        drafter = DraftModelDrafter(
+            draft, k, vocab, config.tree_width, config.tree_depth, config.confidence_threshold
+        )
     return OverlapDrafter(drafter, config.num_speculative_tokens) if config.ssd else drafter
 
 

@@ -22,12 +22,12 @@ import torch
 from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
-from specdecode.drafters.base import Drafter, ModelDrafterConfig
+from specdecode.drafters.base import Drafter, ModelDrafterConfig, spread_logits
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.heads.exit_head import ExitHead, load_exit_head
 from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.config import ModelConfig
-from specdecode.model.transformer import Transformer
+from specdecode.model.transformer import Transformer, at_positions
 
 if TYPE_CHECKING:
     from specdecode.drafters.registry import DrafterContext
@@ -114,11 +114,5 @@ class EarlyExit:
         vocabulary (N = T when logits_index is None), the residual after block E [B, T, h]).
         """
         x, _ = self.target.body(tokens, meta, cache, self.exit_layer)  # [B, T, h]
-        exits = x
-        if logits_index is not None:
-            rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
-            exits = x[rows, logits_index]  # [B, N, h]
-        reduced = self.head(exits)[..., 0, :]  # [B, N, Vd]
-        logits = reduced.new_full((*reduced.shape[:-1], self.config.vocab_size), float("-inf"))
-        logits[..., self._draft_ids] = reduced
-        return logits, x
+        reduced = self.head(at_positions(x, logits_index))[..., 0, :]  # [B, N, Vd]
+        return spread_logits(reduced, self._draft_ids, self.config.vocab_size), x

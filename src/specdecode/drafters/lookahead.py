@@ -42,10 +42,10 @@ import torch
 from specdecode.drafters.base import (
     MAX_SPECULATIVE_TOKENS,
     SeqView,
+    check_draft_length_policy,
     check_draft_limits,
     is_positive_int,
 )
-from specdecode.engine.draft_length import check_draft_length_policy
 from specdecode.errors import UserError
 from specdecode.tree.token_tree import ROOT, TokenTree
 from specdecode.types import Draft, Verdict

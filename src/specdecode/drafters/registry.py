@@ -150,6 +150,7 @@ DRAFTERS: dict[str, DrafterMethod] = {
                 "v": "draft_vocab_size",
                 "st": "staged",
                 "ssd": "ssd",
+                "conf": "confidence_threshold",
             },
             model_field="model",
         ),

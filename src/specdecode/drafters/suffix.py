@@ -24,6 +24,7 @@ import torch
 from specdecode.drafters.base import (
     MAX_SPECULATIVE_TOKENS,
     SeqView,
+    check_draft_length_policy,
     check_draft_limits,
     is_positive_int,
 )
@@ -36,7 +37,6 @@ from specdecode.drafters.suffix_tree import (
     best_candidate,
     match,
 )
-from specdecode.engine.draft_length import check_draft_length_policy
 from specdecode.errors import UserError
 from specdecode.tree.token_tree import TokenTree
 from specdecode.types import Draft, Verdict

@@ -30,13 +30,14 @@ from torch import Tensor, nn
 
 from specdecode import kernels
 from specdecode.cache.kv_cache import KVCache
+from specdecode.drafters.base import spread_logits
 from specdecode.errors import UserError
 from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.linear import Bf16Linear, DenseLinear
 from specdecode.model.quant import Int8DynamicLinear
 from specdecode.model.registry import cache_root
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.model.transformer import Transformer
+from specdecode.model.transformer import Transformer, at_positions
 from specdecode.sharegpt import HELD_OUT_CONVERSATIONS
 from specdecode.train.data import (
     CODE_EVERY,
@@ -93,13 +94,8 @@ class TrimmedHeadLM:
         the logits -inf outside the kept tokens."""
         x, _ = self.model.body(tokens, meta, cache, self.config.num_layers)
         hidden = self.model.norm(x)  # [B, T, hidden]
-        final = hidden
-        if logits_index is not None:
-            rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
-            final = hidden[rows, logits_index]  # [B, N, hidden]
-        reduced = self.lm_head(final)  # [B, N, Vk]
-        logits = reduced.new_full((*reduced.shape[:-1], self.config.vocab_size), float("-inf"))
-        return logits.index_copy_(-1, self.kept, reduced), hidden  # [B, N, V]
+        reduced = self.lm_head(at_positions(hidden, logits_index))  # [B, N, Vk]
+        return spread_logits(reduced, self.kept, self.config.vocab_size), hidden  # [B, N, V]
 
 
 def check_kept(kept: Tensor, vocab_size: int) -> None:

@@ -33,20 +33,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdecode.errors import UserError
+from specdecode.drafters.base import check_draft_length_policy
 from specdecode.types import Draft, Verdict
 
-POLICIES = ("fixed", "heuristic", "cost")
 DECAY = 0.9  # weight of the older acceptance counts after each step
 PRIOR_WEIGHT = 2.0  # pseudo-positions of the all-request rate a new request starts from
 PASS_AVERAGE = 0.2  # weight of a new pass's seconds in its width's running average
 PROBE_EVERY = 8  # steps without a draft before a request drafts again
-
-
-def check_draft_length_policy(policy: object) -> None:
-    """Refuse a draft_length that is not one of POLICIES."""
-    if policy not in POLICIES:
-        raise UserError(f"draft_length must be one of {', '.join(POLICIES)}, got {policy!r}")
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

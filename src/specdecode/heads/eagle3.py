@@ -39,6 +39,7 @@ from specdecode.model.transformer import (
     RMSNorm,
     Rotary,
     Transformer,
+    at_positions,
     pass_view,
 )
 
@@ -162,11 +163,7 @@ class Eagle3Head(nn.Module):
         x = residual + self.self_attn(x, cos, sin, cache, 0, meta, view)
         x = x + self.mlp(self.post_attention_layernorm(x))  # [B, T, h]
         cache.advance(meta)
-        final = x
-        if logits_index is not None:
-            rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
-            final = final[rows, logits_index]  # [B, N, h]
-        return self.lm_head(self.norm(final)), x
+        return self.lm_head(self.norm(at_positions(x, logits_index))), x  # [B, N, Vd], [B, T, h]
 
 
 def read_head_weights(path: Path, cfg: Eagle3HeadConfig) -> dict[str, Tensor]:

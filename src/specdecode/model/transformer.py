@@ -321,10 +321,7 @@ class Transformer(nn.Module):
         if hidden_layers is not None:
             captured[num_layers] = final
             hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1)
-        if logits_index is not None:
-            rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
-            final = final[rows, logits_index]  # [B, N, hidden]
-        return self.lm_head(final), hidden
+        return self.lm_head(at_positions(final, logits_index)), hidden
 
     @torch.inference_mode()
     def body(
@@ -350,3 +347,12 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache, meta, view)
         cache.advance(meta)
         return x, captured
+
+
+def at_positions(x: Tensor, index: Tensor | None) -> Tensor:
+    """Rows of `x` ([B, T, F]) at `index` ([B, N] positions per row) -> [B, N, F]; `x` itself
+    when `index` is None. Example: index [[2], [0]] keeps row 0's position 2, row 1's 0."""
+    if index is None:
+        return x
+    rows = torch.arange(x.shape[0], device=x.device)[:, None]  # [B, 1]
+    return x[rows, index]
