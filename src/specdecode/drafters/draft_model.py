@@ -27,7 +27,10 @@ cache holds the committed tokens); the next propose feeds the accepted tokens an
 
 With `draft_vocab_size` the draft model's output head keeps only the rows of the most frequent
 target tokens (FR-Spec, `drafters.trimmed_head`): its logits are -inf elsewhere, so q is exactly
-0 there and nothing else here changes.
+0 there and nothing else here changes. With `confidence_threshold` a chain stops after a token
+the draft model itself gives a lower probability (HF's assistant_confidence_threshold).
+`staged` (`drafters.staged`) and `ssd` (`drafters.overlap`) build on this drafter; the
+registry's factory puts the pieces together (`drafters.draft_model_build`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ cores and memory bandwidth, so a hit saves less than a draft's time and a miss c
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ class OverlapDrafter:
         self.num_speculative_tokens = num_speculative_tokens
         self.num_hits = self.num_prepared = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdecode-ssd")
+        weakref.finalize(self, self._pool.shutdown, wait=False)  # its thread ends with us
         self._job: Future[None] | None = None
         self._prepared: dict[str, _Prepared] = {}
 

@@ -13,7 +13,7 @@ request and per step, a limit k in 0..K (0 = decode one token without a draft):
   over n tokens and B = the rows in the batch. k = 0 costs t(B) / B for one token, so a
   request drafts only where that pays; after `PROBE_EVERY` steps without a draft it drafts once
   more (its acceptance may have changed). A tree draft's limit is its node count; its
-acceptance is counted along its depth, so the rule treats it as a chain (an approximation).
+  acceptance is counted along its depth, so the rule treats it as a chain (an approximation).
 
 Worked example ("cost", B = 1): a = 0.6, d = 25 ms, t(1) = t(2) = 70 ms, t(3) = 72 ms,
 t(4) = 75 ms: k = 0 gives 1 / 70 = 14.3 tok/s; k = 1 gives 1.6 / 95 = 16.8; k = 2 gives
