@@ -203,6 +203,7 @@ def test_config_validation(kwargs: dict[str, object], message: str) -> None:
 def test_default_draft_length_follows_the_depth() -> None:
     assert SuffixConfig().num_speculative_tokens == 24
     assert SuffixConfig(suffix_decoding_max_tree_depth=100).num_speculative_tokens == 64
+    assert SuffixConfig().suffix_decoding_max_cached_requests == 256  # bounded memory
 
 
 @pytest.mark.parametrize("width", [1, 3])
