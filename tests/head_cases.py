@@ -19,14 +19,10 @@ from specdecode.sampling.rejection import verify_chain
 from specdecode.types import SamplingParams
 
 
-def check_reduced_vocabulary(
-    llm: LLM, draft_to_target: torch.Tensor, expected: list[list[int]]
-) -> None:
-    """Sampled drafts and their q only cover the head's tokens (`draft_to_target`), while the
-    target's greedy output (`expected`) uses tokens outside them."""
-    drafter = llm.engine.drafter
-    allowed = set(draft_to_target.tolist())
-    seen: list = []
+def record_drafts(llm: LLM) -> list:
+    """Wrap the drafter's propose so that every draft it returns is also appended to the list
+    returned here."""
+    drafter, seen = llm.engine.drafter, []
     original = drafter.propose
 
     def spy(seqs, max_tokens):
@@ -35,6 +31,16 @@ def check_reduced_vocabulary(
         return drafts
 
     drafter.propose = spy
+    return seen
+
+
+def check_reduced_vocabulary(
+    llm: LLM, draft_to_target: torch.Tensor, expected: list[list[int]]
+) -> None:
+    """Sampled drafts and their q only cover the head's tokens (`draft_to_target`), while the
+    target's greedy output (`expected`) uses tokens outside them."""
+    allowed = set(draft_to_target.tolist())
+    seen = record_drafts(llm)
     params = SamplingParams(temperature=0.8, max_tokens=30, seed=3, ignore_eos=True)
     llm.generate(PROMPTS, params)
     assert seen and all(set(d.tokens.tolist()) <= allowed for d in seen)

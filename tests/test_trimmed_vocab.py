@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_VOCAB
-from head_cases import check_certify, check_reduced_vocabulary
+from head_cases import check_certify, check_reduced_vocabulary, record_drafts
 from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples
 
@@ -68,15 +68,7 @@ def test_drafts_stay_in_the_kept_tokens_and_q_is_zero_outside(
     others; greedy trees: every node is a kept token."""
     check_reduced_vocabulary(_trimmed(tiny_model_dir, other_draft_dir, KEPT, 4), KEPT, expected)
     llm = _trimmed(tiny_model_dir, other_draft_dir, KEPT, 4, tree_width=2)
-    drafter, seen = llm.engine.drafter, []
-    original = drafter.propose
-
-    def spy(seqs, max_tokens):
-        drafts = original(seqs, max_tokens)
-        seen.extend(drafts)
-        return drafts
-
-    drafter.propose = spy
+    seen = record_drafts(llm)
     llm.generate(PROMPTS, GREEDY)
     assert seen and all(d.tree is not None for d in seen if len(d.tokens) > 1)
     assert all(set(d.tokens.tolist()) <= set(KEPT.tolist()) for d in seen)

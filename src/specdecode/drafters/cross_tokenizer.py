@@ -56,9 +56,8 @@ from specdecode.drafters.base import (
     check_draft_length,
     check_draft_limits,
 )
-from specdecode.drafters.draft_model import DraftLM
+from specdecode.drafters.draft_model import DraftLM, feed
 from specdecode.errors import UserError
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.types import Draft, Verdict
 
@@ -271,14 +270,8 @@ class CrossTokenizerDrafter:
     def _greedy_next(self, cache: KVCache, new: list[int], start: int) -> int:
         """Feed `new` at positions start.. and return the draft model's argmax after the last
         of them (over the tokenizer's ids: a padded vocabulary's extra rows never win)."""
-        device = self.model.device
-        tokens = torch.tensor([new], dtype=torch.long, device=device)  # [1, T]
-        # The prompt's first feed is a prefill; later feeds continue the cached prefix.
-        mode = AttentionMode.PREFILL if start == 0 else AttentionMode.DECODE
-        meta = AttentionMetadata.contiguous(mode, [start], [len(new)], device)
-        last = torch.tensor([[len(new) - 1]], device=device)  # [1, 1]
-        logits, _ = self.model(tokens, meta, cache, logits_index=last)  # [1, 1, V]
-        return int(logits[0, 0, : self.draft_tokenizer.vocab_size].argmax())
+        logits = feed(self.model, cache, new, start)  # [1, V]
+        return int(logits[0, : self.draft_tokenizer.vocab_size].argmax())
 
     def _text_after(self, context: list[int], drafted: list[int]) -> str:
         """The text `drafted` adds after `context`, decoded with the last `LOOKBACK` context

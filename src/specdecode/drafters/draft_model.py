@@ -86,6 +86,19 @@ class DraftLM(Protocol):
         ...
 
 
+def feed(model: DraftLM, cache: KVCache, new: list[int], start: int, count: int = 1) -> Tensor:
+    """Feed `new` at positions start.. of a one-row `cache`; the logits ([count, V]) after each
+    of its last `count` tokens. The first feed (start 0) is a prefill; later feeds continue
+    the cached prefix."""
+    device = model.device
+    tokens = torch.tensor([new], dtype=torch.long, device=device)  # [1, T]
+    mode = AttentionMode.PREFILL if start == 0 else AttentionMode.DECODE
+    meta = AttentionMetadata.contiguous(mode, [start], [len(new)], device)
+    index = torch.arange(len(new) - count, len(new), device=device)[None]  # [1, count]
+    logits, _ = model(tokens, meta, cache, logits_index=index)  # [1, count, V]
+    return logits[0]
+
+
 @dataclass(frozen=True, slots=True)
 class DraftModelConfig(ModelDrafterConfig):
     """speculative_config of a draft model, method "draft_model" (vLLM's form: a "model" key).
@@ -324,14 +337,7 @@ class DraftModelDrafter:
 
     def _last_logits(self, cache: KVCache, new: list[int], start: int) -> Tensor:
         """Feed `new` at positions start.. and return the logits ([1, V]) after the last."""
-        device = self.model.device
-        tokens = torch.tensor([new], dtype=torch.long, device=device)  # [1, T]
-        # The prompt's first feed is a prefill; later feeds continue the cached prefix.
-        mode = AttentionMode.PREFILL if start == 0 else AttentionMode.DECODE
-        meta = AttentionMetadata.contiguous(mode, [start], [len(new)], device)
-        last = torch.tensor([[len(new) - 1]], device=device)  # [1, 1]
-        logits, _ = self.model(tokens, meta, cache, logits_index=last)  # [1, 1, V]
-        return logits[:, 0]
+        return feed(self.model, cache, new, start)
 
     @staticmethod
     def _draw(q: Tensor, st: SamplingTensors, generator: torch.Generator | None) -> int:

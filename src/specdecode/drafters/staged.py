@@ -27,8 +27,7 @@ from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import SeqView
-from specdecode.drafters.draft_model import DraftLM, DraftModelDrafter
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.drafters.draft_model import DraftLM, DraftModelDrafter, feed
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import verify_chain
 from specdecode.types import Draft, Verdict
@@ -112,10 +111,5 @@ class StagedDrafter(DraftModelDrafter):
     ) -> Tensor:
         """Feed `new` + `guess` at positions start..; q ([len(guess) + 1, V] float32, on the
         host) after the last of `new` and after each guess."""
-        device = self.model.device
-        fed = torch.tensor([new + guess], dtype=torch.long, device=device)  # [1, T]
-        mode = AttentionMode.PREFILL if start == 0 else AttentionMode.DECODE
-        meta = AttentionMetadata.contiguous(mode, [start], [fed.shape[1]], device)
-        index = torch.arange(len(new) - 1, fed.shape[1], device=device)[None]  # [1, G + 1]
-        logits, _ = self.model(fed, meta, cache, logits_index=index)  # [1, G + 1, V]
-        return probs_from_logits(logits, st)[0].cpu()
+        logits = feed(self.model, cache, new + guess, start, len(guess) + 1)  # [G + 1, V]
+        return probs_from_logits(logits[None], st)[0].cpu()

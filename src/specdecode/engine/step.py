@@ -151,7 +151,8 @@ def speculative_step(
 ) -> list[str]:
     """Draft (at most `draft_length`'s limit per request), verify and commit once for every
     request; returns each one's new text."""
-    chosen = draft_length.limits([r.request_id for r in reqs])
+    ids = [r.request_id for r in reqs]
+    chosen = draft_length.limits(ids)
     limits = [
         min(k, MAX_SPECULATIVE_TOKENS, r.max_new - len(r.output_ids) - 1)
         for r, k in zip(reqs, chosen, strict=True)
@@ -162,6 +163,5 @@ def speculative_step(
     check_drafts(drafts, limits, model.config.vocab_size)
     keep_argmax = getattr(drafter, "wants_target_argmax", False)
     verdicts = verify(model, cache, reqs, drafts, st, drafter.hidden_layers or None, keep_argmax)
-    ids = [r.request_id for r in reqs]
     draft_length.observe(ids, drafts, verdicts, drafted - start, time.perf_counter() - drafted)
     return commit(reqs, drafts, verdicts, drafter, outputs, (drafted - start) / len(reqs))
