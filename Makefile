@@ -7,7 +7,7 @@ MODEL ?= smollm2-135m
 PROMPT ?= Add type hints to this Python function. Reply with the whole function only.\n\ndef is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n        if n %% d == 0:\n            return False\n    return True\n
 SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
-.PHONY: install demo test lint bench bench-docs
+.PHONY: install demo serve test lint bench bench-docs
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,10 @@ demo: install
 	$(VENV)/bin/specdecode pull $(MODEL)
 	$(VENV)/bin/specdecode generate --model $(MODEL) --chat --max-tokens 128 \
 	    --prompt "$$(printf '$(PROMPT)')" --speculative-config '$(SPEC)' --compare
+
+serve: install
+	$(VENV)/bin/specdecode pull $(MODEL)
+	$(VENV)/bin/specdecode serve $(MODEL) --speculative-config '$(SPEC)'
 
 test: install
 	$(VENV)/bin/ruff check src tests benchmarks

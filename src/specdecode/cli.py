@@ -1,4 +1,4 @@
-"""`specdecode` command line: models, pull, generate, bench, plan, certify, train."""
+"""`specdecode` command line: models, pull, generate, bench, plan, certify, train, serve."""
 
 from __future__ import annotations
 
@@ -12,34 +12,14 @@ from pathlib import Path
 
 from specdecode.bench.presets import BENCH_DEFAULTS, BENCH_PRESETS, as_flags, bench_options
 from specdecode.certify import CertifyConfig, certify, certify_text
+from specdecode.cli_args import add_quantization, json_object
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.loading import DTYPES
-from specdecode.model.quant import QUANTIZATIONS
 from specdecode.model.registry import ALIASES, list_models, pull
+from specdecode.server.cli import add_serve_parser, run_serve
 from specdecode.train.cli import add_train_parser, run_train
 from specdecode.types import RequestOutput, SamplingParams
-
-
-def _json_object(text: str) -> dict[str, object]:
-    """argparse type: a JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from err
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
-
-
-def _add_quantization(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--quantization",
-        default="none",
-        choices=["none", *QUANTIZATIONS],
-        help="weight format of the target (and of a draft model, unless speculative_config "
-        "sets its own): none = --dtype, int8 = dynamic int8, int4 = weight-only int4",
-    )
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -56,10 +36,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    _add_quantization(p)
+    add_quantization(p)
     p.add_argument(
         "--speculative-config",
-        type=_json_object,
+        type=json_object,
         default=None,
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'',
     )
@@ -126,7 +106,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="always generate --max-tokens (default: stop at EOS)",
     )
     p.add_argument("--device", default="cpu")
-    _add_quantization(p)
+    add_quantization(p)
     p.add_argument("--retries", type=int, default=2, help="redo a group disturbed by others")
     p.add_argument("--quiet-wait", type=float, default=60.0, help="max s to wait for quiet")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for JSON + md")
@@ -149,7 +129,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "--acceptance a: chains only, E = (1 - a^(K+1)) / (1 - a) tokens per step.",
     )
     p.add_argument("--model", required=True, help="target: alias, Hugging Face folder or .gguf")
-    p.add_argument("--speculative-config", type=_json_object, required=True)
+    p.add_argument("--speculative-config", type=json_object, required=True)
     p.add_argument("--acceptance", type=float, default=None, help="default: replay shapes")
     p.add_argument("--context", type=int, default=256, help="cached tokens before each pass")
     p.add_argument("--max-k", type=int, default=8, help="longest chain compared")
@@ -160,7 +140,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
-    _add_quantization(p)
+    add_quantization(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -178,7 +158,7 @@ def _add_certify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="target: alias, Hugging Face folder or .gguf")
     p.add_argument(
         "--speculative-config",
-        type=_json_object,
+        type=json_object,
         default=None,
         help="JSON, required: the drafter to certify (plain decoding is the reference itself)",
     )
@@ -193,7 +173,7 @@ def _add_certify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=default.batch_size, help="runs per batch")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
-    _add_quantization(p)
+    add_quantization(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -211,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_certify(sub)
     add_train_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
@@ -457,7 +438,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_certify(args)
         if args.command == "train":
             return run_train(args)
+        if args.command == "serve":
+            return run_serve(args)
         return _cmd_generate(args)
     except UserError as err:  # anything else is a bug: its traceback is kept
         print(f"specdecode: error: {err}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -130,7 +130,11 @@ class LLM:
         self.draft_model = self._loaded[key][0]
         return self._loaded[key]
 
-    def _request(self, prompt: Prompt, params: SamplingParams) -> Request:
+    def make_request(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """A `Request` for this LLM's engine (a fresh numeric id unless `request_id` is given);
+        refuses a prompt that is empty, too long for the context or outside the vocabulary."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
@@ -147,7 +151,7 @@ class LLM:
                 f"got {type(prompt).__name__}"
             )
         return Request(
-            str(next(self._ids)),
+            str(next(self._ids)) if request_id is None else request_id,
             text,
             ids,
             params,
@@ -166,7 +170,7 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise UserError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        return [self._request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        return [self.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
 
     def generate(
         self,
@@ -176,10 +180,10 @@ class LLM:
         """Generate a completion for each prompt, as one batch; outputs keep the prompts' order."""
         reqs = self._requests(prompts, sampling_params)
         finals = {}
-        for req, _delta in self.engine.stream(reqs):
-            if req.finished:
-                finals[req.request_id] = self.engine.outputs.output(req)
-                self.spec_metrics += req.spec
+        for event in self.engine.stream(reqs):
+            if event.output.finished:
+                finals[event.request.request_id] = event.output
+                self.spec_metrics += event.request.spec
         return [finals[r.request_id] for r in reqs]
 
     def stream(
@@ -188,8 +192,8 @@ class LLM:
         """Generate for one prompt, yielding a cumulative `RequestOutput` whenever text lands."""
         (req,) = self._requests(prompt, sampling_params)
         with closing(self.engine.stream([req])) as events:  # released even if we stop early
-            for _, _delta in events:
-                yield self.engine.outputs.output(req)
+            for event in events:
+                yield event.output
         self.spec_metrics += req.spec
 
     def chat_prompt(self, messages: Messages) -> dict[str, list[int]]:

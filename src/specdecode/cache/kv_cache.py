@@ -7,6 +7,12 @@ keys/values that belong to the row. A forward pass writes where its `AttentionMe
 never read and get overwritten. Token trees write their nodes at consecutive slots and keep
 the accepted path with `compact`, which copies it once. The cache never decides how a pass
 attends; the metadata does.
+
+Rows come and go (continuous batching): the buffers hold a pool of allocated rows, the first
+`batch_size` of them active. `add_rows` activates rows at the end (growing the pool or the
+capacity, amortised, when it must), `row` is a one-row cache that writes into an active row in
+place (a request's prefill runs there alone), and `keep_rows` moves the kept rows down over
+the dropped ones (copying only rows that move, only their filled slots).
 """
 
 from __future__ import annotations
@@ -34,14 +40,80 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
-        self.capacity = capacity
+        self._k_pool = torch.zeros(shape, dtype=dtype, device=device)  # [L, R, Hkv, S, D]
+        self._v_pool = torch.zeros(shape, dtype=dtype, device=device)  # [L, R, Hkv, S, D]
         self.lengths: list[int] = [0] * batch_size  # slots that belong to each row (host side)
+        self._activate()
+
+    def _activate(self) -> None:
+        """Point `k` / `v` at the active rows (the first `batch_size` of the pool)."""
+        self.k = self._k_pool[:, : self.batch_size]  # [L, B, Hkv, S, D]
+        self.v = self._v_pool[:, : self.batch_size]  # [L, B, Hkv, S, D]
 
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        """Slots per row."""
+        return self._k_pool.shape[3]
+
+    @property
+    def pool_rows(self) -> int:
+        """Rows allocated (active or free)."""
+        return self._k_pool.shape[1]
+
+    def add_rows(self, count: int, capacity: int, max_slots: int | None = None) -> list[int]:
+        """Activate `count` empty rows after the active ones and give every active row room
+        for at least `capacity` slots; returns the new rows' indices. The pool grows only when
+        it must, and then with room to spare (twice the rows, 1.5 times the slots: amortised
+        copies), but never past `max_slots` slots in all (rows x slots) when given; active
+        rows keep their data."""
+        rows, slots = self.pool_rows, self.capacity
+        need_rows = self.batch_size + count
+        if need_rows > rows or capacity > slots:
+            new_rows = max(need_rows, 2 * rows) if need_rows > rows else rows
+            new_slots = max(capacity, slots * 3 // 2) if capacity > slots else slots
+            if max_slots is not None:
+                new_slots = max(capacity, min(new_slots, max_slots // need_rows))
+                new_rows = max(need_rows, min(new_rows, max_slots // new_slots))
+            self._grow(new_rows, new_slots)
+        first = self.batch_size
+        self.lengths.extend([0] * count)
+        self._activate()
+        return list(range(first, first + count))
+
+    def _grow(self, rows: int, slots: int) -> None:
+        """Reallocate the pool with `rows` rows of `slots` slots; active rows keep their slots."""
+        old_k, old_v = self._k_pool, self._v_pool
+        layers, _, heads, _, dim = old_k.shape
+        shape = (layers, rows, heads, slots, dim)
+        self._k_pool = torch.zeros(shape, dtype=old_k.dtype, device=old_k.device)
+        self._v_pool = torch.zeros(shape, dtype=old_v.dtype, device=old_v.device)
+        used = max(self.lengths, default=0)
+        active = self.batch_size
+        self._k_pool[:, :active, :, :used] = old_k[:, :active, :, :used]
+        self._v_pool[:, :active, :, :used] = old_v[:, :active, :, :used]
+
+    def row(self, index: int) -> KVCache:
+        """A one-row cache over active row `index`'s storage (writes land in this cache, no
+        copy), starting empty; set this cache's length from it after its passes
+        (`set_length`)."""
+        if not 0 <= index < self.batch_size:
+            raise ValueError(f"row {index} is not active (rows 0..{self.batch_size - 1})")
+        view = KVCache.__new__(KVCache)
+        view._k_pool = self._k_pool[:, index : index + 1]
+        view._v_pool = self._v_pool[:, index : index + 1]
+        view.lengths = [0]
+        view._activate()
+        return view
+
+    def set_length(self, index: int, length: int) -> None:
+        """Row `index` holds `length` slots (written through a `row` view)."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"length {length} is outside 0..{self.capacity}")
+        self.lengths[index] = length
 
     def check(self, meta: AttentionMetadata) -> None:
         """Refuse a pass that does not continue every row at its length or does not fit."""
@@ -131,8 +203,18 @@ class KVCache:
         self.lengths = [length] * self.batch_size
 
     def keep_rows(self, rows: Sequence[int]) -> None:
-        """Drop every batch row not in `rows` (finished sequences); copies the kept rows once."""
-        index = torch.tensor(list(rows), device=self.k.device)
-        self.k = self.k.index_select(1, index)
-        self.v = self.v.index_select(1, index)
+        """Keep the active rows `rows` (increasing), as rows 0, 1, ...; drop the others
+        (finished sequences). A kept row that moves is copied once (its filled slots); the
+        dropped rows return to the pool."""
+        rows = list(rows)
+        if any(b <= a for a, b in itertools.pairwise(rows)) or (
+            rows and not 0 <= rows[0] <= rows[-1] < self.batch_size
+        ):
+            raise ValueError(f"keep_rows needs increasing active rows, got {rows}")
+        for dst, src in enumerate(rows):
+            if dst != src:
+                n = self.lengths[src]
+                self._k_pool[:, dst, :, :n] = self._k_pool[:, src, :, :n]
+                self._v_pool[:, dst, :, :n] = self._v_pool[:, src, :, :n]
         self.lengths = [self.lengths[r] for r in rows]
+        self._activate()

@@ -25,7 +25,9 @@ counts decay by `DECAY` per step and start from `PRIOR_WEIGHT` pseudo-positions 
 all requests so far. Pass seconds are learned from the engine's own passes (an exponential
 average per pass width); a width never measured is read off its measured neighbours (linear
 between them, flat beyond the widest), which is optimistic about untried long drafts: trying
-them measures them.
+them measures them. Narrower passes than any measured are read as the narrowest measured one,
+which would keep a busy batch at long drafts it cannot afford: a server therefore seeds the
+table with passes measured at its start (`PassCosts.seed`, widths 1 .. max_num_seqs x (K + 1)).
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ class PassCosts:
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
 
+    def seed(self, seconds: dict[int, float]) -> None:
+        """Start from pass costs measured beforehand (width -> seconds), e.g. at a server's
+        start, so that widths a batch has not run yet are not guessed; passes observed later
+        keep refining them."""
+        self.seconds.update(seconds)
+
     def observe(self, width: int, seconds: float) -> None:
         old = self.seconds.get(width)
         self.seconds[width] = seconds if old is None else old + PASS_AVERAGE * (seconds - old)
@@ -103,13 +111,17 @@ class DraftLength:
         self.draft_s_per_token = 0.0  # running average seconds of drafting per draft token
         self._successes = self._failures = 1.0  # all requests' counts (rate 0.5 at first)
         self._requests: dict[str, _Request] = {}
+        self.last_limits: list[int] = []  # the latest step's limits (reported as a metric)
 
     def limits(self, request_ids: list[str]) -> list[int]:
         """This step's draft limit per request (0..K), in order."""
         if self.policy == "fixed":
-            return [self.max_tokens] * len(request_ids)
-        rows = len(request_ids)
-        return [self._limit(self._request(r), rows) for r in request_ids]
+            chosen = [self.max_tokens] * len(request_ids)
+        else:
+            rows = len(request_ids)
+            chosen = [self._limit(self._request(r), rows) for r in request_ids]
+        self.last_limits = chosen
+        return chosen
 
     def observe(
         self,

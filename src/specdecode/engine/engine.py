@@ -1,12 +1,20 @@
-"""The engine owns the target, a drafter and the output processor, and runs a batch of requests
-to the end: prefill, then speculative steps until every request has finished."""
+"""The engine owns the target, a drafter, the scheduler and the output processor, and runs
+requests with continuous batching: `add` queues a request, `abort` cancels one, and each
+`step` lets waiting requests join (each prefilled alone into its own cache row) and then
+drafts, verifies and commits once for every running request.
+
+Losslessness per request: a request's prefill is the same pass whether others run or not, and
+a verification pass attends each row by itself (DECODE / TREE mode), so in fp32 a request's
+greedy output is the same alone or in a busy batch; in bf16 and int8 it is too wherever the
+kernels are row-exact (tests/test_row_exact.py says which).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
@@ -14,18 +22,35 @@ from specdecode.drafters.plain import EMPTY_DRAFT, PlainDrafter
 from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.request import Request
+from specdecode.engine.scheduler import Scheduler, SchedulerConfig
 from specdecode.engine.step import commit, keep_features, speculative_step
+from specdecode.errors import UserError
 from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import verdicts, verify_chain
+from specdecode.types import RequestOutput
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """New text of one request after a step, with a snapshot of its output.
+
+    request: the engine's request (read its counters; do not change it).
+    text: the text released by this step ("" when only the finish state changed).
+    output: the cumulative `RequestOutput` after this step.
+    """
+
+    request: Request
+    text: str
+    output: RequestOutput
 
 
 class Engine:
-    """Batched decoding over a `Transformer`, speculative when given a drafter; with a
+    """Continuous batching over a `Transformer`, speculative when given a drafter; with a
     `draft_length` policy, each request's draft limit is chosen per step (default: the
-    drafter's own K, up to MAX_SPECULATIVE_TOKENS)."""
+    drafter's own K, up to MAX_SPECULATIVE_TOKENS); `scheduler` sets the batch's limits."""
 
     def __init__(
         self,
@@ -33,92 +58,154 @@ class Engine:
         tokenizer: Tokenizer,
         drafter: Drafter | None = None,
         draft_length: DraftLength | None = None,
+        scheduler: SchedulerConfig | None = None,
     ) -> None:
         self.model = model
         self.drafter: Drafter = drafter if drafter is not None else PlainDrafter()
-        self.draft_length = draft_length or DraftLength("fixed", MAX_SPECULATIVE_TOKENS)
+        most = MAX_SPECULATIVE_TOKENS if drafter is not None else 0
+        self.draft_length = draft_length or DraftLength("fixed", most)
         self.outputs = OutputProcessor(tokenizer)
+        self.scheduler = Scheduler(scheduler or SchedulerConfig())
+        self.cache: KVCache | None = None  # rows = scheduler.running, in order
+        self._ids: set[str] = set()  # requests added and not yet released
 
-    def _prefill(self, reqs: list[Request]) -> tuple[Tensor, KVCache]:
-        """Run every prompt (right-padded into one batch); return last-token logits and cache."""
-        device = self.model.device
-        lengths = [len(r.prompt_ids) for r in reqs]
-        tokens = torch.zeros(len(reqs), max(lengths), dtype=torch.long)  # [B, T], 0-padded
-        for row, req in enumerate(reqs):
-            tokens[row, : lengths[row]] = torch.tensor(req.prompt_ids)
-        last = torch.tensor(lengths)[:, None] - 1  # [B, 1]
-        # Spare slots: a short draft is padded to the batch's longest one (<= 64 tokens).
-        capacity = max(r.length + r.max_new for r in reqs) + MAX_SPECULATIVE_TOKENS
-        cache = self.model.new_cache(len(reqs), capacity)
-        meta = AttentionMetadata.prefill(lengths, device)
-        layers = self.drafter.hidden_layers or None  # () asks for nothing too
-        logits, hidden = self.model(
-            tokens.to(device), meta, cache, logits_index=last.to(device), hidden_layers=layers
-        )
-        keep_features(reqs, meta.starts, lengths, hidden if layers else None)
-        return logits, cache  # [B, 1, V]
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
 
-    def _first_tokens(self, reqs: list[Request], logits: Tensor, st: SamplingTensors) -> list[str]:
-        """Sample each request's first token from the prefill logits ([B, 1, V]); commit it."""
-        device = self.model.device
-        none = torch.zeros(len(reqs), 0, dtype=torch.long, device=device)  # [B, 0]
-        num_accepted, out = verify_chain(
-            probs_from_logits(logits, st),
-            none,
-            None,
-            torch.zeros(len(reqs), dtype=torch.long, device=device),
-            [r.generator for r in reqs],
-            greedy=st.greedy,
-        )
-        drafts = [EMPTY_DRAFT] * len(reqs)
-        return commit(reqs, drafts, verdicts(num_accepted, out), self.drafter, self.outputs)
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request waits or runs."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def add(self, request: Request) -> None:
+        """Queue a request; it joins the running batch at a later `step`. Refuses a request id
+        already in flight or a request that could never fit the KV cache."""
+        if request.request_id in self._ids:
+            raise UserError(f"request id {request.request_id!r} is already in flight")
+        self.scheduler.add(request)
+        self.outputs.add(request)
+        self._ids.add(request.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a waiting or running request (its row leaves at the next step); False when
+        the id is not in flight."""
+        if request_id not in self._ids:
+            return False
+        waiting = self.scheduler.remove_waiting(request_id)
+        if waiting is not None:
+            waiting.finish("abort", None)
+            self._release(request_id)
+            return True
+        for request in self.scheduler.running:
+            if request.request_id == request_id and not request.finished:
+                request.finish("abort", None)
+        return True
+
+    def abort_all(self) -> None:
+        """Cancel every request in flight and drop the cache (e.g. after a step failed midway,
+        when rows may hold half a step)."""
+        for request in [*self.scheduler.waiting, *self.scheduler.running]:
+            if not request.finished:
+                request.finish("abort", None)
+            self._release(request.request_id)
+        self.scheduler.waiting.clear()
+        self.scheduler.running = []
+        self.cache = None
 
     @torch.inference_mode()
-    def stream(self, reqs: list[Request]) -> Iterator[tuple[Request, str]]:
-        """Generate every request to completion, yielding (request, new text) as tokens land.
+    def step(self) -> list[Event]:
+        """Drop finished rows, admit and prefill waiting requests (their first tokens), then
+        one speculative step over every running request; return the events in order (a
+        request's last event has `output.finished` True)."""
+        self._drop_finished()
+        admitted = self.scheduler.admit(self.draft_length.max_tokens)
+        events = [self._prefill(req) for req in self._new_rows(admitted)]
+        self._drop_finished()  # requests done at their first token
+        running = self.scheduler.running
+        if running:
+            st = SamplingTensors.from_params([r.params for r in running], self.model.device)
+            texts = speculative_step(
+                self.model, self.cache, running, self.drafter, st, self.outputs, self.draft_length
+            )
+            events += [self._event(r, t) for r, t in zip(running, texts, strict=True)]
+        return [e for e in events if e.text or e.output.finished]
 
-        Finished rows leave the batch; a request's final event has `request.finished` True.
-        Read `self.outputs.output(request)` while handling an event: a finished request's
-        text is released when the stream moves on.
-        """
-        if not reqs:
-            return
+    def stream(self, reqs: list[Request]) -> Iterator[Event]:
+        """Add `reqs` and step until every one has finished, yielding their events (and those
+        of other requests in flight). Requests the consumer leaves unfinished (it stopped
+        early, or a step failed) are aborted."""
         for req in reqs:
-            self.outputs.add(req)
-        live = {req.request_id for req in reqs}  # added and not yet released
+            self.add(req)
         try:
-            yield from self._run(reqs, live)
-        finally:  # also when the consumer stops early or a step fails
-            for request_id in list(live):
-                self._release(request_id, live)
+            while any(not r.finished for r in reqs):
+                yield from self.step()
+        finally:
+            for req in reqs:
+                if not req.finished:
+                    self.abort(req.request_id)
+            self._drop_finished()
 
-    def _release(self, request_id: str, live: set[str]) -> None:
-        """The drafter and the output processor forget a request, once."""
-        live.discard(request_id)
+    def _new_rows(self, admitted: list[Request]) -> list[Request]:
+        """Give each admitted request a cache row (the cache grows as the scheduler allows)."""
+        if not admitted:
+            return admitted
+        capacity = self.scheduler.capacity()
+        if self.cache is None:
+            self.cache = self.model.new_cache(0, capacity)
+        self.cache.add_rows(len(admitted), capacity, self.scheduler.config.kv_cache_tokens)
+        return admitted
+
+    def _prefill(self, req: Request) -> Event:
+        """Run one prompt alone into its cache row; sample and commit its first token."""
+        assert self.cache is not None  # _new_rows made it
+        device = self.model.device
+        row = self.scheduler.running.index(req)
+        view = self.cache.row(row)
+        length = len(req.prompt_ids)
+        tokens = torch.tensor([req.prompt_ids], device=device)  # [1, T]
+        meta = AttentionMetadata.prefill([length], device)
+        layers = self.drafter.hidden_layers or None  # () asks for nothing too
+        last = torch.tensor([[length - 1]], device=device)  # [1, 1]
+        logits, hidden = self.model(tokens, meta, view, logits_index=last, hidden_layers=layers)
+        self.cache.set_length(row, view.lengths[0])
+        keep_features([req], meta.starts, [length], hidden if layers else None)
+        st = SamplingTensors.from_params([req.params], device)
+        none = torch.zeros(1, 0, dtype=torch.long, device=device)  # [1, 0]
+        num_accepted, out = verify_chain(
+            probs_from_logits(logits, st),  # [1, 1, V]
+            none,
+            None,
+            torch.zeros(1, dtype=torch.long, device=device),
+            [req.generator],
+            greedy=st.greedy,
+        )
+        verdict = verdicts(num_accepted, out)
+        (text,) = commit([req], [EMPTY_DRAFT], verdict, self.drafter, self.outputs)
+        return self._event(req, text)
+
+    def _event(self, req: Request, text: str) -> Event:
+        return Event(req, text, self.outputs.output(req))
+
+    def _drop_finished(self) -> None:
+        """Free the rows of finished (and aborted) requests and release them."""
+        running = self.scheduler.running
+        keep = [row for row, req in enumerate(running) if not req.finished]
+        if len(keep) == len(running):
+            return
+        for req in running:
+            if req.finished:
+                self._release(req.request_id)
+        if self.cache is not None:
+            self.cache.keep_rows(keep)
+        self.scheduler.running = [running[row] for row in keep]
+
+    def _release(self, request_id: str) -> None:
+        """The drafter, the draft-length policy and the output processor forget a request."""
+        self._ids.discard(request_id)
         self.drafter.release(request_id)
         self.draft_length.release(request_id)
         self.outputs.release(request_id)
-
-    def _run(self, reqs: list[Request], live: set[str]) -> Iterator[tuple[Request, str]]:
-        """The decode loop of `stream`; finished requests leave `live` as they are released."""
-        logits, cache = self._prefill(reqs)
-        active = list(reqs)
-        st = SamplingTensors.from_params([r.params for r in active], self.model.device)
-        texts = self._first_tokens(active, logits, st)
-        while True:
-            for req, text in zip(active, texts, strict=True):
-                if text or req.finished:
-                    yield req, text
-            keep = [row for row, req in enumerate(active) if not req.finished]
-            for req in active:
-                if req.finished:
-                    self._release(req.request_id, live)
-            if not keep:
-                return
-            if len(keep) < len(active):
-                cache.keep_rows(keep)
-                active = [active[row] for row in keep]
-                st = SamplingTensors.from_params([r.params for r in active], self.model.device)
-            texts = speculative_step(
-                self.model, cache, active, self.drafter, st, self.outputs, self.draft_length
-            )

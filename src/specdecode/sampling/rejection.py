@@ -45,8 +45,8 @@ def verify_chain(
             (q one-hot on the draft token).
         num_draft: [B] int64 in 0..K, the draft length of each row.
         generators: B generators, one per row (None = torch's default generator); the same
-            object may repeat. Row b draws K + 1 uniforms from generators[b] (rows are served in
-            order), unless it is greedy.
+            object may repeat. Row b draws num_draft[b] + 1 uniforms from generators[b] (rows
+            are served in order), unless it is greedy.
         greedy: [B] host bools, True where the row's p is one-hot at every position (temperature
             0, known from its sampling parameters): such a row draws no random numbers, since
             the rule's outcome does not depend on them. None = no row is greedy.
@@ -66,7 +66,8 @@ def verify_chain(
     pos = torch.arange(k + 1, device=draft_tokens.device)  # [K + 1]
     valid = pos[:k] < num_draft[:, None]  # [B, K] True at real (non-padding) draft positions
     draft = torch.where(valid, draft_tokens, 0)  # [B, K] padding -> 0, safe to gather
-    uniforms = draw_uniforms(target_probs, generators, greedy)  # [B, K + 1] float64
+    counts = num_draft.tolist() if greedy is None or not all(greedy) else [0] * batch
+    uniforms = draw_uniforms(target_probs, generators, greedy, counts)  # [B, K + 1] float64
 
     p_x = target_probs[:, :k].gather(-1, draft[..., None]).squeeze(-1)  # [B, K] p_i(x_i)
     if draft_probs is None:
@@ -112,26 +113,28 @@ def draw_uniforms(
     target_probs: Tensor,
     generators: Sequence[torch.Generator | None],
     greedy: Sequence[bool] | None,
+    counts: Sequence[int],
 ) -> Tensor:
-    """Draw K + 1 uniforms in [0, 1) per row from the row's generator -> [B, K + 1] float64.
+    """Draw counts[b] + 1 uniforms in [0, 1) for row b from the row's generator -> [B, W]
+    float64 (W = target_probs' K + 1 positions).
 
-    target_probs: [B, K + 1, V]; greedy: [B] or None. Greedy rows get zeros and leave their
-    generator untouched: with one-hot p, `u * q < p` and sampling p do not depend on u.
-    Uniforms: column i < K decides draft position i, column K samples the recovered or bonus
-    token.
+    target_probs: [B, W, V]; greedy: [B] or None; counts: per row, its draft tokens (a tree's
+    nodes). Column i < counts[b] decides draft position i (node i); column W - 1 holds the
+    row's last draw, which samples the recovered or bonus token; padding columns are 0. A row
+    draws as many numbers as its own draft needs, so what it draws never depends on the other
+    rows (a seeded request gives the same tokens alone and in any batch). Greedy rows get zeros
+    and leave their generator untouched: with one-hot p, `u * q < p` and sampling p do not
+    depend on u.
     """
     batch, width, _ = target_probs.shape
-    random_rows = [b for b in range(batch) if greedy is None or not greedy[b]]
     uniforms = torch.zeros(batch, width, dtype=torch.float64, device=target_probs.device)
-    if not random_rows:
-        return uniforms
-    gens = [generators[b] for b in random_rows]
     kwargs = {"dtype": torch.float64, "device": target_probs.device}
-    if all(g is gens[0] for g in gens):  # one shared generator: one call, same numbers as a loop
-        drawn = torch.rand(len(gens), width, generator=gens[0], **kwargs)
-    else:
-        drawn = torch.stack([torch.rand(width, generator=g, **kwargs) for g in gens])
-    uniforms[random_rows] = drawn
+    for b in range(batch):
+        if greedy is not None and greedy[b]:
+            continue
+        drawn = torch.rand(counts[b] + 1, generator=generators[b], **kwargs)
+        uniforms[b, : counts[b]] = drawn[:-1]
+        uniforms[b, -1] = drawn[-1]
     return uniforms
 
 

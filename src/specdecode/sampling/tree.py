@@ -54,8 +54,8 @@ def verify_tree(
         node_probs: [B, N, V] float32 q_i per node (see the module docstring), or None for
             deterministic nodes (one-hot q).
         trees: B tree shapes, N >= every num_nodes.
-        generators: B generators (None = torch's default). Row b draws N + 1 uniforms (column
-            n decides node n, column N the final token) unless it is greedy.
+        generators: B generators (None = torch's default). Row b draws trees[b].num_nodes + 1
+            uniforms (column n decides node n, column N the final token) unless it is greedy.
         greedy: [B] host bools, True where p is one-hot (temperature 0); None = none is.
 
     Returns:
@@ -70,7 +70,8 @@ def verify_tree(
     num = width - 1
     device = target_probs.device
     first_child, next_sibling = _links(trees, num, device)  # [B, N + 1], [B, N]
-    uniforms = draw_uniforms(target_probs, generators, greedy)  # [B, N + 1] float64
+    counts = [tree.num_nodes for tree in trees]
+    uniforms = draw_uniforms(target_probs, generators, greedy, counts)  # [B, N + 1] float64
     rows = torch.arange(batch, device=device)  # [B]
     cand = first_child[:, 0]  # [B] the node tried next (-1: none left)
     r = target_probs[:, 0].clone()  # [B, V] the residual at the current node

@@ -1,0 +1,30 @@
+"""Argument types and flags shared by the `specdecode` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from specdecode.model.quant import QUANTIZATIONS
+
+
+def json_object(text: str) -> dict[str, object]:
+    """argparse type: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def add_quantization(p: argparse.ArgumentParser) -> None:
+    """--quantization: the target's weight format."""
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", *QUANTIZATIONS],
+        help="weight format of the target (and of a draft model, unless speculative_config "
+        "sets its own): none = --dtype, int8 = dynamic int8, int4 = weight-only int4",
+    )

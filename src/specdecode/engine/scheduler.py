@@ -1,0 +1,120 @@
+"""The scheduler: which waiting requests join the running batch before the next step.
+
+Requests wait in arrival order (first come, first served: a request never overtakes an earlier
+one). Between steps, `admit` moves the head of the queue into the running batch while all of
+these hold after the move:
+
+- at most `max_num_seqs` requests run;
+- the step's tokens stay within `max_num_batched_tokens`: the prompts admitted now plus the
+  verification tokens of every request that will run the step, the newly admitted included
+  (1 + K each). The first request admitted in a step is
+  admitted even when its prompt exceeds what is left of the budget (there is no chunked
+  prefill), so no prompt waits forever;
+- the KV cache holds at most `kv_cache_tokens` slots: the cache is rectangular (every row has
+  the capacity of the longest request), so the check is rows x the longest request's need,
+  where a request needs its prompt + max_tokens + the spare slots of a draft
+  (`MAX_SPECULATIVE_TOKENS`). A running request therefore never runs out of room (nothing is
+  preempted); a request that could never fit is refused when added (`check_fits`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
+from specdecode.engine.request import Request
+from specdecode.errors import UserError
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of the running batch (module docstring).
+
+    max_num_seqs: requests running at once (vLLM's name), >= 1.
+    max_num_batched_tokens: tokens one step may feed (prompts admitted + verification), >= 1.
+    kv_cache_tokens: KV slots the running batch may hold (rows x slots per row); None = no
+        limit (the cache grows as needed).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kv_cache_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"{name} must be an int >= 1, got {value!r}")
+        tokens = self.kv_cache_tokens
+        if tokens is not None and (
+            not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1
+        ):
+            raise UserError(f"kv_cache_tokens must be None or an int >= 1, got {tokens!r}")
+
+
+def kv_need(request: Request) -> int:
+    """KV slots a request may fill: its prompt, every token it may generate, and a draft's
+    spare slots (a draft is written before it is verified)."""
+    return len(request.prompt_ids) + request.max_new + MAX_SPECULATIVE_TOKENS
+
+
+class Scheduler:
+    """The waiting queue and the running batch (in cache-row order)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def check_fits(self, request: Request) -> None:
+        """Refuse a request that could not run even alone within `kv_cache_tokens`."""
+        limit = self.config.kv_cache_tokens
+        need = kv_need(request)
+        if limit is not None and need > limit:
+            raise UserError(
+                f"the request needs {need} KV cache slots ({len(request.prompt_ids)} prompt "
+                f"tokens + max_tokens {request.max_new} + {MAX_SPECULATIVE_TOKENS} for drafts) "
+                f"but the cache holds {limit}; lower max_tokens or shorten the prompt"
+            )
+
+    def add(self, request: Request) -> None:
+        """Queue a request (after `check_fits`)."""
+        self.check_fits(request)
+        self.waiting.append(request)
+
+    def admit(self, draft_tokens: int) -> list[Request]:
+        """Move the waiting requests that fit (module docstring) to the end of the running
+        batch and return them; each running request will verify up to `draft_tokens` + 1
+        tokens this step."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens - len(self.running) * (1 + draft_tokens)
+        longest = max((kv_need(r) for r in self.running), default=0)
+        admitted: list[Request] = []
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            head = self.waiting[0]
+            prompt = len(head.prompt_ids)
+            if prompt + 1 + draft_tokens > budget and admitted:
+                break  # next step
+            need = max(longest, kv_need(head))
+            rows = len(self.running) + 1
+            if cfg.kv_cache_tokens is not None and rows * need > cfg.kv_cache_tokens:
+                break
+            self.waiting.popleft()
+            self.running.append(head)
+            admitted.append(head)
+            budget -= prompt + 1 + draft_tokens
+            longest = need
+        return admitted
+
+    def capacity(self) -> int:
+        """Slots per cache row the running batch needs (its longest request's need)."""
+        return max((kv_need(r) for r in self.running), default=0)
+
+    def remove_waiting(self, request_id: str) -> Request | None:
+        """Take a waiting request out of the queue (None if it is not waiting)."""
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                return request
+        return None

@@ -1,0 +1,399 @@
+"""The OpenAI-compatible HTTP app: routes, validation, streaming, errors, metrics.
+
+The app never runs the model on its event loop: requests go to an `AsyncEngine` (the engine in
+its own thread, continuous batching). Every refusal is an OpenAI-shaped error (400 bad JSON or
+field, prompt or max_tokens that do not fit the context or the KV cache, 401 wrong API key,
+404 unknown model); a client that disconnects aborts its request, which frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from specdecode.bench.costs import forward_seconds
+from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
+from specdecode.engine.async_engine import AsyncEngine
+from specdecode.engine.engine import Engine
+from specdecode.engine.request import Request as EngineRequest
+from specdecode.engine.scheduler import SchedulerConfig
+from specdecode.errors import UserError
+from specdecode.llm import LLM
+from specdecode.server.errors import APIError, bad_request
+from specdecode.server.metrics import ServerMetrics
+from specdecode.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    envelope,
+    usage,
+)
+from specdecode.types import RequestOutput
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is there
+PASS_CONTEXT = 256  # cached tokens before the passes measured at start (`seed_pass_costs`)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """What `specdecode serve` adds to the model and its speculative config.
+
+    served_model_name: the name clients pass as `model` (and /v1/models lists).
+    api_key: when set, /v1 routes need `Authorization: Bearer <api_key>`.
+    scheduler: the continuous batch's limits.
+    """
+
+    served_model_name: str
+    api_key: str | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
+    """The app serving `llm` (its target, tokenizer and drafter) as `config` says."""
+    engine = Engine(
+        llm.model, llm.tokenizer, llm.engine.drafter, llm.engine.draft_length, config.scheduler
+    )
+    seed_pass_costs(engine, config.scheduler.max_num_seqs)
+    metrics = ServerMetrics(config.served_model_name)
+    state: dict[str, AsyncEngine] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state["runner"] = AsyncEngine(engine, metrics.observe, metrics.gauges)
+        yield
+        state.pop("runner").shutdown()
+
+    app = FastAPI(title="specdecode", lifespan=lifespan)
+    api = _Api(llm, engine, config, metrics, state)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        try:
+            json.loads(await request.body())
+        except ValueError as bad:
+            message = f"the body is not valid JSON: {bad}"
+            return APIError(400, message, code="bad_json").response()
+        return _validation_error(error).response()
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, error: Exception) -> JSONResponse:
+        message = f"internal error: {type(error).__name__}: {error}"
+        return APIError(500, message, "internal_server_error", None, "internal_error").response()
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Response:
+        guarded = config.api_key is not None and request.url.path.startswith("/v1")
+        if guarded and request.headers.get("authorization") != f"Bearer {config.api_key}":
+            error = APIError(
+                401,
+                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                "authentication_error",
+                None,
+                "invalid_api_key",
+            )
+            return error.response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.served_model_name,
+                    "object": "model",
+                    "created": api.created,
+                    "owned_by": "specdecode",
+                    "max_model_len": api.context,
+                }
+            ],
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return api.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return api.detokenize(body)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await api.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await api.chat(body, request)
+
+    return app
+
+
+def seed_pass_costs(engine: Engine, max_num_seqs: int) -> dict[int, float]:
+    """With the "cost" draft-length policy, measure verification passes of 1 .. max_num_seqs x
+    (K + 1) tokens (powers of two and the widest) before serving, so the rule picks K for
+    every batch size from measured costs (`DraftLength`); returns them (empty otherwise)."""
+    policy = engine.draft_length
+    if policy.policy != "cost":
+        return {}
+    context = engine.model.config.max_position_embeddings
+    widest = min(max_num_seqs * (policy.max_tokens + 1), context // 2)
+    widths = sorted({1 << i for i in range(widest.bit_length())} | {widest})
+    seconds = forward_seconds(engine.model, min(PASS_CONTEXT, context - widest), widths, 2)
+    policy.passes.seed(seconds)
+    return seconds
+
+
+def _validation_error(error: RequestValidationError) -> APIError:
+    """400 for a body with a bad or missing field, naming the first problem."""
+    first = error.errors()[0]
+    where = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(where) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return bad_request(message, param)
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+class _Api:
+    """The handlers' logic, over one engine."""
+
+    def __init__(
+        self,
+        llm: LLM,
+        engine: Engine,
+        config: ServeConfig,
+        metrics: ServerMetrics,
+        state: dict[str, AsyncEngine],
+    ) -> None:
+        self.llm, self.engine, self.config, self.metrics = llm, engine, config, metrics
+        self.state = state
+        self.context = llm.model.config.max_position_embeddings
+        self.created = int(time.time())
+
+    # -- validation -------------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves "
+                f"{self.config.served_model_name!r}",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
+
+    def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+        ids = self.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.llm.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param)
+        if not ids:
+            raise bad_request("the prompt is empty", param)
+        if len(ids) >= self.context:
+            raise bad_request(
+                f"the prompt has {len(ids)} tokens but this model's context is {self.context} "
+                "tokens (prompt + completion must fit); shorten the prompt",
+                param,
+            )
+        return ids
+
+    def max_tokens(self, asked: int | None, num_prompt: int, default: int | None) -> int:
+        """The completion's token limit: asked, else `default`, else what fits (the context
+        and, alone, the KV cache); 400 when the asked number does not fit the context."""
+        room = self.context - num_prompt
+        if asked is None:
+            kv = self.config.scheduler.kv_cache_tokens
+            fits = room if kv is None else min(room, kv - num_prompt - MAX_SPECULATIVE_TOKENS)
+            return max(1, fits if default is None else min(default, room))
+        if asked > room:
+            raise bad_request(
+                f"this model's maximum context length is {self.context} tokens, but "
+                f"{num_prompt + asked} were requested ({num_prompt} in the prompt, {asked} in "
+                "the completion); reduce the prompt or max_tokens",
+                "max_tokens",
+            )
+        return asked
+
+    def request(self, ids: list[int], body: Any, max_tokens: int, kind: str) -> EngineRequest:
+        params = body.sampling_params(max_tokens)
+        request_id = f"{kind}-{uuid.uuid4().hex}"
+        try:
+            request = self.llm.make_request({"prompt_token_ids": ids}, params, request_id)
+            self.engine.scheduler.check_fits(request)
+        except UserError as error:
+            raise bad_request(str(error)) from error
+        return request
+
+    # -- routes -----------------------------------------------------------------------------
+
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give either 'prompt' or 'messages'", "prompt")
+        if body.messages is not None:
+            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = self.llm.chat_prompt(conversation)["prompt_token_ids"]
+        else:
+            ids = self.llm.tokenizer.encode(body.prompt or "", body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        vocab = self.llm.model.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": self.llm.tokenizer.decode(body.tokens)}
+
+    async def completions(self, body: CompletionRequest, http: Request) -> Response:
+        self.check_model(body.model)
+        ids = self.prompt_ids(body.prompt_one(), "prompt")
+        limit = self.max_tokens(body.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
+        request = self.request(ids, body, limit, "cmpl")
+        head = envelope("text_completion", request.request_id, body.model)
+        if body.stream:
+            chunks = self._completion_chunks(request, head, body.include_usage)
+            return StreamingResponse(self._guard(chunks), media_type="text/event-stream")
+        out = await self._collect(request, http)
+        choice = {
+            "index": 0,
+            "text": out.text,
+            "finish_reason": out.outputs[0].finish_reason,
+            "logprobs": None,
+        }
+        return JSONResponse({**head, "choices": [choice], "usage": usage(out)})
+
+    async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
+        self.check_model(body.model)
+        try:
+            ids = self.llm.chat_prompt(body.conversation())["prompt_token_ids"]
+        except UserError as error:
+            raise bad_request(str(error), "messages") from error
+        ids = self.prompt_ids(ids, "messages")
+        asked = body.max_completion_tokens or body.max_tokens
+        request = self.request(ids, body, self.max_tokens(asked, len(ids), None), "chatcmpl")
+        if body.stream:
+            head = envelope("chat.completion.chunk", request.request_id, body.model)
+            chunks = self._chat_chunks(request, head, body.include_usage)
+            return StreamingResponse(self._guard(chunks), media_type="text/event-stream")
+        out = await self._collect(request, http)
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": out.text},
+            "finish_reason": out.outputs[0].finish_reason,
+            "logprobs": None,
+        }
+        head = envelope("chat.completion", request.request_id, body.model)
+        return JSONResponse({**head, "choices": [choice], "usage": usage(out)})
+
+    # -- running ----------------------------------------------------------------------------
+
+    async def _collect(self, request: EngineRequest, http: Request) -> RequestOutput:
+        """Run a request to its end; abort it if the client disconnects first."""
+
+        async def run() -> RequestOutput:
+            final = None
+            async for event in self.state["runner"].generate(request):
+                final = event.output
+            assert final is not None  # generate ends with a finished event
+            return final
+
+        task = asyncio.ensure_future(run())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await http.is_disconnected():
+                task.cancel()  # generate's cleanup aborts the request
+                self.metrics.aborted()
+                raise APIError(499, "client disconnected", code="client_closed_request")
+        out = task.result()
+        self.metrics.completed(out)
+        return out
+
+    async def _events(self, request: EngineRequest) -> AsyncIterator[tuple[str, RequestOutput]]:
+        """(new text, output) as they land; counts the request as completed or aborted."""
+        finished = False
+        try:
+            async for event in self.state["runner"].generate(request):
+                finished = event.output.finished
+                if finished:
+                    self.metrics.completed(event.output)
+                yield event.text, event.output
+        finally:
+            if not finished:
+                self.metrics.aborted()
+
+    async def _completion_chunks(
+        self, request: EngineRequest, head: dict[str, Any], include_usage: bool
+    ) -> AsyncIterator[str]:
+        extra = {"usage": None} if include_usage else {}
+        out = None
+        async for text, out in self._events(request):
+            reason = out.outputs[0].finish_reason
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            yield _sse({**head, "choices": [choice], **extra})
+        if include_usage and out is not None:
+            yield _sse({**head, "choices": [], "usage": usage(out)})
+        yield _sse("[DONE]")
+
+    async def _chat_chunks(
+        self, request: EngineRequest, head: dict[str, Any], include_usage: bool
+    ) -> AsyncIterator[str]:
+        extra = {"usage": None} if include_usage else {}
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield _sse({**head, "choices": [first], **extra})
+        out = None
+        async for text, out in self._events(request):
+            delta = {"content": text} if text else {}
+            reason = out.outputs[0].finish_reason
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            yield _sse({**head, "choices": [choice], **extra})
+        if include_usage and out is not None:
+            yield _sse({**head, "choices": [], "usage": usage(out)})
+        yield _sse("[DONE]")
+
+    @staticmethod
+    async def _guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A stream whose request fails midway ends with an error event (the status line has
+        been sent) instead of a broken connection."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except UserError as error:
+            yield _sse(bad_request(str(error)).body())
+            yield _sse("[DONE]")
+        except Exception as error:  # the engine failed this step: report it, keep serving
+            body = APIError(500, f"{type(error).__name__}: {error}", "internal_server_error")
+            yield _sse(body.body())
+            yield _sse("[DONE]")

@@ -1,0 +1,173 @@
+"""The request bodies the server accepts (OpenAI's fields, plus vLLM's `top_k` and
+`ignore_eos`) and the response objects it sends. Unknown fields are ignored, as vLLM does;
+fields we cannot honour (n > 1, logprobs, echo, penalties) are refused with a 400 that names
+them."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdecode.metrics import SpecCounters
+from specdecode.server.errors import bad_request
+from specdecode.types import RequestOutput, SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Any = None
+
+    def refuse_unsupported(self) -> None:
+        """400 for fields whose non-default values we cannot honour."""
+        if self.n != 1:
+            raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported (only 0)", name)
+        if self.logprobs not in (None, False):
+            raise bad_request("logprobs are not supported", "logprobs")
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters, with `max_tokens` already resolved."""
+        self.refuse_unsupported()
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise bad_request("stop strings must not be empty", "stop")
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=max_tokens,
+            seed=self.seed,
+            stop=tuple(stop),
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions: one prompt, as text or token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+
+    def prompt_one(self) -> str | list[int]:
+        """The prompt as one text or one list of token ids (400 for several prompts)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise bad_request(
+                    f"one prompt per request is supported, got {len(prompt)}", "prompt"
+                )
+            prompt = prompt[0]
+        if not prompt:
+            raise bad_request("the prompt is empty", "prompt")
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        return prompt  # type: ignore[return-value]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text (a list of parts must hold only text parts)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"only text content parts are supported, got {part.get('type')!r}",
+                    "messages",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a prompt or a conversation (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def usage(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI's usage object plus `speculative_decoding`: the request's drafting counters."""
+    assert out.metrics is not None
+    spec: SpecCounters = out.metrics.spec
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "speculative_decoding": {
+            "num_drafts": spec.num_drafts,
+            "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
+            "acceptance_rate": spec.acceptance_rate,
+            "mean_acceptance_length": spec.mean_acceptance_length,
+            "accepted_per_position": list(spec.accepted_per_position),
+        },
+    }
+
+
+def envelope(kind: str, request_id: str, model: str, created: int | None = None) -> dict:
+    """The fields every completion object and chunk starts with."""
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+    }
