@@ -5,10 +5,11 @@ concurrency, for several speculative configs served side by side.
         --config plain --config 'ngram={"method": "ngram", "num_speculative_tokens": 8}' \\
         --concurrency 1,4,16,64 --prompts code,chat --out bench_out/serve
 
-Every config gets its own server process (`specdecode serve`, loopback), all started first and
-idle while another is measured, so the configs are interleaved: for each repeat, each
-concurrency c, each config, c streaming clients send `--requests-per-client` requests each
-(bench prompts, chat template, greedy, `--max-tokens`, EOS ignored). Per request: time to the
+Every config gets its own server process (`specdecode serve`, loopback), all started first
+(one after another) and idle while another is measured, so the configs are interleaved: for
+each repeat, each concurrency c, each config, c streaming clients send
+`--requests-per-client` requests each (bench prompts, chat template, greedy, `--max-tokens`,
+EOS ignored). Per request: time to the
 first streamed token (TTFT) and the mean inter-token latency after it (ITL = (last - first) /
 (tokens - 1)); per run: aggregate completion tokens / wall seconds. At c = 1, each request is
 also run offline (`LLM.generate` in this process, same weights and config) right after the
@@ -150,15 +151,18 @@ def main(argv: list[str]) -> None:
         configs[name] = json.loads(spec) if spec else None
     offline = LLM(args.model, quantization=args.quantization)
     tok = offline.tokenizer
-    prompts = [
+    sets = [load_prompts([name], args.per_set) for name in args.prompts.split(",")]
+    prompts = [  # the sets interleaved, so that every run mixes them
         tok.encode(tok.apply_chat_template(list(b.messages), add_generation_prompt=True), False)
-        for b in load_prompts(args.prompts.split(","), args.per_set)
+        for group in zip(*sets, strict=False)
+        for b in group
     ]
-    servers = {name: _start(args, name, spec) for name, spec in configs.items()}
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
     results: dict = {"args": vars(args), "cpus": os.cpu_count(), "runs": []}
     try:
-        for proc, base in servers.values():
-            _wait(proc, base)
+        for name, spec in configs.items():  # one at a time: loading peaks in memory
+            servers[name] = _start(args, name, spec)
+            _wait(*servers[name])
         for _, base in servers.values():  # warm-up: first-call costs count for none
             asyncio.run(_load(base, prompts[:2], 2, 8))
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

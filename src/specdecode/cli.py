@@ -12,10 +12,9 @@ from pathlib import Path
 
 from specdecode.bench.presets import BENCH_DEFAULTS, BENCH_PRESETS, as_flags, bench_options
 from specdecode.certify import CertifyConfig, certify, certify_text
-from specdecode.cli_args import add_quantization, json_object
+from specdecode.cli_args import add_weight_flags, json_object
 from specdecode.errors import UserError
 from specdecode.llm import LLM
-from specdecode.model.loading import DTYPES
 from specdecode.model.registry import ALIASES, list_models, pull
 from specdecode.server.cli import add_serve_parser, run_serve
 from specdecode.train.cli import add_train_parser, run_train
@@ -34,9 +33,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1 = disabled")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    add_quantization(p)
+    add_weight_flags(p)
     p.add_argument(
         "--speculative-config",
         type=json_object,
@@ -97,7 +94,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         type=int,
         help=f"timed runs of every method and prompt (default: {default['repeats']})",
     )
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    add_weight_flags(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampled runs")
     p.add_argument(
@@ -105,8 +102,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         help="always generate --max-tokens (default: stop at EOS)",
     )
-    p.add_argument("--device", default="cpu")
-    add_quantization(p)
     p.add_argument("--retries", type=int, default=2, help="redo a group disturbed by others")
     p.add_argument("--quiet-wait", type=float, default=60.0, help="max s to wait for quiet")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for JSON + md")
@@ -138,9 +133,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--per-set", type=int, default=8, help="prompts taken from each set")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--device", default="cpu")
-    add_quantization(p)
+    add_weight_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -171,9 +164,7 @@ def _add_certify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--alpha", type=float, default=default.alpha, help="significance level")
     p.add_argument("--seed", type=int, default=default.seed, help="run i uses seed + i")
     p.add_argument("--batch-size", type=int, default=default.batch_size, help="runs per batch")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--device", default="cpu")
-    add_quantization(p)
+    add_weight_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from specdecode.model.loading import DTYPES
 from specdecode.model.quant import QUANTIZATIONS
 
 
@@ -28,3 +29,10 @@ def add_quantization(p: argparse.ArgumentParser) -> None:
         help="weight format of the target (and of a draft model, unless speculative_config "
         "sets its own): none = --dtype, int8 = dynamic int8, int4 = weight-only int4",
     )
+
+
+def add_weight_flags(p: argparse.ArgumentParser) -> None:
+    """--dtype, --device and --quantization: how the target's weights are loaded."""
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    add_quantization(p)

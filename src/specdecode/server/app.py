@@ -282,7 +282,7 @@ class _Api:
         request = self.request(ids, body, limit, "cmpl")
         head = envelope("text_completion", request.request_id, body.model)
         if body.stream:
-            chunks = self._completion_chunks(request, head, body.include_usage)
+            chunks = self._chunks(request, head, body.include_usage, chat=False)
             return StreamingResponse(self._guard(chunks), media_type="text/event-stream")
         out = await self._collect(request, http)
         choice = {
@@ -304,7 +304,7 @@ class _Api:
         request = self.request(ids, body, self.max_tokens(asked, len(ids), None), "chatcmpl")
         if body.stream:
             head = envelope("chat.completion.chunk", request.request_id, body.model)
-            chunks = self._chat_chunks(request, head, body.include_usage)
+            chunks = self._chunks(request, head, body.include_usage, chat=True)
             return StreamingResponse(self._guard(chunks), media_type="text/event-stream")
         out = await self._collect(request, http)
         choice = {
@@ -354,30 +354,22 @@ class _Api:
             if not finished:
                 self.metrics.aborted()
 
-    async def _completion_chunks(
-        self, request: EngineRequest, head: dict[str, Any], include_usage: bool
+    async def _chunks(
+        self, request: EngineRequest, head: dict[str, Any], include_usage: bool, chat: bool
     ) -> AsyncIterator[str]:
+        """SSE chunks of a completion (`text` choices) or, with `chat`, a chat completion
+        (`delta` choices, the first announcing the assistant's role); then, with
+        `include_usage`, a chunk with the usage and no choices; then [DONE]."""
         extra = {"usage": None} if include_usage else {}
+        if chat:
+            delta = {"role": "assistant", "content": ""}
+            first = {"index": 0, "delta": delta, "finish_reason": None}
+            yield _sse({**head, "choices": [first], **extra})
         out = None
         async for text, out in self._events(request):
+            body = {"delta": {"content": text} if text else {}} if chat else {"text": text}
             reason = out.outputs[0].finish_reason
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-            yield _sse({**head, "choices": [choice], **extra})
-        if include_usage and out is not None:
-            yield _sse({**head, "choices": [], "usage": usage(out)})
-        yield _sse("[DONE]")
-
-    async def _chat_chunks(
-        self, request: EngineRequest, head: dict[str, Any], include_usage: bool
-    ) -> AsyncIterator[str]:
-        extra = {"usage": None} if include_usage else {}
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        yield _sse({**head, "choices": [first], **extra})
-        out = None
-        async for text, out in self._events(request):
-            delta = {"content": text} if text else {}
-            reason = out.outputs[0].finish_reason
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, **body, "finish_reason": reason, "logprobs": None}
             yield _sse({**head, "choices": [choice], **extra})
         if include_usage and out is not None:
             yield _sse({**head, "choices": [], "usage": usage(out)})

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdecode.cli_args import add_quantization, json_object
+from specdecode.cli_args import add_weight_flags, json_object
 from specdecode.engine.scheduler import SchedulerConfig
 from specdecode.errors import UserError
 from specdecode.llm import LLM
-from specdecode.model.loading import DTYPES
 from specdecode.model.transformer import Transformer
 
 _DEFAULT = SchedulerConfig()
@@ -38,9 +37,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'',
     )
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--device", default="cpu")
-    add_quantization(p)
+    add_weight_flags(p)
     p.add_argument(
         "--max-num-seqs",
         type=int,
