@@ -50,6 +50,21 @@ def test_pass_costs_interpolate_between_measured_widths() -> None:
     assert 1.0 < costs.estimate(2) < 2.0
 
 
+def test_cost_rule_picks_one_k_for_the_batch_from_the_pass_costs() -> None:
+    """Memory-bound up to 16 tokens, then compute-bound (time grows with the width): one
+    request drafts at a = 0.5, a batch of 16 does not; one eager request does not widen a
+    batch of reluctant ones, since the pass pads every row to the longest draft."""
+    seconds = {w: 0.07 if w <= 16 else 0.07 * w / 16 for w in (1, 2, 4, 8, 16, 32, 64, 144)}
+    length = _costs("cost", 8, seconds, 0.0)
+    assert length.best_k(0.5, 1) >= 3
+    assert length.best_k(0.5, 16) == 0
+    assert length.best_k([0.99] + [0.1] * 15) == 0
+    for rid in "abc":
+        _step(length, rid, 2, 2)
+    limits = length.limits(["a", "b", "c"])
+    assert len(set(limits)) == 1 and limits[0] > 0  # one k for the whole batch
+
+
 def test_cost_policy_stops_drafting_where_nothing_pays_and_probes_later() -> None:
     length = _costs("cost", 6, {w: 0.07 + 0.01 * w for w in range(1, 8)}, 0.02)
     assert length.limits(["a"])[0] >= 1  # the prior rate, 0.5, pays

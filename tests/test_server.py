@@ -166,6 +166,8 @@ def test_errors_have_openai_shape_and_say_what_is_wrong(plain: LLM) -> None:
         )
         two = httpx.post(url, json={**ok, "n": 2}, headers=auth)
         assert two.status_code == 400 and _error(two)["param"] == "n"
+        seed = httpx.post(url, json={**ok, "seed": 2**70}, headers=auth)
+        assert seed.status_code == 400 and "seed" in _error(seed)["message"]
         temp = httpx.post(url, json={**ok, "temperature": -1}, headers=auth)
         assert temp.status_code == 400 and _error(temp)["param"] == "temperature"
         chat = httpx.post(f"{base}/v1/chat/completions", json={"model": NAME}, headers=auth)

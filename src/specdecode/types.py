@@ -47,8 +47,10 @@ class SamplingParams:
             raise UserError(f"top_k must be -1 or 0 (disabled) or a positive int, got {self.top_k}")
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise UserError(f"max_tokens must be a positive int, got {self.max_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise UserError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):
+            raise UserError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise UserError(f"stop must be non-empty strings, got {self.stop!r}")
 

@@ -6,14 +6,17 @@ request and per step, a limit k in 0..K (0 = decode one token without a draft):
 - "fixed": always K (the drafter may still draft fewer).
 - "heuristic": Hugging Face's dynamic schedule for assistant models: start at K; after a step
   whose draft was wholly accepted, k += 2 (at most K), else k -= 1 (at least 1).
-- "cost" (ours): the k with the most expected tokens per second. With the request's acceptance
-  rate a (each draft token accepted with probability a), a step of k draft tokens emits
-  E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs k * d + t(B * (k + 1)) / B seconds, where
-  d = measured drafting seconds per draft token, t(n) = measured seconds of a verification pass
-  over n tokens and B = the rows in the batch. k = 0 costs t(B) / B for one token, so a
-  request drafts only where that pays; after `PROBE_EVERY` steps without a draft it drafts once
-  more (its acceptance may have changed). A tree draft's limit is its node count; its
-  acceptance is counted along its depth, so the rule treats it as a chain (an approximation).
+- "cost" (ours): the k with the most expected tokens per second, one k for the whole batch
+  (a verification pass pads every row to the longest draft, so one request's long draft
+  widens everyone's pass). With request i's acceptance rate a_i (each draft token accepted
+  with probability a_i), a step of k draft tokens per row emits
+  sum_i E(a_i, k) = sum_i (1 - a_i^(k+1)) / (1 - a_i) tokens and costs B * k * d + t(B * (k + 1))
+  seconds, where d = measured drafting seconds per draft token, t(n) = measured seconds of a
+  verification pass over n tokens and B = the rows in the batch. k = 0 costs t(B) for B
+  tokens, so the batch drafts only where that pays; while it drafts nothing, a request idle
+  for `PROBE_EVERY` steps drafts once more (acceptance may have changed). A tree draft's limit
+  is its node count; its acceptance is counted along its depth, so the rule treats it as a
+  chain (an approximation).
 
 Worked example ("cost", B = 1): a = 0.6, d = 25 ms, t(1) = t(2) = 70 ms, t(3) = 72 ms,
 t(4) = 75 ms: k = 0 gives 1 / 70 = 14.3 tok/s; k = 1 gives 1.6 / 95 = 16.8; k = 2 gives
@@ -117,9 +120,10 @@ class DraftLength:
         """This step's draft limit per request (0..K), in order."""
         if self.policy == "fixed":
             chosen = [self.max_tokens] * len(request_ids)
+        elif self.policy == "heuristic":
+            chosen = [self._request(r).limit for r in request_ids]
         else:
-            rows = len(request_ids)
-            chosen = [self._limit(self._request(r), rows) for r in request_ids]
+            chosen = self._cost_limits([self._request(r) for r in request_ids])
         self.last_limits = chosen
         return chosen
 
@@ -172,23 +176,31 @@ class DraftLength:
             self._requests[request_id] = req
         return req
 
-    def _limit(self, req: _Request, rows: int) -> int:
-        if self.policy == "heuristic":
-            return req.limit
-        best = self.best_k(req.successes / (req.successes + req.failures), rows)
-        if best == 0 and req.idle >= PROBE_EVERY:  # probe at the all-request rate
-            return max(1, self.best_k(self._successes / (self._successes + self._failures), rows))
-        return best
+    def _cost_limits(self, reqs: list[_Request]) -> list[int]:
+        """The cost rule's limits: one k for the whole batch (module docstring); requests
+        idle for PROBE_EVERY steps while the batch drafts nothing draft once more."""
+        rates = [r.successes / (r.successes + r.failures) for r in reqs]
+        best = self.best_k(rates)
+        if best > 0:
+            return [best] * len(reqs)
+        prior = self._successes / (self._successes + self._failures)
+        probe = max(1, self.best_k([prior] * len(reqs)))
+        return [probe if r.idle >= PROBE_EVERY else 0 for r in reqs]
 
-    def best_k(self, acceptance: float, rows: int) -> int:
-        """The k in 0..K with the most expected tokens per second (module docstring); K
-        before any pass was measured."""
+    def best_k(self, acceptance: float | Sequence[float], rows: int | None = None) -> int:
+        """The k in 0..K with the most expected tokens per second for a batch whose requests
+        accept at the rates `acceptance` (one float: `rows` requests at that rate, default 1);
+        K before any pass was measured."""
+        if isinstance(acceptance, float | int):
+            acceptance = [float(acceptance)] * (rows or 1)
+        batch = len(acceptance)
         best, best_rate = self.max_tokens, 0.0
         for k in range(self.max_tokens + 1):
-            verify = self.passes.estimate(rows * (k + 1))
+            verify = self.passes.estimate(batch * (k + 1))
             if verify is None:
                 return self.max_tokens
-            rate = expected_tokens(acceptance, k) / (k * self.draft_s_per_token + verify / rows)
+            tokens = sum(expected_tokens(a, k) for a in acceptance)
+            rate = tokens / (batch * k * self.draft_s_per_token + verify)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

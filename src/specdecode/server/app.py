@@ -83,6 +83,10 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return error.response()
 
+    @app.exception_handler(UserError)
+    async def refused(_: Request, error: UserError) -> JSONResponse:
+        return bad_request(str(error)).response()
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         try:
@@ -245,9 +249,9 @@ class _Api:
         return asked
 
     def request(self, ids: list[int], body: Any, max_tokens: int, kind: str) -> EngineRequest:
-        params = body.sampling_params(max_tokens)
         request_id = f"{kind}-{uuid.uuid4().hex}"
         try:
+            params = body.sampling_params(max_tokens)
             request = self.llm.make_request({"prompt_token_ids": ids}, params, request_id)
             self.engine.scheduler.check_fits(request)
         except UserError as error:
