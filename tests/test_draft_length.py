@@ -170,3 +170,15 @@ def test_a_confidence_threshold_cuts_chains_and_keeps_the_output(tiny_model_dir:
     with pytest.raises(UserError, match="takes neither staged nor tree_width > 1"):
         parse_speculative_config({"model": "m", "num_speculative_tokens": 3,
                                   "confidence_threshold": 0.5, "tree_width": 2})  # fmt: skip
+
+
+def test_a_batch_that_drafts_nothing_probes_together_and_less_often() -> None:
+    seconds = {w: 0.07 * max(1.0, w / 2) for w in range(1, 20)}  # wide passes cost more
+    length = _costs("cost", 4, seconds, 0.02)
+    for rid in "ab":
+        for _ in range(10):
+            _step(length, rid, 2, 0)
+    limits = [length.limits(["a", "b"]) for _ in range(PROBE_EVERY * 2 + 1)]
+    assert limits[:-1] == [[0, 0]] * (PROBE_EVERY * 2)  # 8 x B idle steps first
+    assert limits[-1][0] >= 1 and limits[-1][0] == limits[-1][1]  # then both, one k
+    assert length.limits(["a", "b"]) == [0, 0]

@@ -13,10 +13,11 @@ request and per step, a limit k in 0..K (0 = decode one token without a draft):
   sum_i E(a_i, k) = sum_i (1 - a_i^(k+1)) / (1 - a_i) tokens and costs B * k * d + t(B * (k + 1))
   seconds, where d = measured drafting seconds per draft token, t(n) = measured seconds of a
   verification pass over n tokens and B = the rows in the batch. k = 0 costs t(B) for B
-  tokens, so the batch drafts only where that pays; while it drafts nothing, a request idle
-  for `PROBE_EVERY` steps drafts once more (acceptance may have changed). A tree draft's limit
-  is its node count; its acceptance is counted along its depth, so the rule treats it as a
-  chain (an approximation).
+  tokens, so the batch drafts only where that pays; after `PROBE_EVERY` x B steps without a
+  draft, the whole batch drafts once more (acceptance may have changed; one request probing
+  alone would widen every row's pass anyway, and a probe costs every row a draft). A tree
+  draft's limit is its node count; its acceptance is counted along its depth, so the rule
+  treats it as a chain (an approximation).
 
 Worked example ("cost", B = 1): a = 0.6, d = 25 ms, t(1) = t(2) = 70 ms, t(3) = 72 ms,
 t(4) = 75 ms: k = 0 gives 1 / 70 = 14.3 tok/s; k = 1 gives 1.6 / 95 = 16.8; k = 2 gives
@@ -44,7 +45,7 @@ from specdecode.types import Draft, Verdict
 DECAY = 0.9  # weight of the older acceptance counts after each step
 PRIOR_WEIGHT = 2.0  # pseudo-positions of the all-request rate a new request starts from
 PASS_AVERAGE = 0.2  # weight of a new pass's seconds in its width's running average
-PROBE_EVERY = 8  # steps without a draft before a request drafts again
+PROBE_EVERY = 8  # steps without a draft (per row of the batch) before the batch drafts again
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -61,7 +62,6 @@ class _Request:
     successes: float
     failures: float
     limit: int
-    idle: int = 0  # steps since it last drafted
 
 
 class PassCosts:
@@ -115,6 +115,7 @@ class DraftLength:
         self._successes = self._failures = 1.0  # all requests' counts (rate 0.5 at first)
         self._requests: dict[str, _Request] = {}
         self.last_limits: list[int] = []  # the latest step's limits (reported as a metric)
+        self._idle_steps = 0  # "cost": steps in a row in which the batch drafted nothing
 
     def limits(self, request_ids: list[str]) -> list[int]:
         """This step's draft limit per request (0..K), in order."""
@@ -152,7 +153,6 @@ class DraftLength:
     def _observe_verdict(self, request_id: str, drafted: int, accepted: int) -> None:
         """One request's verdict: `accepted` of its `drafted` positions (a tree's depth)."""
         req = self._request(request_id)
-        req.idle = 0 if drafted else req.idle + 1
         if not drafted:
             return
         rejected = int(accepted < drafted)
@@ -177,15 +177,20 @@ class DraftLength:
         return req
 
     def _cost_limits(self, reqs: list[_Request]) -> list[int]:
-        """The cost rule's limits: one k for the whole batch (module docstring); requests
-        idle for PROBE_EVERY steps while the batch drafts nothing draft once more."""
+        """The cost rule's limits: one k for the whole batch (module docstring); after
+        PROBE_EVERY x B steps in which the batch of B drafted nothing, the whole batch drafts
+        once (a probe costs every row a draft, so a bigger batch probes less often)."""
         rates = [r.successes / (r.successes + r.failures) for r in reqs]
         best = self.best_k(rates)
-        if best > 0:
-            return [best] * len(reqs)
-        prior = self._successes / (self._successes + self._failures)
-        probe = max(1, self.best_k([prior] * len(reqs)))
-        return [probe if r.idle >= PROBE_EVERY else 0 for r in reqs]
+        if best == 0:
+            self._idle_steps += 1
+            if self._idle_steps > PROBE_EVERY * len(reqs):
+                self._idle_steps = 0
+                prior = self._successes / (self._successes + self._failures)
+                best = max(1, self.best_k([prior] * len(reqs)))
+        else:
+            self._idle_steps = 0
+        return [best] * len(reqs)
 
     def best_k(self, acceptance: float | Sequence[float], rows: int | None = None) -> int:
         """The k in 0..K with the most expected tokens per second for a batch whose requests
