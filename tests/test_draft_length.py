@@ -182,3 +182,17 @@ def test_a_batch_that_drafts_nothing_probes_together_and_less_often() -> None:
     assert limits[:-1] == [[0, 0]] * (PROBE_EVERY * 2)  # 8 x B idle steps first
     assert limits[-1][0] >= 1 and limits[-1][0] == limits[-1][1]  # then both, one k
     assert length.limits(["a", "b"]) == [0, 0]
+
+
+def test_requests_that_rarely_find_a_draft_count_for_less() -> None:
+    """A lookup drafter drafts nothing in some steps: the rule weighs each request's gain by
+    the share of steps in which it drafted when it could."""
+    seconds = {w: 0.07 * (1 + max(0, w - 4) / 8) for w in range(1, 40)}
+    length = _costs("cost", 4, seconds, 0.0)
+    assert length.best_k([0.8] * 4) >= 1
+    assert length.best_k([0.8] * 4, available=[0.1] * 4) == 0
+    for _ in range(20):  # offered a draft every step, never drafted one
+        assert length.limits(["a"])[0] >= 1
+        _step(length, "a", 0, 0)
+    req = length._requests["a"]
+    assert req.hits / req.offers < 0.2

@@ -9,10 +9,12 @@ request and per step, a limit k in 0..K (0 = decode one token without a draft):
 - "cost" (ours): the k with the most expected tokens per second, one k for the whole batch
   (a verification pass pads every row to the longest draft, so one request's long draft
   widens everyone's pass). With request i's acceptance rate a_i (each draft token accepted
-  with probability a_i), a step of k draft tokens per row emits
-  sum_i E(a_i, k) = sum_i (1 - a_i^(k+1)) / (1 - a_i) tokens and costs B * k * d + t(B * (k + 1))
-  seconds, where d = measured drafting seconds per draft token, t(n) = measured seconds of a
-  verification pass over n tokens and B = the rows in the batch. k = 0 costs t(B) for B
+  with probability a_i) and the share v_i of steps in which it drafts at all when it may (a
+  lookup drafter finds no match in some), a step of k draft tokens per row emits
+  sum_i 1 + v_i (E(a_i, k) - 1) tokens, E(a, k) = (1 - a^(k+1)) / (1 - a), and costs
+  sum_i v_i * k * d + t(B * (k + 1)) seconds, where d = measured drafting seconds per draft
+  token, t(n) = measured seconds of a verification pass over n tokens and B = the rows in
+  the batch. k = 0 costs t(B) for B
   tokens, so the batch drafts only where that pays; after `PROBE_EVERY` x B steps without a
   draft, the whole batch drafts once more (acceptance may have changed; one request probing
   alone would widen every row's pass anyway, and a probe costs every row a draft). A tree
@@ -57,11 +59,14 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 @dataclass(slots=True)
 class _Request:
-    """One request's acceptance counts and its current limit."""
+    """One request's acceptance counts, how often it drafted when it could, and its limit."""
 
     successes: float
     failures: float
     limit: int
+    offers: float = 1.0  # steps it could draft (decayed)
+    hits: float = 1.0  # of those, steps it did draft (decayed)
+    offered: bool = False  # its limit this step was > 0
 
 
 class PassCosts:
@@ -125,6 +130,8 @@ class DraftLength:
             chosen = [self._request(r).limit for r in request_ids]
         else:
             chosen = self._cost_limits([self._request(r) for r in request_ids])
+            for request_id, k in zip(request_ids, chosen, strict=True):
+                self._requests[request_id].offered = k > 0
         self.last_limits = chosen
         return chosen
 
@@ -153,6 +160,10 @@ class DraftLength:
     def _observe_verdict(self, request_id: str, drafted: int, accepted: int) -> None:
         """One request's verdict: `accepted` of its `drafted` positions (a tree's depth)."""
         req = self._request(request_id)
+        if req.offered:
+            req.offers = DECAY * req.offers + 1
+            req.hits = DECAY * req.hits + int(drafted > 0)
+            req.offered = False
         if not drafted:
             return
         rejected = int(accepted < drafted)
@@ -181,7 +192,7 @@ class DraftLength:
         PROBE_EVERY x B steps in which the batch of B drafted nothing, the whole batch drafts
         once (a probe costs every row a draft, so a bigger batch probes less often)."""
         rates = [r.successes / (r.successes + r.failures) for r in reqs]
-        best = self.best_k(rates)
+        best = self.best_k(rates, available=[r.hits / r.offers for r in reqs])
         if best == 0:
             self._idle_steps += 1
             if self._idle_steps > PROBE_EVERY * len(reqs):
@@ -192,20 +203,30 @@ class DraftLength:
             self._idle_steps = 0
         return [best] * len(reqs)
 
-    def best_k(self, acceptance: float | Sequence[float], rows: int | None = None) -> int:
+    def best_k(
+        self,
+        acceptance: float | Sequence[float],
+        rows: int | None = None,
+        available: Sequence[float] | None = None,
+    ) -> int:
         """The k in 0..K with the most expected tokens per second for a batch whose requests
-        accept at the rates `acceptance` (one float: `rows` requests at that rate, default 1);
-        K before any pass was measured."""
+        accept at the rates `acceptance` (one float: `rows` requests at that rate, default 1)
+        and draft at all in the share `available` of the steps they may (default: always; a
+        prompt-lookup drafter finds no match in some); K before any pass was measured."""
         if isinstance(acceptance, float | int):
             acceptance = [float(acceptance)] * (rows or 1)
         batch = len(acceptance)
+        share = [1.0] * batch if available is None else list(available)
+        drafting = sum(share)
         best, best_rate = self.max_tokens, 0.0
         for k in range(self.max_tokens + 1):
             verify = self.passes.estimate(batch * (k + 1))
             if verify is None:
                 return self.max_tokens
-            tokens = sum(expected_tokens(a, k) for a in acceptance)
-            rate = tokens / (batch * k * self.draft_s_per_token + verify)
+            gains = (
+                v * (expected_tokens(a, k) - 1) for a, v in zip(acceptance, share, strict=True)
+            )
+            rate = (batch + sum(gains)) / (drafting * k * self.draft_s_per_token + verify)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

@@ -73,8 +73,12 @@ def warp_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
 def probs_from_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
     """Probabilities after warping; greedy rows become one-hot on their argmax.
 
-    logits: [B, V] or [B, K, V]. Returns float32 probabilities of the same shape.
+    logits: [B, V] or [B, K, V]. Returns float32 probabilities of the same shape. A batch of
+    greedy rows only takes the argmax (no softmax: its cost grows with the pass's width x V).
     """
+    if st.all_greedy:
+        hot = logits.argmax(-1, keepdim=True)  # warping keeps a greedy row's top token
+        return torch.zeros(logits.shape, device=logits.device).scatter_(-1, hot, 1.0)
     warped = warp_logits(logits, st)
     probs = warped.softmax(dim=-1)
     if any(st.greedy):
