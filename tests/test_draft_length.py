@@ -173,8 +173,9 @@ def test_a_confidence_threshold_cuts_chains_and_keeps_the_output(tiny_model_dir:
 
 
 def test_a_batch_that_drafts_nothing_probes_together_and_less_often() -> None:
-    seconds = {w: 0.07 * max(1.0, w / 2) for w in range(1, 20)}  # wide passes cost more
-    length = _costs("cost", 4, seconds, 0.02)
+    seconds = {w: 0.07 * (1 + max(0, w - 2) / 4) for w in range(1, 20)}  # wider costs more
+    length = _costs("cost", 4, seconds, 0.005)
+    assert length.best_k([1.0, 1.0]) > 0  # drafts that always hold would pay: worth probing
     for rid in "ab":
         for _ in range(10):
             _step(length, rid, 2, 0)
@@ -196,3 +197,13 @@ def test_requests_that_rarely_find_a_draft_count_for_less() -> None:
         _step(length, "a", 0, 0)
     req = length._requests["a"]
     assert req.hits / req.offers < 0.2
+
+
+def test_no_probe_where_not_even_perfect_drafts_would_pay() -> None:
+    """A costly drafter in a batch: each draft token costs every row 50 ms, a pass barely
+    grows; even drafts that are always accepted lose, so the batch never probes."""
+    seconds = {w: 0.07 * (1 + w / 64) for w in range(1, 80)}
+    length = _costs("cost", 3, seconds, 0.05)
+    assert length.best_k([1.0] * 8) == 0
+    for _ in range(PROBE_EVERY * 8 * 3):
+        assert length.limits([str(i) for i in range(8)]) == [0] * 8

@@ -50,6 +50,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (it stops only at `shutdown`)."""
+        return self._thread.is_alive()
+
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Run `request` and yield its events until its last (`output.finished`). Leaving the
         iteration early (break, cancel, a disconnect) aborts the request."""

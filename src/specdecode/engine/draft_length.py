@@ -17,7 +17,8 @@ request and per step, a limit k in 0..K (0 = decode one token without a draft):
   the batch. k = 0 costs t(B) for B
   tokens, so the batch drafts only where that pays; after `PROBE_EVERY` x B steps without a
   draft, the whole batch drafts once more (acceptance may have changed; one request probing
-  alone would widen every row's pass anyway, and a probe costs every row a draft). A tree
+  alone would widen every row's pass anyway, and a probe costs every row a draft), unless
+  not even drafts that are always accepted would pay at this batch size. A tree
   draft's limit is its node count; its acceptance is counted along its depth, so the rule
   treats it as a chain (an approximation).
 
@@ -190,10 +191,11 @@ class DraftLength:
     def _cost_limits(self, reqs: list[_Request]) -> list[int]:
         """The cost rule's limits: one k for the whole batch (module docstring); after
         PROBE_EVERY x B steps in which the batch of B drafted nothing, the whole batch drafts
-        once (a probe costs every row a draft, so a bigger batch probes less often)."""
+        once (a probe costs every row a draft, so a bigger batch probes less often), unless
+        not even drafts that are always accepted would pay at this batch size."""
         rates = [r.successes / (r.successes + r.failures) for r in reqs]
         best = self.best_k(rates, available=[r.hits / r.offers for r in reqs])
-        if best == 0:
+        if best == 0 and self.best_k([1.0] * len(reqs)) > 0:  # else no rate could pay
             self._idle_steps += 1
             if self._idle_steps > PROBE_EVERY * len(reqs):
                 self._idle_steps = 0

@@ -62,7 +62,8 @@ class ServeConfig:
 
 
 def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
-    """The app serving `llm` (its target, tokenizer and drafter) as `config` says."""
+    """The app serving `llm` (its target, tokenizer and drafter) as `config` says. The app's
+    engine takes over `llm`'s drafter: do not generate with `llm` while the app serves."""
     engine = Engine(
         llm.model, llm.tokenizer, llm.engine.drafter, llm.engine.draft_length, config.scheduler
     )
@@ -117,7 +118,8 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        runner = state.get("runner")
+        return Response(status_code=200 if runner is not None and runner.alive else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
