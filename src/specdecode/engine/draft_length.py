@@ -14,13 +14,12 @@ request and per step, a limit k in 0..K (0 = decode one token without a draft):
   sum_i 1 + v_i (E(a_i, k) - 1) tokens, E(a, k) = (1 - a^(k+1)) / (1 - a), and costs
   sum_i v_i * k * d + t(B * (k + 1)) seconds, where d = measured drafting seconds per draft
   token, t(n) = measured seconds of a verification pass over n tokens and B = the rows in
-  the batch. k = 0 costs t(B) for B
-  tokens, so the batch drafts only where that pays; after `PROBE_EVERY` x B steps without a
-  draft, the whole batch drafts once more (acceptance may have changed; one request probing
-  alone would widen every row's pass anyway, and a probe costs every row a draft), unless
-  not even drafts that are always accepted would pay at this batch size. A tree
-  draft's limit is its node count; its acceptance is counted along its depth, so the rule
-  treats it as a chain (an approximation).
+  the batch. k = 0 costs t(B) for B tokens, so the batch drafts only where that pays; after
+  `PROBE_EVERY` x B steps without a draft, the whole batch drafts once more (acceptance may
+  have changed; one request probing alone would widen every row's pass anyway, and a probe
+  costs every row a draft), unless not even drafts that are always accepted would pay at
+  this batch size. A tree draft's limit is its node count; its acceptance is counted along
+  its depth, so the rule treats it as a chain (an approximation).
 
 Worked example ("cost", B = 1): a = 0.6, d = 25 ms, t(1) = t(2) = 70 ms, t(3) = 72 ms,
 t(4) = 75 ms: k = 0 gives 1 / 70 = 14.3 tok/s; k = 1 gives 1.6 / 95 = 16.8; k = 2 gives
