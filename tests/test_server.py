@@ -18,6 +18,7 @@ import pytest
 from conftest import build_tiny_model
 from server_cases import metric, running_server
 
+from specdecode.engine.async_engine import AsyncEngine
 from specdecode.engine.engine import Engine
 from specdecode.engine.scheduler import SchedulerConfig
 from specdecode.llm import LLM
@@ -344,3 +345,30 @@ def test_serve_command_on_smollm2_answers_like_llm_chat(smollm2_dir: Path) -> No
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_engine_thread_survives_a_consumer_whose_loop_closed(plain: LLM) -> None:
+    """Events for a request whose asyncio loop is gone abort it (delivering to a closed loop
+    raises); the thread keeps serving."""
+    engine = Engine(plain.model, plain.tokenizer)
+    runner = AsyncEngine(engine)
+    try:
+        gone = asyncio.new_event_loop()
+        request = plain.make_request(PROMPTS[0], _greedy(50), "orphan")
+        runner._inbox.put((request, gone, asyncio.Queue()))
+        gone.close()
+        deadline = time.monotonic() + 30
+        while not request.finished:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # Aborted at its first delivered event (or finished, if its text was all held back
+        # until the end); either way the thread lives on and forgot the request.
+        assert runner.alive and "orphan" not in runner._sinks
+
+        async def one() -> str:
+            fresh = plain.make_request(PROMPTS[1], _greedy(8), "fresh")
+            return [e async for e in runner.generate(fresh)][-1].output.text
+
+        assert asyncio.run(one()) == plain.generate(PROMPTS[1], _greedy(8))[0].text
+    finally:
+        runner.shutdown()

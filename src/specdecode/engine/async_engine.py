@@ -110,7 +110,7 @@ class AsyncEngine:
         try:
             self.engine.add(request)
         except Exception as error:  # refused: tell its consumer, keep serving
-            loop.call_soon_threadsafe(events.put_nowait, _Failed(error))
+            _deliver(loop, events, _Failed(error))
             return
         self._sinks[request.request_id] = loop, events
 
@@ -121,7 +121,7 @@ class AsyncEngine:
         except Exception as error:  # fail what was in flight, keep serving
             self.engine.abort_all()
             for loop, sink in self._sinks.values():
-                loop.call_soon_threadsafe(sink.put_nowait, _Failed(error))
+                _deliver(loop, sink, _Failed(error))
             self._sinks.clear()
             return
         if self._observe is not None:
@@ -129,10 +129,19 @@ class AsyncEngine:
         for event in events:
             request_id = event.request.request_id
             target = self._sinks.get(request_id)
-            if target is not None:
-                loop, sink = target
-                loop.call_soon_threadsafe(sink.put_nowait, event)
-            if event.output.finished:
+            if target is not None and not _deliver(*target, event):
+                self.engine.abort(request_id)  # its consumer's loop is gone
+                target = None
+            if event.output.finished or target is None:
                 self._sinks.pop(request_id, None)
         if self._on_step is not None:
             self._on_step(self.engine)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, sink: asyncio.Queue, item: Event | _Failed) -> bool:
+    """Hand `item` to a consumer's queue on its loop; False when that loop is closed."""
+    try:
+        loop.call_soon_threadsafe(sink.put_nowait, item)
+    except RuntimeError:  # the loop was closed: nobody reads this request any more
+        return False
+    return True
