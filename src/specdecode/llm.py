@@ -139,12 +139,7 @@ class LLM:
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             text, ids = None, [int(t) for t in prompt["prompt_token_ids"]]
-            bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
-            if bad:
-                raise UserError(
-                    f"prompt_token_ids {bad[:5]} are outside the vocabulary "
-                    f"[0, {self.model.config.vocab_size})"
-                )
+            self.check_token_ids(ids, "prompt_token_ids")
         else:
             raise UserError(
                 "a prompt must be a str or {'prompt_token_ids': [...]}, "
@@ -159,6 +154,13 @@ class LLM:
             self.model.config.max_position_embeddings,
             self.model.device,
         )
+
+    def check_token_ids(self, ids: list[int], what: str) -> None:
+        """Refuse token ids outside the model's vocabulary, naming them as `what`."""
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def _requests(
         self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None

@@ -6,7 +6,7 @@ drafts, verifies and commits once for every running request.
 Losslessness per request: a request's prefill is the same pass whether others run or not, and
 a verification pass attends each row by itself (DECODE / TREE mode), so in fp32 a request's
 greedy output is the same alone or in a busy batch; in bf16 and int8 it is too wherever the
-kernels are row-exact (tests/test_row_exact.py says which).
+projections are row-exact (the native CPU kernels; docs/quantization.md).
 """
 
 from __future__ import annotations

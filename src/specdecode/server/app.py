@@ -219,10 +219,7 @@ class _Api:
 
     def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
         ids = self.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab = self.llm.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param)
+        self._check_token_ids(ids, "token ids", param)
         if not ids:
             raise bad_request("the prompt is empty", param)
         if len(ids) >= self.context:
@@ -232,6 +229,13 @@ class _Api:
                 param,
             )
         return ids
+
+    def _check_token_ids(self, ids: list[int], what: str, param: str) -> None:
+        """400 (naming `param`) for token ids outside the vocabulary."""
+        try:
+            self.llm.check_token_ids(ids, what)
+        except UserError as error:
+            raise bad_request(str(error), param) from error
 
     def max_tokens(self, asked: int | None, num_prompt: int, default: int | None) -> int:
         """The completion's token limit: asked, else `default`, else what fits (the context
@@ -275,10 +279,7 @@ class _Api:
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
-        vocab = self.llm.model.config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        self._check_token_ids(body.tokens, "tokens", "tokens")
         return {"prompt": self.llm.tokenizer.decode(body.tokens)}
 
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
