@@ -31,6 +31,20 @@ class FakeSeq:
     target_argmax: list[int] | None = None
 
 
+class PassCounter:
+    """Counts a model's forward passes (everything else is the model's)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.passes = model, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        self.passes += 1
+        return self.model(*args, **kwargs)
+
+
 def assert_fully_accepted(outs: list[RequestOutput], k: int) -> None:
     """Draft = target: acceptance >= 0.98 and tau close to K + 1, per request.
 

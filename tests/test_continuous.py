@@ -258,7 +258,7 @@ def test_stream_closed_early_leaves_other_requests_running(
     assert other.output_ids == alone[0]
 
 
-@pytest.mark.parametrize("method", ["plain", "ngram"])
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft"])
 def test_seeded_sampling_alone_equals_joining_a_busy_batch(
     llms: dict[str, LLM], method: str
 ) -> None:

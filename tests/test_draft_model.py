@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from spec_cases import GREEDY, PROMPTS, assert_fully_accepted
+import torch
+from spec_cases import GREEDY, PROMPTS, FakeSeq, PassCounter, assert_fully_accepted
 
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.llm import LLM
 from specdecode.model.loading import load_model
-from specdecode.types import SamplingParams
+from specdecode.types import SamplingParams, Verdict
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +79,50 @@ def test_bad_draft_length_is_a_clear_error(tiny_model_dir: Path, k: object) -> N
     draft = load_model(tiny_model_dir, dtype="float32")
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be an int in 1\.\.64"):
         DraftModelDrafter(draft, k, 300)  # type: ignore[arg-type]
+
+
+def _drafts(drafts) -> list[list[int]]:
+    return [d.tokens.tolist() for d in drafts]
+
+
+def test_chains_of_many_sequences_share_each_draft_pass(other_draft_dir: Path) -> None:
+    """Every draft position is one pass over all sequences (not one per sequence), and each
+    sequence's draft is the one it gets alone, greedy or seeded."""
+    draft = load_model(other_draft_dir, dtype="float32")
+    vocab = draft.config.vocab_size
+    counter = PassCounter(draft)
+    drafter = DraftModelDrafter(counter, 3, vocab)
+    sampled = SamplingParams(temperature=0.9, max_tokens=40)
+    seqs = [
+        FakeSeq(f"s{i}", list(p["prompt_token_ids"]), params=GREEDY if i % 2 else sampled)
+        for i, p in enumerate(PROMPTS)
+    ]
+
+    def alone(limits: list[int]) -> list[list[int]]:
+        """Each sequence drafted by a fresh drafter of its own, with a fresh seeded generator."""
+        out = []
+        for seq, limit in zip(seqs, limits, strict=True):
+            seq.generator = torch.Generator().manual_seed(int(seq.request_id[1:]))
+            own = DraftModelDrafter(draft, 3, vocab)
+            out += _drafts(own.propose([seq], [limit]))
+        for seq in seqs:
+            seq.generator = torch.Generator().manual_seed(int(seq.request_id[1:]))
+        return out
+
+    expected = alone([3, 3, 3, 3])
+    drafts = drafter.propose(seqs, [3, 3, 3, 3])
+    assert _drafts(drafts) == expected
+    assert counter.passes == 3 + 3  # three prompts of > 1 token prefilled alone, then K passes
+    for seq, d in zip(seqs, drafts, strict=True):  # accept the first token, then the target's 7
+        seq.token_ids += [int(d.tokens[0]), 7]
+        drafter.commit(seq, Verdict(1, torch.tensor([int(d.tokens[0]), 7])))
+    counter.passes = 0
+    expected = alone([3, 0, 1, 2])
+    drafts = drafter.propose(seqs, [3, 0, 1, 2])
+    assert _drafts(drafts) == expected
+    assert [len(d) for d in expected] == [3, 0, 1, 2]
+    assert counter.passes == 3  # the catch-up rides in the first pass; rows stop at their limit
+    drafter.release("s1")
+    drafter.release("unknown")
+    drafter.propose(seqs[2:], [1, 1])
+    assert len(drafter._caches) == 3 and "s1" not in drafter._caches

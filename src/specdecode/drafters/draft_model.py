@@ -5,9 +5,10 @@ The classic speculative decoding drafter (Leviathan et al. 2023; Chen et al. 202
 parameters (the same `probs_from_logits` path as the target's p), so greedy requests get a
 one-hot q and the draft is the draft model's greedy continuation.
 
-Each sequence owns a one-row KV cache of the draft model, kept under the same invariant as the
+Each sequence owns a row of the draft model's KV cache (`drafters.draft_rows`: one pool, so a
+chain's draft passes feed every sequence at once), kept under the same invariant as the
 target's cache: it holds every committed token but the last. Worked example, K = 3, committed
-tokens t0..t4 (cache holds t0..t3, length 4):
+tokens t0..t4 (row holds t0..t3, length 4):
 
     propose: feed [t4] at position 4 -> q1, d1; feed [d1] at 5 -> q2, d2; feed [d2] at 6 -> q3, d3
              cache now holds t0..t4 d1 d2 (length 7); d3 was never fed.
@@ -47,12 +48,12 @@ from specdecode.drafters.base import (
     MAX_SPECULATIVE_TOKENS,
     ModelDrafterConfig,
     SeqView,
-    cache_with_room,
     check_draft_length,
     check_draft_limits,
     check_tree_shape,
     is_positive_int,
 )
+from specdecode.drafters.draft_rows import DraftRows
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, log_confidence
 from specdecode.errors import UserError
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
@@ -189,8 +190,11 @@ def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) 
 class DraftModelDrafter:
     """Proposes up to K tokens per sequence by running a small draft model autoregressively.
 
-    Sequences are drafted one after another (no batching across sequences yet); each keeps
-    its own draft-model KV cache, keyed by `request_id`, until `release`.
+    Chains are drafted for every sequence at once: each of the K draft passes feeds each
+    sequence's newest token in one batched pass (`drafters.draft_rows`), so a step reads the
+    draft model's weights K times whatever the batch size. Trees are grown one sequence after
+    another. Each sequence keeps its row of the draft model's KV cache, keyed by `request_id`,
+    until `release`.
 
     Args:
         model: the draft model (`DraftLM`); its vocabulary must be the target's (same ids,
@@ -230,7 +234,7 @@ class DraftModelDrafter:
         self.tree_width = tree_width
         self.tree_depth = tree_depth or num_speculative_tokens
         self.confidence_threshold = confidence_threshold
-        self._caches: dict[str, KVCache] = {}
+        self._caches = DraftRows(model.new_cache)
 
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
         """One draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
@@ -244,9 +248,10 @@ class DraftModelDrafter:
             float32)`, or with tree_width > 1 a tree `Draft(tokens [k_i], None, tree)`.
         """
         check_draft_limits(seqs, max_tokens)
-        propose = self._propose_one if self.tree_width == 1 else self._propose_tree
         with torch.inference_mode():
-            return [propose(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
+            if self.tree_width > 1:
+                return [self._propose_tree(s, m) for s, m in zip(seqs, max_tokens, strict=True)]
+            return self._propose_chains(seqs, max_tokens)
 
     def commit(self, seq: SeqView, verdict: Verdict) -> None:
         """Roll the cache back to the committed tokens but the last one.
@@ -254,36 +259,84 @@ class DraftModelDrafter:
         Draft tokens that were fed and then accepted stay cached (they are committed now);
         the rejected ones are cut off. The next `propose` feeds whatever is missing.
         """
-        cache = self._caches.get(seq.request_id)
-        if cache is not None:
-            cache.truncate(min(cache.lengths[0], len(seq.token_ids) - 1))
+        self._caches.truncate(seq.request_id, len(seq.token_ids) - 1)
 
     def release(self, request_id: str) -> None:
         """Drop the draft-model cache of a finished sequence (unknown ids are ignored)."""
-        self._caches.pop(request_id, None)
+        self._caches.release(request_id)
 
-    def _propose_one(self, seq: SeqView, max_tokens: int) -> Draft:
-        """Catch up on the committed tokens, then draft token by token."""
-        ids = seq.token_ids
-        k = self._draft_size(seq, max_tokens)
+    def _propose_chains(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+        """Catch every sequence up on its committed tokens, then draft token by token, one
+        batched pass per draft position over the sequences still drafting."""
+        sizes = [self._draft_size(s, m) for s, m in zip(seqs, max_tokens, strict=True)]
         vocab = self.model.config.vocab_size
-        if k == 0:
-            return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, vocab))
-        cache, cached = self._rolled_back_cache(seq, len(ids) + k)
-        st = SamplingTensors.from_params([seq.params], self.model.device)
-        tokens = torch.empty(k, dtype=torch.long)  # [k]
-        probs = torch.empty(k, vocab)  # [k, V]
-        new = ids[cached:]  # the last committed token, plus any not fed yet
-        for j in range(k):
-            logits = self._last_logits(cache, new, cached)  # [1, V]
-            q = probs_from_logits(logits, st)[0].cpu()  # [V]
-            token = self._draw(q, st, seq.generator)
-            tokens[j], probs[j] = token, q
-            cached += len(new)
-            new = [token]
-            if self._unsure(logits[0], token):
-                return Draft(tokens[: j + 1], probs[: j + 1])
-        return Draft(tokens, probs)
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs = [torch.empty(k, vocab) for k in sizes]  # each [k_i, V]
+        live = [i for i, k in enumerate(sizes) if k > 0]  # the sequences still drafting
+        row_of, new, ready = self._catch_up_all(seqs, sizes, live)
+        while live:
+            feeding = [i for i in live if i not in ready]
+            if feeding:
+                batch = {row_of[i]: new[i] for i in feeding}
+                fed = self._caches.feed_rows(self.model, batch, self._positions)  # [F', V]
+                ready.update(zip(feeding, fed, strict=True))
+            logits = torch.stack([ready.pop(i) for i in live])  # [F, V]
+            st = SamplingTensors.from_params([seqs[i].params for i in live], self.model.device)
+            q = probs_from_logits(logits, st).cpu()  # [F, V]
+            drawn = self._draw(q, st, [seqs[i].generator for i in live])
+            still = []
+            for f, i in enumerate(live):
+                probs[i][len(tokens[i])] = q[f]
+                tokens[i].append(drawn[f])
+                new[i] = [drawn[f]]
+                if len(tokens[i]) < sizes[i] and not self._unsure(logits[f], drawn[f]):
+                    still.append(i)
+            live = still
+        return [
+            Draft(torch.tensor(t, dtype=torch.long), p[: len(t)])
+            for t, p in zip(tokens, probs, strict=True)
+        ]
+
+    def _catch_up_all(
+        self, seqs: Sequence[SeqView], sizes: list[int], live: list[int]
+    ) -> tuple[dict[int, int], dict[int, list[int]], dict[int, Tensor]]:
+        """Give the sequences `live` (indices into `seqs`, drafting sizes[i] tokens) their
+        rows and catch them up (`_catch_up`). Returns, per live sequence, its row, and either
+        the tokens its first batched pass feeds or the logits [V] after its last token."""
+        if not live:
+            return {}, {}, {}
+        needed = max(self._room(seqs[i], sizes[i]) for i in live)
+        rows = self._caches.place([seqs[i].request_id for i in live], needed)
+        row_of = dict(zip(live, rows, strict=True))
+        new: dict[int, list[int]] = {}
+        ready: dict[int, Tensor] = {}
+        for i in live:
+            backlog = self._catch_up(seqs[i], row_of[i])
+            if isinstance(backlog, Tensor):
+                ready[i] = backlog
+            else:
+                new[i] = backlog
+        return row_of, new, ready
+
+    def _catch_up(self, seq: SeqView, row: int) -> list[int] | Tensor:
+        """Roll `row` back to the committed tokens it holds but the last. Then either return
+        the missing tokens (1..K + 1 of them) for the first batched pass, or, for a new
+        sequence's prompt or a longer backlog, feed them alone (a prompt as a prefill) and
+        return the logits [V] after the last."""
+        ids = seq.token_ids
+        cached = min(self._caches.length(row), len(ids) - 1)
+        self._caches.truncate(seq.request_id, cached)
+        backlog = ids[cached:]
+        if len(backlog) <= self.num_speculative_tokens + 1 and (cached > 0 or len(ids) == 1):
+            return backlog
+        view = self._caches.view(row)
+        logits = feed(self.model, view, backlog, cached)  # [1, V]
+        self._caches.store(row, view)
+        return logits[0]
+
+    @property
+    def _positions(self) -> int:
+        return self.model.config.max_position_embeddings
 
     def _unsure(self, logits: Tensor, token: int) -> bool:
         """With a confidence_threshold: the draft model's own probability of `token`
@@ -298,7 +351,7 @@ class DraftModelDrafter:
         if k == 0:
             return Draft(torch.zeros(0, dtype=torch.long))
         depth = min(self.tree_depth, k)
-        cache, cached = self._rolled_back_cache(seq, len(ids) + self.tree_width * depth)
+        row, cache, cached = self._rolled_back_cache(seq, len(ids) + self.tree_width * depth)
         tree = DynamicTree(self.tree_width, k)
         tree.expand([ROOT], log_confidence(self._last_logits(cache, ids[cached:], cached)))
         slots: dict[int, int] = {}  # fed candidate -> its slot, counted from len(ids)
@@ -306,6 +359,7 @@ class DraftModelDrafter:
             frontier = tree.frontier
             tree.expand(frontier, log_confidence(self._feed_frontier(cache, tree, slots, ids)))
         cache.truncate(len(ids))  # drop the tree's slots: the cache holds the committed tokens
+        self._caches.store(row, cache)
         tokens, shape = tree.draft()
         return Draft(torch.tensor(tokens, dtype=torch.long), tree=shape)
 
@@ -318,13 +372,19 @@ class DraftModelDrafter:
         room = self.model.config.max_position_embeddings - len(ids) + 1
         return min(max_tokens, self.num_speculative_tokens, max(room, 0)) if ids else 0
 
-    def _rolled_back_cache(self, seq: SeqView, needed: int) -> tuple[KVCache, int]:
-        """The sequence's cache (room for `needed` slots), rolled back to the committed tokens
-        it holds but the last; returns it and its length (the next feed starts there)."""
-        cache = self._cache_for(seq, needed)
-        cached = min(cache.lengths[0], len(seq.token_ids) - 1)
-        cache.truncate(cached)
-        return cache, cached
+    def _room(self, seq: SeqView, k: int) -> int:
+        """Cache slots a k-token draft for `seq` may write (a K + 1-token pass after the
+        committed tokens); the rows grow by half when they must, so this is rarely a copy."""
+        return len(seq.token_ids) + max(k, self.num_speculative_tokens) + 1
+
+    def _rolled_back_cache(self, seq: SeqView, needed: int) -> tuple[int, KVCache, int]:
+        """The sequence's row (room for `needed` slots), rolled back to the committed tokens
+        it holds but the last: its index, a one-row view of it (`DraftRows.store` its length
+        afterwards) and its length (the next feed starts there)."""
+        (row,) = self._caches.place([seq.request_id], needed)
+        self._caches.truncate(seq.request_id, len(seq.token_ids) - 1)
+        cache = self._caches.view(row)
+        return row, cache, cache.lengths[0]
 
     def _feed_frontier(
         self, cache: KVCache, tree: DynamicTree, slots: dict[int, int], ids: list[int]
@@ -340,21 +400,13 @@ class DraftModelDrafter:
         return feed(self.model, cache, new, start)
 
     @staticmethod
-    def _draw(q: Tensor, st: SamplingTensors, generator: torch.Generator | None) -> int:
-        """The next draft token: argmax of a greedy (one-hot) q, else a sample with `generator`."""
-        if st.all_greedy:
-            return int(q.argmax())
-        return int(sample(q[None], [generator])[0])
-
-    def _cache_for(self, seq: SeqView, needed: int) -> KVCache:
-        """The sequence's cache, allocated or grown so that it holds at least `needed` slots
-        (`cache_with_room`: room for a K-token draft beyond the whole `max_tokens`)."""
-        cache = cache_with_room(
-            self._caches.get(seq.request_id),
-            seq,
-            needed,
-            self.num_speculative_tokens + 1,
-            lambda capacity: self.model.new_cache(1, capacity),
-        )
-        self._caches[seq.request_id] = cache
-        return cache
+    def _draw(
+        q: Tensor, st: SamplingTensors, generators: Sequence[torch.Generator | None]
+    ) -> list[int]:
+        """The next draft token of each row of q ([F, V]): the argmax of a greedy (one-hot)
+        row, else a sample with the row's generator."""
+        drawn = q.argmax(-1)  # [F]
+        sampled = [f for f, greedy in enumerate(st.greedy) if not greedy]
+        if sampled:
+            drawn[sampled] = sample(q[sampled], [generators[f] for f in sampled])
+        return drawn.tolist()

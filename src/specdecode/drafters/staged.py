@@ -9,7 +9,9 @@ q's recovered or bonus token. So every pass adds at least one draft token, and a
 costs one pass instead of one per token. Each draft token is still distributed exactly as q
 given the tokens before it (greedy: it is q's argmax), so the draft, its q rows and the
 engine's verification are exactly what plain draft-model drafting would give: the output is
-unchanged, only the drafting time differs.
+unchanged, only the drafting time differs. Sequences are drafted one after another (plain
+draft-model chains batch their passes across sequences; each staged pass checks one
+sequence's own guesses), so staging pays for one stream, not under a server's load.
 
 Worked example, K = 4, greedy, committed ... t, the stager guesses [a, b, c] after t:
 
@@ -20,6 +22,7 @@ Worked example, K = 4, greedy, committed ... t, the stager guesses [a, b, c] aft
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -74,6 +77,10 @@ class StagedDrafter(DraftModelDrafter):
         super().release(request_id)
         self.stager.release(request_id)
 
+    def _propose_chains(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+        """One sequence after another: each pass checks that sequence's own guesses."""
+        return [self._propose_one(s, m) for s, m in zip(seqs, max_tokens, strict=True)]
+
     def _propose_one(self, seq: SeqView, max_tokens: int) -> Draft:
         """Catch up on the committed tokens, then draft: each pass feeds the newest token and
         the stager's guesses and keeps what q accepts, plus q's own next token."""
@@ -82,7 +89,7 @@ class StagedDrafter(DraftModelDrafter):
         vocab = self.model.config.vocab_size
         if k == 0:
             return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, vocab))
-        cache, cached = self._rolled_back_cache(seq, len(ids) + k)
+        row, cache, cached = self._rolled_back_cache(seq, len(ids) + k)
         st = SamplingTensors.from_params([seq.params], self.model.device)
         tokens: list[int] = []
         probs = torch.empty(k, vocab)  # [k, V]
@@ -104,6 +111,7 @@ class StagedDrafter(DraftModelDrafter):
             cached += len(new) + accepted  # the guesses q rejected are dropped from the cache
             cache.truncate(cached)
             new = tokens[-1:]
+        self._caches.store(row, cache)
         return Draft(torch.tensor(tokens, dtype=torch.long), probs)
 
     def _probs_after(
