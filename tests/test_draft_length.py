@@ -10,15 +10,24 @@ import torch
 from spec_cases import GREEDY, PROMPTS
 
 from specdecode.drafters.registry import parse_speculative_config
-from specdecode.engine.draft_length import PROBE_EVERY, DraftLength, PassCosts, expected_tokens
+from specdecode.engine.draft_length import (
+    PROBE_EVERY,
+    DraftLength,
+    PassCosts,
+    expected_tokens,
+    nondecreasing,
+)
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.types import Draft, Verdict
 
 
 def _costs(policy: str, k: int, seconds: dict[int, float], draft_s: float) -> DraftLength:
+    """A policy whose passes are seeded with seconds by total width: a pass of B rows of n
+    tokens costs seconds[B * n] (the widths given; `PassCosts` reads between them)."""
     length = DraftLength(policy, k)
-    length.passes.seconds = dict(seconds)
+    shapes = [(rows, n) for rows in range(1, 17) for n in range(1, k + 2)]
+    length.passes.seed({(r, n): seconds[r * n] for r, n in shapes if r * n in seconds})
     length.draft_s_per_token = draft_s
     return length
 
@@ -27,7 +36,7 @@ def _step(length: DraftLength, rid: str, drafted: int, accepted: int) -> None:
     """Feed one verdict, with the pass seconds the policy already holds (timing unchanged)."""
     draft = Draft(torch.zeros(drafted, dtype=torch.long))
     verdict = Verdict(accepted, torch.zeros(accepted + 1, dtype=torch.long))
-    verify_s = length.passes.estimate(1 + drafted) or 0.07
+    verify_s = length.passes.estimate(1, 1 + drafted) or 0.07
     length.observe([rid], [draft], [verdict], drafted * length.draft_s_per_token, verify_s)
 
 
@@ -39,15 +48,35 @@ def test_the_docstring_example() -> None:
     assert expected_tokens(0.6, 2) == pytest.approx(1.96)
 
 
-def test_pass_costs_interpolate_between_measured_widths() -> None:
+def test_pass_costs_interpolate_between_measured_shapes() -> None:
     costs = PassCosts()
-    assert costs.estimate(3) is None
-    costs.observe(2, 1.0)
-    costs.observe(6, 3.0)
-    assert costs.estimate(4) == pytest.approx(2.0)
-    assert costs.estimate(1) == costs.estimate(2) == 1.0 and costs.estimate(9) == 3.0
-    costs.observe(2, 2.0)  # a running average
-    assert 1.0 < costs.estimate(2) < 2.0
+    assert costs.estimate(1, 3) is None
+    costs.observe(1, 2, 1.0)
+    costs.observe(1, 6, 3.0)
+    assert costs.estimate(1, 4) == pytest.approx(2.0)
+    assert costs.estimate(1, 1) == costs.estimate(1, 2) == 1.0 and costs.estimate(1, 9) == 3.0
+    assert costs.estimate(4, 4) == pytest.approx(2.0)  # flat beyond the row counts run
+    costs.observe(1, 2, 2.0)  # a running average
+    assert 1.0 < costs.estimate(1, 2) < 2.0
+
+
+def test_seeded_pass_costs_follow_the_passes_run() -> None:
+    """Seeds are read between row counts and widths, and scaled by how the passes run at the
+    same row count compare with them (contexts grow after the server measured its seeds)."""
+    costs = PassCosts()
+    costs.seed({(1, 1): 1.0, (1, 3): 2.0, (4, 1): 2.0, (4, 3): 4.0})
+    assert costs.estimate(2, 1) == pytest.approx(4 / 3)  # a third of the way from 1 to 4 rows
+    assert costs.estimate(4, 2) == pytest.approx(3.0)
+    costs.observe(4, 1, 3.0)  # the 4-row passes run 1.5x the seeds
+    assert costs.estimate(4, 3) == pytest.approx(6.0)
+    assert costs.estimate(1, 3) == 2.0  # no 1-row pass has run
+    costs.observe(4, 3, 5.0)
+    assert costs.estimate(4, 3) == 5.0  # run: as measured
+    assert costs.estimate(4, 2) == pytest.approx(3.0 * 1.5)  # the nearest run width, 1
+    costs.seed({(8, 1): 3.0, (8, 2): 5.0, (8, 3): 4.0, (8, 4): 6.0})  # one noisy timing
+    assert [costs.estimate(8, n) for n in (1, 2, 3, 4)] == [3.0, 4.5, 4.5, 6.0]
+    assert nondecreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert nondecreasing([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
 
 
 def test_cost_rule_picks_one_k_for_the_batch_from_the_pass_costs() -> None:

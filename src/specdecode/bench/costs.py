@@ -55,28 +55,52 @@ def predicted_speedup(
     return expected_tokens_per_step(acceptance, k) * target_s[1] / step
 
 
-@torch.inference_mode()
 def forward_seconds(
     model: Transformer, context: int, widths: Sequence[int], repeats: int = 5, seed: int = 0
 ) -> dict[int, float]:
-    """Median seconds of one forward pass of `width` new tokens after `context` cached tokens.
+    """Median seconds of one forward pass of `width` new tokens after `context` cached tokens
+    (one row; `pass_seconds`)."""
+    shapes = pass_seconds(model, context, [(1, w) for w in widths], repeats, seed)
+    return {w: shapes[(1, w)] for w in widths}
 
-    The cache is filled once with `context` random tokens; each timed pass appends `width`
-    tokens and is rolled back, so every pass sees the same context. One untimed pass per width
-    comes first.
+
+@torch.inference_mode()
+def pass_seconds(
+    model: Transformer,
+    context: int,
+    shapes: Sequence[tuple[int, int]],
+    repeats: int = 5,
+    seed: int = 0,
+    fastest: bool = False,
+) -> dict[tuple[int, int], float]:
+    """Median seconds (with `fastest`, the least: noise only adds time) of one forward pass
+    of `rows` rows of `width` new tokens each (DECODE, as a verification pass), every row
+    after the same `context` cached tokens, per shape (rows, width).
+
+    One row is filled once with `context` random tokens and copied to every row; each timed
+    pass appends its tokens and is rolled back, so every pass sees the same context. One
+    untimed pass per shape comes first.
     """
-    if context < 1 or repeats < 1 or not widths or min(widths) < 1:
-        raise ValueError("need context >= 1, repeats >= 1 and widths >= 1")
+    if context < 1 or repeats < 1 or not shapes or min(min(s) for s in shapes) < 1:
+        raise ValueError("need context >= 1, repeats >= 1 and shapes of rows, widths >= 1")
     device = model.device
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
-    cache = model.new_cache(1, context + max(widths))
+    capacity = context + max(w for _, w in shapes)
+    first = model.new_cache(1, capacity)
     prompt = torch.randint(vocab, (1, context), generator=gen)
-    model(prompt.to(device), AttentionMetadata.prefill([context], device), cache)
+    model(prompt.to(device), AttentionMetadata.prefill([context], device), first)
+    caches = {1: first}
     out = {}
-    for width in widths:
-        tokens = torch.randint(vocab, (1, width), generator=gen).to(device)
-        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [context], [width], device)
+    for rows, width in shapes:
+        if rows not in caches:
+            caches[rows] = model.new_cache(rows, capacity)
+            caches[rows].load_prefix(first, context)
+        cache = caches[rows]
+        tokens = torch.randint(vocab, (rows, width), generator=gen).to(device)
+        meta = AttentionMetadata.contiguous(
+            AttentionMode.DECODE, [context] * rows, [width] * rows, device
+        )
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
@@ -85,7 +109,7 @@ def forward_seconds(
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
             cache.truncate(context)
-        out[width] = statistics.median(times[1:])
+        out[(rows, width)] = min(times[1:]) if fastest else statistics.median(times[1:])
     return out
 
 

@@ -12,28 +12,29 @@ request and per step, a limit k in 0..K (0 = decode one token without a draft):
   with probability a_i) and the share v_i of steps in which it drafts at all when it may (a
   lookup drafter finds no match in some), a step of k draft tokens per row emits
   sum_i 1 + v_i (E(a_i, k) - 1) tokens, E(a, k) = (1 - a^(k+1)) / (1 - a), and costs
-  sum_i v_i * k * d + t(B * (k + 1)) seconds, where d = measured drafting seconds per draft
-  token, t(n) = measured seconds of a verification pass over n tokens and B = the rows in
-  the batch. k = 0 costs t(B) for B tokens, so the batch drafts only where that pays; after
+  sum_i v_i * k * d + t(B, k + 1) seconds, where d = measured drafting seconds per draft
+  token, t(B, n) = measured seconds of a verification pass of B rows (the batch) of n tokens
+  each. k = 0 costs t(B, 1) for B tokens, so the batch drafts only where that pays; after
   `PROBE_EVERY` x B steps without a draft, the whole batch drafts once more (acceptance may
   have changed; one request probing alone would widen every row's pass anyway, and a probe
   costs every row a draft), unless not even drafts that are always accepted would pay at
   this batch size. A tree draft's limit is its node count; its acceptance is counted along
   its depth, so the rule treats it as a chain (an approximation).
 
-Worked example ("cost", B = 1): a = 0.6, d = 25 ms, t(1) = t(2) = 70 ms, t(3) = 72 ms,
-t(4) = 75 ms: k = 0 gives 1 / 70 = 14.3 tok/s; k = 1 gives 1.6 / 95 = 16.8; k = 2 gives
-1.96 / 122 = 16.1; k = 3 gives 2.18 / 150 = 14.5. So k = 1.
+Worked example ("cost", B = 1): a = 0.6, d = 25 ms, t(1, 1) = t(1, 2) = 70 ms,
+t(1, 3) = 72 ms, t(1, 4) = 75 ms: k = 0 gives 1 / 70 = 14.3 tok/s; k = 1 gives
+1.6 / 95 = 16.8; k = 2 gives 1.96 / 122 = 16.1; k = 3 gives 2.18 / 150 = 14.5. So k = 1.
 
 The acceptance rate is estimated per request from its verdicts, the most recent weighing most:
 each drafted position up to the first rejection is a success, the first rejection a failure,
 counts decay by `DECAY` per step and start from `PRIOR_WEIGHT` pseudo-positions at the rate of
 all requests so far. Pass seconds are learned from the engine's own passes (an exponential
-average per pass width); a width never measured is read off its measured neighbours (linear
-between them, flat beyond the widest), which is optimistic about untried long drafts: trying
-them measures them. Narrower passes than any measured are read as the narrowest measured one,
-which would keep a busy batch at long drafts it cannot afford: a server therefore seeds the
-table with passes measured at its start (`PassCosts.seed`, widths 1 .. max_num_seqs x (K + 1)).
+average per pass shape, `PassCosts`); a shape never run is read off its neighbours (linear
+between them, flat beyond), which is optimistic about untried long drafts (trying them
+measures them) but would keep a busy batch at long drafts it cannot afford, read off one
+narrow pass. A server therefore seeds the table with passes of 1 .. max_num_seqs rows of
+1 .. K + 1 tokens measured at its start (`PassCosts.seed`), and scales the seeded costs by
+how the passes it runs compare with them (contexts grow; the seeds are measured at one).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from specdecode.types import Draft, Verdict
 
 DECAY = 0.9  # weight of the older acceptance counts after each step
 PRIOR_WEIGHT = 2.0  # pseudo-positions of the all-request rate a new request starts from
-PASS_AVERAGE = 0.2  # weight of a new pass's seconds in its width's running average
+PASS_AVERAGE = 0.2  # weight of a new pass's seconds in its shape's running average
 PROBE_EVERY = 8  # steps without a draft (per row of the batch) before the batch drafts again
 
 
@@ -69,38 +70,89 @@ class _Request:
     offered: bool = False  # its limit this step was > 0
 
 
+Shape = tuple[int, int]  # a verification pass: (rows, tokens per row)
+
+
+def _along(points: dict[int, float], x: int) -> float:
+    """points (x -> seconds, not empty) read at x: linear between the nearest, flat beyond."""
+    if x in points:
+        return points[x]
+    below = [p for p in points if p < x]
+    above = [p for p in points if p > x]
+    if not above or not below:
+        return points[max(below)] if not above else points[min(above)]
+    lo, hi = max(below), min(above)
+    return points[lo] + (x - lo) / (hi - lo) * (points[hi] - points[lo])
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """The nondecreasing sequence closest to `values` in squared error (pool adjacent
+    violators: a run that decreases is replaced by its mean). [1, 3, 2, 4] -> [1, 2.5, 2.5, 4]."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
+def _lookup(table: dict[Shape, float], rows: int, per_row: int) -> float | None:
+    """`table` read at a shape: along the tokens per row within each measured row count,
+    then along the row counts (`_along` both ways); None for an empty table."""
+    by_rows: dict[int, dict[int, float]] = {}
+    for (r, n), seconds in table.items():
+        by_rows.setdefault(r, {})[n] = seconds
+    if not by_rows:
+        return None
+    return _along({r: _along(points, per_row) for r, points in by_rows.items()}, rows)
+
+
 class PassCosts:
-    """Running average seconds of verification passes by width (new tokens in the pass)."""
+    """Seconds of verification passes by shape (rows, tokens per row): passes measured
+    beforehand (`seed`) and running averages of the passes run.
+
+    A shape that has run is read as measured. Otherwise the seeded table is read there
+    (`_lookup`), scaled by how the passes of the same row count that did run compare with the
+    seeded table (the nearest tokens per row): a server seeds its table at a short context,
+    and its passes slow down as the contexts grow. Without seeds, the passes run are read the
+    same way.
+    """
 
     def __init__(self) -> None:
-        self.seconds: dict[int, float] = {}
+        self.seconds: dict[Shape, float] = {}  # passes run: running averages
+        self.seeded: dict[Shape, float] = {}  # passes measured beforehand
 
-    def seed(self, seconds: dict[int, float]) -> None:
-        """Start from pass costs measured beforehand (width -> seconds), e.g. at a server's
-        start, so that widths a batch has not run yet are not guessed; passes observed later
-        keep refining them."""
-        self.seconds.update(seconds)
+    def seed(self, seconds: dict[Shape, float]) -> None:
+        """Start from pass costs measured beforehand ((rows, tokens per row) -> seconds), e.g.
+        at a server's start, so that shapes a batch has not run yet are not guessed. Within
+        each row count the costs are made nondecreasing in the tokens per row (a wider pass
+        never costs less; `nondecreasing`), so one noisy timing cannot make it look so."""
+        self.seeded.update(seconds)
+        for rows in {r for r, _ in self.seeded}:
+            widths = sorted(n for r, n in self.seeded if r == rows)
+            fitted = nondecreasing([self.seeded[(rows, n)] for n in widths])
+            self.seeded.update(((rows, n), t) for n, t in zip(widths, fitted, strict=True))
 
-    def observe(self, width: int, seconds: float) -> None:
-        old = self.seconds.get(width)
-        self.seconds[width] = seconds if old is None else old + PASS_AVERAGE * (seconds - old)
+    def observe(self, rows: int, per_row: int, seconds: float) -> None:
+        old = self.seconds.get((rows, per_row))
+        new = seconds if old is None else old + PASS_AVERAGE * (seconds - old)
+        self.seconds[(rows, per_row)] = new
 
-    def estimate(self, width: int) -> float | None:
-        """Seconds of a pass of `width` tokens: measured, else interpolated between the
-        nearest measured widths (flat beyond them); None before any pass."""
-        if width in self.seconds:
-            return self.seconds[width]
-        below = [w for w in self.seconds if w < width]
-        above = [w for w in self.seconds if w > width]
-        if not below and not above:
-            return None
-        if not above:
-            return self.seconds[max(below)]
-        if not below:
-            return self.seconds[min(above)]
-        lo, hi = max(below), min(above)
-        share = (width - lo) / (hi - lo)
-        return self.seconds[lo] + share * (self.seconds[hi] - self.seconds[lo])
+    def estimate(self, rows: int, per_row: int) -> float | None:
+        """Seconds of a pass of `rows` rows of `per_row` tokens (class docstring); None
+        before any pass was measured or seeded."""
+        if (rows, per_row) in self.seconds:
+            return self.seconds[(rows, per_row)]
+        seeded = _lookup(self.seeded, rows, per_row)
+        if seeded is None:
+            return _lookup(self.seconds, rows, per_row)
+        ran = [n for r, n in self.seconds if r == rows]
+        if not ran:
+            return seeded
+        near = min(ran, key=lambda n: (abs(n - per_row), n))
+        scale = self.seconds[(rows, near)] / (_lookup(self.seeded, rows, near) or 1.0)
+        return seeded * scale
 
 
 class DraftLength:
@@ -148,7 +200,7 @@ class DraftLength:
         if self.policy == "fixed":
             return
         longest = max(int(d.tokens.numel()) for d in drafts)
-        self.passes.observe(len(drafts) * (1 + longest), verify_s)
+        self.passes.observe(len(drafts), 1 + longest, verify_s)
         drafted = sum(int(d.tokens.numel()) for d in drafts)
         if drafted:
             per_token, old = draft_s / drafted, self.draft_s_per_token
@@ -221,7 +273,7 @@ class DraftLength:
         drafting = sum(share)
         best, best_rate = self.max_tokens, 0.0
         for k in range(self.max_tokens + 1):
-            verify = self.passes.estimate(batch * (k + 1))
+            verify = self.passes.estimate(batch, k + 1)
             if verify is None:
                 return self.max_tokens
             gains = (

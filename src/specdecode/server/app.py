@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from specdecode.bench.costs import forward_seconds
+from specdecode.bench.costs import pass_seconds
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.engine.async_engine import AsyncEngine
 from specdecode.engine.engine import Engine
@@ -159,17 +159,20 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
     return app
 
 
-def seed_pass_costs(engine: Engine, max_num_seqs: int) -> dict[int, float]:
-    """With the "cost" draft-length policy, measure verification passes of 1 .. max_num_seqs x
-    (K + 1) tokens (powers of two and the widest) before serving, so the rule picks K for
-    every batch size from measured costs (`DraftLength`); returns them (empty otherwise)."""
+def seed_pass_costs(engine: Engine, max_num_seqs: int) -> dict[tuple[int, int], float]:
+    """With the "cost" draft-length policy, measure verification passes of 1 .. max_num_seqs
+    rows (powers of two and the most) of 1 .. K + 1 tokens each (1, 2, 3, powers of two + 1
+    and K + 1) before serving, so the rule picks K for every batch size from measured costs
+    (`DraftLength`); returns them, (rows, tokens per row) -> seconds (empty otherwise)."""
     policy = engine.draft_length
     if policy.policy != "cost":
         return {}
-    context = engine.model.config.max_position_embeddings
-    widest = min(max_num_seqs * (policy.max_tokens + 1), context // 2)
-    widths = sorted({1 << i for i in range(widest.bit_length())} | {widest})
-    seconds = forward_seconds(engine.model, min(PASS_CONTEXT, context - widest), widths, 2)
+    widest = policy.max_tokens + 1
+    rows = sorted({1 << i for i in range(max_num_seqs.bit_length())} | {max_num_seqs})
+    widths = sorted({w for w in (1, 2, 3, *((1 << i) + 1 for i in range(7))) if w < widest})
+    shapes = [(r, w) for r in rows for w in [*widths, widest]]
+    context = min(PASS_CONTEXT, engine.model.config.max_position_embeddings - widest)
+    seconds = pass_seconds(engine.model, context, shapes, 3, fastest=True)
     policy.passes.seed(seconds)
     return seconds
 
