@@ -297,7 +297,7 @@ def test_cost_policy_seeds_pass_costs_and_reports_the_draft_limit(
     seconds = seed_pass_costs(engine, max_num_seqs=4)
     rows, widths = [1, 2, 4], [1, 2, 3, 5]  # 4 rows of K + 1 = 5 tokens at most
     assert sorted(seconds) == [(r, w) for r in rows for w in widths]
-    assert engine.draft_length.passes.seeded == seconds
+    assert engine.draft_length.passes.seeded.keys() == seconds.keys()
     assert seed_pass_costs(plain.engine, 4) == {}  # a fixed K needs no costs
     want = plain.generate(PROMPTS[0], _greedy(20))[0].text
     with running_server(llm, ServeConfig(NAME)) as base:
