@@ -3,12 +3,14 @@ through the engine: never above K, never a different output."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from spec_cases import GREEDY, PROMPTS
+from spec_cases import GREEDY, PROMPTS, FakeSeq
 
+from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.registry import parse_speculative_config
 from specdecode.engine.draft_length import (
     PROBE_EVERY,
@@ -19,7 +21,8 @@ from specdecode.engine.draft_length import (
 )
 from specdecode.errors import UserError
 from specdecode.llm import LLM
-from specdecode.types import Draft, Verdict
+from specdecode.model.loading import load_model
+from specdecode.types import Draft, SamplingParams, Verdict
 
 
 def _costs(policy: str, k: int, seconds: dict[int, float], draft_s: float) -> DraftLength:
@@ -236,3 +239,39 @@ def test_no_probe_where_not_even_perfect_drafts_would_pay() -> None:
     assert length.best_k([1.0] * 8) == 0
     for _ in range(PROBE_EVERY * 8 * 3):
         assert length.limits([str(i) for i in range(8)]) == [0] * 8
+
+
+class SlowSetup(LimitSpy):
+    """A drafter that spends `SETUP_S` on one-time work in every propose, and says so."""
+
+    SETUP_S = 0.2
+
+    def propose(self, seqs, max_tokens):
+        time.sleep(self.SETUP_S)
+        self.setup_s = self.SETUP_S
+        return super().propose(seqs, max_tokens)
+
+
+def test_one_time_drafting_work_is_not_priced_per_draft_token(tiny_model_dir: Path) -> None:
+    """A draft model prefilling a new prompt (`setup_s`) is paid once: the cost rule's
+    drafting seconds per token leave it out (else one prefill would stop all drafting)."""
+    config = {"method": "ngram", "num_speculative_tokens": 4, "draft_length": "cost",
+              "prompt_lookup_min": 1}  # fmt: skip
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    llm.engine.drafter = SlowSetup(llm.engine.drafter)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate({"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2]}, params)
+    assert llm.engine.drafter.seen  # it drafted
+    assert llm.engine.draft_length.draft_s_per_token < SlowSetup.SETUP_S / 8
+
+
+def test_a_draft_model_reports_its_prompt_prefill_as_setup(other_draft_dir: Path) -> None:
+    draft = load_model(other_draft_dir, dtype="float32")
+    drafter = DraftModelDrafter(draft, 3, draft.config.vocab_size)
+    seq = FakeSeq("a", [5, 17, 42, 99, 3, 250], params=GREEDY)
+    (first,) = drafter.propose([seq], [3])
+    assert drafter.setup_s > 0  # the prompt was prefilled alone
+    seq.token_ids += [*first.tokens.tolist(), 7]
+    drafter.commit(seq, Verdict(3, torch.tensor([*first.tokens.tolist(), 7])))
+    drafter.propose([seq], [3])
+    assert drafter.setup_s == 0  # caught up in the batched passes

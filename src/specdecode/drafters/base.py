@@ -184,6 +184,10 @@ class Drafter(Protocol):
     wants_target_argmax (optional, default False): when True, every verification pass leaves
     the sequence's `target_argmax` (the target's most likely token after each draft node,
     kept or not) for `commit` to read (lookahead's Jacobi window advances on it).
+
+    setup_s (optional, default 0): seconds of the latest `propose` spent on one-time work,
+    e.g. a draft model prefilling a new sequence's prompt; the draft-length policy leaves
+    them out of its per-token drafting cost (they are paid once, not per draft token).
     """
 
     hidden_layers: tuple[int, ...] | None

@@ -36,6 +36,7 @@ registry's factory puts the pieces together (`drafters.draft_model_build`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -235,6 +236,7 @@ class DraftModelDrafter:
         self.tree_depth = tree_depth or num_speculative_tokens
         self.confidence_threshold = confidence_threshold
         self._caches = DraftRows(model.new_cache)
+        self.setup_s = 0.0  # seconds the latest propose spent feeding sequences alone
 
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
         """One draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
@@ -248,6 +250,7 @@ class DraftModelDrafter:
             float32)`, or with tree_width > 1 a tree `Draft(tokens [k_i], None, tree)`.
         """
         check_draft_limits(seqs, max_tokens)
+        self.setup_s = 0.0
         with torch.inference_mode():
             if self.tree_width > 1:
                 return [self._propose_tree(s, m) for s, m in zip(seqs, max_tokens, strict=True)]
@@ -329,9 +332,11 @@ class DraftModelDrafter:
         backlog = ids[cached:]
         if len(backlog) <= self.num_speculative_tokens + 1 and (cached > 0 or len(ids) == 1):
             return backlog
+        start = time.perf_counter()
         view = self._caches.view(row)
         logits = feed(self.model, view, backlog, cached)  # [1, V]
         self._caches.store(row, view)
+        self.setup_s += time.perf_counter() - start
         return logits[0]
 
     @property

@@ -195,7 +195,8 @@ class DraftLength:
         draft_s: float,
         verify_s: float,
     ) -> None:
-        """Learn from one step: drafting took `draft_s` seconds, the verification pass over
+        """Learn from one step: drafting took `draft_s` seconds (one-time work such as a
+        draft model's prompt prefills left out: `Drafter.setup_s`), the verification pass over
         every row's [last token, draft...] (padded to the longest) `verify_s`."""
         if self.policy == "fixed":
             return

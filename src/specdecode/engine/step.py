@@ -163,5 +163,6 @@ def speculative_step(
     check_drafts(drafts, limits, model.config.vocab_size)
     keep_argmax = getattr(drafter, "wants_target_argmax", False)
     verdicts = verify(model, cache, reqs, drafts, st, drafter.hidden_layers or None, keep_argmax)
-    draft_length.observe(ids, drafts, verdicts, drafted - start, time.perf_counter() - drafted)
+    per_token_s = drafted - start - getattr(drafter, "setup_s", 0.0)  # prompts' prefills aside
+    draft_length.observe(ids, drafts, verdicts, per_token_s, time.perf_counter() - drafted)
     return commit(reqs, drafts, verdicts, drafter, outputs, (drafted - start) / len(reqs))
