@@ -260,6 +260,7 @@ def test_gguf_file_is_converted_once(cache: Path, tmp_path: Path) -> None:
     folder = resolve_model(str(gguf), convert=counting_convert, progress=False)
     assert folder.parent == cache / "gguf" and folder.name.startswith("mine-")
     assert (folder / MARKER).is_file() and (folder / "config.json").is_file()
+    assert (folder / "model.gguf").resolve() == gguf.resolve()  # its blocks, for "gguf"
     assert resolve_model(str(gguf), convert=counting_convert) == folder
     assert calls == [gguf.resolve()]
     os.utime(gguf, ns=(0, 10**9))  # a changed file gets a fresh conversion

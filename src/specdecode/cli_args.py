@@ -27,7 +27,8 @@ def add_quantization(p: argparse.ArgumentParser) -> None:
         default="none",
         choices=["none", *QUANTIZATIONS],
         help="weight format of the target (and of a draft model, unless speculative_config "
-        "sets its own): none = --dtype, int8 = dynamic int8, int4 = weight-only int4",
+        "sets its own): none = --dtype, int8 = dynamic int8, int4 = weight-only int4, "
+        "gguf = the GGUF file's own blocks (pulled aliases and .gguf files)",
     )
 
 

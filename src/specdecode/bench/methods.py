@@ -14,7 +14,7 @@
 Our speculative methods come from the drafter registry (`specdecode.drafters.registry`): a
 method's bench name, its short options (`k` = num_speculative_tokens for all) and its MODEL
 field are the registry's, and its config is validated by the same dataclass the API uses.
-Our methods take `q=none|int8|int4`: the target's weight format for this method, instead of
+Our methods take `q=none|int8|int4|gguf`: the target's weight format for this method, instead of
 the run's `--quantization`; e.g. `ngram:k=8:q=int4`. A draft model follows its target's format,
 or takes its own with `dq=`: `draft:qwen2.5-coder-0.5b:k=3:q=int8:dq=int4`.
 
@@ -66,8 +66,8 @@ class MethodSpec:
     kind: "plain", a speculative method's bench name (OURS) or a peer's kind (PEER_OF).
     model: the positional MODEL (a draft model) where the kind takes one, else None.
     options: a peer's integer options, e.g. {"k": 8, "max": 4}; ours: as written.
-    quantization: our target's weight format for this method ("none", "int8", "int4"); None =
-        the run's.
+    quantization: our target's weight format for this method ("none", "int8", "int4", "gguf");
+        None = the run's.
     config: our speculative method's validated drafter config (None for plain and peers).
     """
 
@@ -110,7 +110,7 @@ class MethodSpec:
                 raise UserError(
                     f"bad option {item!r} in {text!r}; {kind!r} takes "
                     f"{', '.join(sorted(allowed)) or 'no options'} as key=positive integer"
-                    + ("" if kind in PEER_OF else ", and q=none|int8|int4")
+                    + ("" if kind in PEER_OF else ", and q=none|int8|int4|gguf")
                 )
             options[key] = _number(value)
         missing = sorted(required - set(options))

@@ -122,7 +122,7 @@ def _floors(roof: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 def _format(llm: LLM) -> str:
-    """The weight format name of `llm`'s target: "none", "int8" or "int4"."""
+    """The weight format name of `llm`'s target: "none", "int8", "int4" or "gguf"."""
     return llm.model.quantization or "none"
 
 

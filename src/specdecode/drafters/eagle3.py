@@ -59,7 +59,7 @@ class Eagle3Config(ModelDrafterConfig):
     model: the head's folder (config.json + model.safetensors, speculators' format;
         `specdecode train --method eagle3` writes one).
     num_speculative_tokens: draft at most this many tokens per step (K, 1..64; a tree's nodes).
-    quantization: the head's weight format ("none", "int8", "int4"); None = the target's.
+    quantization: the head's weight format ("none", "int8", "int4", "gguf"); None = the target's.
     tree_width: children per expanded node of a dynamic tree (1 = a chain).
     tree_depth: levels of the tree, one head pass each (default: K).
     """

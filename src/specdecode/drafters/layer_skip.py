@@ -40,7 +40,7 @@ class LayerSkipConfig(ModelDrafterConfig):
     model: the exit head's folder (`specdecode train --method layer_skip` writes one; the
         exit layer E is the head's).
     num_speculative_tokens: draft at most this many tokens per step (K, 1..64; a tree's nodes).
-    quantization: the head's weight format ("none", "int8", "int4"); None = the target's
+    quantization: the head's weight format ("none", "int8", "int4", "gguf"); None = the target's
         (the first E blocks are the target's own, in its format).
     tree_width: children per expanded node of a dynamic tree (1 = a chain).
     tree_depth: levels of the tree, one pass of the first E blocks each (default: K).

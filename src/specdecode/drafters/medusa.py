@@ -53,7 +53,7 @@ class MedusaConfig(ModelDrafterConfig):
     model: the heads' folder (`specdecode train --method medusa` writes one).
     num_speculative_tokens: draft at most this many tokens per step (K; a tree's nodes; a
         chain is at most as long as the heads are many).
-    quantization: the heads' weight format ("none", "int8", "int4"); None = the target's.
+    quantization: the heads' weight format ("none", "int8", "int4", "gguf"); None = the target's.
     tree_width: children per expanded node of a dynamic tree (1 = a chain).
     tree_depth: levels of the tree (default: min(K, heads)); at most the number of heads.
     """

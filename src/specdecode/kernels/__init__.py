@@ -1,6 +1,7 @@
 """Native CPU kernels, compiled on first use with the machine's compiler: matmuls for the
-projections (`matmul.cpp`), attention for decode / verification passes (`attention.cpp`),
-RMSNorm and RoPE (`pointwise.cpp`): each one call where torch needs several, and each row-exact.
+projections (`matmul.cpp`; `gguf.cpp` for weights in GGUF's block formats), attention for
+decode / verification passes (`attention.cpp`), RMSNorm and RoPE (`pointwise.cpp`): each one
+call where torch needs several, and each row-exact.
 
 `native()` builds (once per machine and source version; torch caches the build under
 ~/.cache/torch_extensions) and returns the extension module; `pack` lays a weight out the way
@@ -21,15 +22,20 @@ from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from specdecode.errors import UserError
 
+if TYPE_CHECKING:
+    from specdecode.model.gguf_blocks import Layout as GgufLayout
+
 log = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name(f"{name}.cpp") for name in ("ops", "matmul", "attention", "pointwise")
+    Path(__file__).with_name(f"{name}.cpp")
+    for name in ("ops", "matmul", "gguf", "attention", "pointwise")
 ]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 ROWS = 64  # output rows per tile (matmul.cpp's ROWS)
@@ -112,6 +118,43 @@ def int8_linear(
 def bf16_linear(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tensor:
     """x [..., K] bf16 -> [..., n] bf16; see matmul.cpp `bf16_linear`."""
     return native().bf16_linear(x, packed, bias, n)
+
+
+def gguf_quantize(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x [..., K] (K % 32 == 0) -> the int8 activations of `gguf_linear`: x8 [M, K] int8 and
+    fp32 dx [M, K / 32], mx16 [M, K / 16], mx32 [M, K / 32]; see gguf.cpp."""
+    return native().gguf_quantize(x)
+
+
+def gguf_linear(
+    x8: Tensor,
+    dx: Tensor,
+    mx16: Tensor,
+    mx32: Tensor,
+    packed: Tensor,
+    layout: GgufLayout,
+    n: int,
+    bias: Tensor | None,
+    y: Tensor,
+    offset: int,
+) -> None:
+    """y[:, offset : offset + n] = x @ W^T (+ bias) for W packed by `gguf_blocks.pack` in
+    `layout`, x given by `gguf_quantize`; y [M, >= offset + n] fp32 or bf16."""
+    native().gguf_linear(
+        x8,
+        dx,
+        mx16,
+        mx32,
+        packed,
+        layout.bits,
+        layout.sub,
+        layout.subs,
+        layout.mins,
+        n,
+        bias,
+        y,
+        offset,
+    )
 
 
 def set_amx(wanted: bool) -> bool:

@@ -35,6 +35,7 @@
 #include <ATen/Parallel.h>
 
 #include "dispatch.h"
+#include "tiles.h"
 
 #include <algorithm>
 #include <atomic>
@@ -56,18 +57,10 @@
 #include <cstdlib>
 #endif
 
-// Full unrolling of the tile loops lets the compiler keep every accumulator in a register.
-#define UNROLL _Pragma("GCC unroll 16")
-
 namespace {
 
-constexpr int64_t LANES = 16;             // fp32 / int32 lanes per vector: rows per group
-constexpr int64_t GROUPS = 4;             // row groups per tile
-constexpr int64_t ROWS = GROUPS * LANES;  // output rows per tile
-constexpr int64_t TOKENS = 4;             // tokens per tile, at most
 constexpr int64_t I8_PACK = 4;            // int8 values of a row per 32-bit lane
 constexpr int64_t BF16_PACK = 2;          // bf16 values of a row per 32-bit lane
-constexpr int64_t TASK_BYTES = 1 << 16;   // weight bytes per parallel task, at least
 
 // A tile's weights: one packed block [Kp / P, GROUPS, LANES, P] (P = I8_PACK or BF16_PACK), so
 // the 32-bit lane l of vector (j, g) holds row g * LANES + l, columns j * P .. j * P + P - 1.
@@ -110,28 +103,6 @@ void dot_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp,
 #endif
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define SPECDECODE_VECTOR_EPILOGUE 1
-inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {  // bf16 -> fp32: a 16-bit shift
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
-// Rounds to bf16 as c10::BFloat16 does (nearest even; NaN -> 0x7FC0), denormals included.
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i top = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(top));
-}
-inline __mmask16 first(int64_t count) {  // the first min(count, 16) lanes
-  return count >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-}
-#endif
 
 // x row [K] -> u8 codes [Kp] = q + 128 (q = round(x * 127 / absmax) in [-127, 127], 0 past K)
 // and its scale absmax / 127.
@@ -196,27 +167,6 @@ void int8_epilogue(const int32_t* acc, int64_t T, int64_t n0, int64_t N, const i
       y[t * N + n] = out_t(v);  // rounded once to y's dtype
     }
   }
-#endif
-}
-
-// y[t][n] = bf16(acc[t][n] (+ b[n])) for the rows n0 .. n0 + 15 (those < N) of T tokens.
-void bf16_epilogue(const float* acc, int64_t T, int64_t n0, int64_t N, const float* b,
-                   at::BFloat16* y) {
-  const int64_t count = std::min(LANES, N - n0);
-#if defined(SPECDECODE_VECTOR_EPILOGUE)
-  const __mmask16 mask = first(count);
-  const __m512 bias = b == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, b + n0);
-  for (int64_t t = 0; t < T; ++t) {
-    __m512 v = _mm512_loadu_ps(acc + t * LANES);
-    if (b != nullptr) v = _mm512_add_ps(v, bias);
-    store16(y + t * N + n0, v, mask);
-  }
-#else
-  for (int64_t l = 0; l < count; ++l)
-    for (int64_t t = 0; t < T; ++t) {
-      const float sum = acc[t * LANES + l];
-      y[t * N + n0 + l] = at::BFloat16(b != nullptr ? sum + b[n0 + l] : sum);
-    }
 #endif
 }
 
@@ -389,26 +339,6 @@ bool use_amx(int64_t row_bytes) {
 
 // ---------------------------------------------------------------- tiling
 
-template <int V>
-using Int = std::integral_constant<int, V>;
-
-// Calls tile(Int<T>, block, m0) for every block of ROWS rows and every group of T tokens
-// starting at m0 (T = TOKENS, the last group the remainder); blocks are split across threads.
-template <class Tile>
-void for_each_tile(int64_t blocks, int64_t M, int64_t block_bytes, const Tile& tile) {
-  const int64_t grain = std::max<int64_t>(1, TASK_BYTES / block_bytes);
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block)
-      for (int64_t m0 = 0; m0 < M; m0 += TOKENS) {
-        switch (std::min(TOKENS, M - m0)) {
-          case 4: tile(Int<4>(), block, m0); break;
-          case 3: tile(Int<3>(), block, m0); break;
-          case 2: tile(Int<2>(), block, m0); break;
-          default: tile(Int<1>(), block, m0);
-        }
-      }
-  });
-}
 
 // for_each_tile for the AMX path: tile(block, m0, T) with T <= AMX_TOKENS and the tile
 // registers configured for T tokens (each thread configures its own, and releases them).
@@ -450,12 +380,6 @@ int64_t check_packed(const at::Tensor& x, const at::Tensor& w, at::ScalarType wt
                                     bias->is_contiguous() && bias->numel() == N),
               "bias must be a contiguous fp32 [", N, "] tensor");
   return Kp;
-}
-
-std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return shape;
 }
 
 }  // namespace
@@ -534,7 +458,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w,
   // acc [GROUPS, T, LANES]: the fp32 sums of tokens m0 .. m0 + T - 1 by rows of `block`
   auto store = [&](int64_t block, int64_t m0, int64_t T, const float* acc) {
     for (int64_t g = 0; g < GROUPS && block * ROWS + g * LANES < N; ++g)
-      bf16_epilogue(acc + g * T * LANES, T, block * ROWS + g * LANES, N, b, yp + m0 * N);
+      store_rows(acc + g * T * LANES, T, block * ROWS + g * LANES, N, b, yp + m0 * N, N);
   };
   if (use_amx(Kp * sizeof(at::BFloat16))) {
     for_each_amx_tile(w.size(0), M, ROWS * Kp * 2, [&](int64_t block, int64_t m0, int64_t T) {

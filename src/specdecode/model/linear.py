@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode import kernels
+from specdecode.model.gguf_linear import GgufLinear, GgufWeight
 from specdecode.model.quant import quantized_linear
 
 
@@ -96,10 +97,13 @@ def _onednn_bf16() -> bool:
 
 
 def make_linear(
-    weight: Tensor, bias: Tensor | None = None, quantization: str | None = None
+    weight: Tensor | GgufWeight, bias: Tensor | None = None, quantization: str | None = None
 ) -> nn.Module:
-    """Build the projection module for `weight` ([out, in]) and optional `bias` ([out]), in
-    the weight's dtype (`quantization` None) or a quantized format ("int8" | "int4")."""
+    """Build the projection module for `weight` ([out, in]) and optional `bias` ([out]): GGUF
+    blocks run as they are; a dense weight in its dtype (`quantization` None) or a quantized
+    format ("int8" | "int4" | "gguf", see `model.quant`)."""
+    if isinstance(weight, GgufWeight):
+        return GgufLinear(weight, bias)
     if quantization is not None:
         return quantized_linear(weight, bias, quantization)
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":

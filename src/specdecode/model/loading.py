@@ -11,6 +11,7 @@ from torch import Tensor
 
 from specdecode.errors import ModelNotFoundError, UserError
 from specdecode.model.config import ModelConfig
+from specdecode.model.gguf_linear import GgufWeight, read_gguf_projections
 from specdecode.model.quant import parse_quantization
 from specdecode.model.transformer import Transformer
 
@@ -98,10 +99,36 @@ def load_model(
     quantization: str | None = None,
 ) -> Transformer:
     """Build a `Transformer` from a Hugging Face folder, its projections in `dtype` or in a
-    quantized format (`quantization`: None | "none" | "int8" | "int4", see `model.quant`)."""
+    quantized format (`quantization`: None | "none" | "int8" | "int4" | "gguf", see
+    `model.quant`; "gguf" keeps the blocks of the folder's model.gguf)."""
     quantization = parse_quantization(quantization)  # a bad name fails before any reading
     if not path.is_dir():
         raise ModelNotFoundError(f"no such model folder: {path}")
     cfg = ModelConfig.from_folder(path)
-    weights = load_weights(path, cfg, parse_dtype(dtype), device)
+    source = gguf_source(path, device, parse_dtype(dtype)) if quantization == "gguf" else None
+    weights: dict[str, Tensor | GgufWeight] = dict(
+        load_weights(path, cfg, parse_dtype(dtype), device)
+    )
+    if source is not None:
+        weights.update(read_gguf_projections(source, cfg))
     return Transformer(cfg, weights, quantization).eval()
+
+
+def gguf_source(path: Path, device: str, dtype: torch.dtype) -> Path:
+    """The GGUF file behind a model folder (a pulled alias, or a converted .gguf file), whose
+    blocks quantization="gguf" runs; a clear error where there is none, the device is not the
+    CPU or the activations' `dtype` is neither fp32 nor bf16."""
+    if torch.device(device).type != "cpu":
+        raise UserError(
+            f"quantization 'gguf' has CPU kernels only, not {device} (use quantization=None there)"
+        )
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise UserError(f"quantization 'gguf' runs with dtype bfloat16 or float32, not {dtype}")
+    source = path / "model.gguf"
+    if not source.is_file():
+        raise UserError(
+            f"quantization 'gguf' runs a GGUF file's own blocks, and {path} has no model.gguf: "
+            "give a pulled alias or a .gguf file (a .gguf converted before this version: delete "
+            "its folder under the cache's gguf/ to convert it again), or use 'int8'"
+        )
+    return source

@@ -5,6 +5,8 @@
   (`specdecode.kernels`, AVX-512 VNNI integer dot products, compiled on first use), whose
   integer sums are exact: each token gets bit for bit what a 1-token step gives it, whatever
   else is in the pass, so verifying K + 1 tokens is exact against plain decoding.
+- "gguf": the GGUF file's own blocks (Q4_0 ... Q6_K), int8 activations per block of 32
+  (`model/gguf_linear.py`, `kernels/gguf.cpp`); weights that come dense take int8.
 - "int4": weight-only int4. Weights: 4-bit with a scale and an offset per group of `INT4_GROUP`
   input channels (asymmetric). Activations stay in the model's dtype; the kernel
   (`aten._weight_int4pack_mm_for_cpu`) dequantizes groups as it multiplies.
@@ -25,7 +27,7 @@ from torch import Tensor, nn
 from specdecode import kernels
 from specdecode.errors import UserError
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "gguf")
 INT4_GROUP = 128  # input channels per int4 scale/offset (llama.cpp's Q4_K uses 32 per sub-block)
 INT4_MIN_GROUP = 32
 _INT4_TILES = 2  # `inner_k_tiles` of the CPU int4 packing
@@ -155,8 +157,10 @@ class Int4Linear(nn.Module):
 
 
 def quantized_linear(weight: Tensor, bias: Tensor | None, quantization: str) -> nn.Module:
-    """The module of format `quantization` ("int8" | "int4") for `weight` ([out, in])."""
-    if quantization == "int8":
+    """The module of format `quantization` ("int8" | "int4" | "gguf") for the dense `weight`
+    ([out, in]). "gguf" runs a GGUF file's blocks (`model.gguf_linear`); a weight that comes
+    dense (a trained head) takes int8 under it."""
+    if quantization in ("int8", "gguf"):
         return Int8DynamicLinear(weight, bias)
     if quantization == "int4":
         return Int4Linear(weight, bias)

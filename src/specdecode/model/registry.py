@@ -257,7 +257,12 @@ def _converted_gguf(path: Path, progress: bool, convert: Converter | None) -> Pa
     if (folder / MARKER).is_file():
         return folder
     converter = convert or _default_converter()
-    return _build_atomically(folder, lambda staging: converter(path, staging, progress), str(path))
+
+    def build(staging: Path) -> None:
+        converter(path, staging, progress)
+        (staging / "model.gguf").symlink_to(path)  # its own blocks, for quantization="gguf"
+
+    return _build_atomically(folder, build, str(path))
 
 
 def _default_converter() -> Converter:

@@ -16,6 +16,7 @@ from specdecode import kernels
 from specdecode.cache.kv_cache import KVCache
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.config import ModelConfig
+from specdecode.model.gguf_linear import GgufWeight, cat_weights
 from specdecode.model.linear import make_linear
 from specdecode.model.quant import parse_quantization
 
@@ -134,7 +135,11 @@ class Attention(nn.Module):
     """Grouped-query self-attention over the cache."""
 
     def __init__(
-        self, cfg: ModelConfig, w: dict[str, Tensor], prefix: str, quantization: str | None
+        self,
+        cfg: ModelConfig,
+        w: dict[str, Tensor | GgufWeight],
+        prefix: str,
+        quantization: str | None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -144,7 +149,7 @@ class Attention(nn.Module):
         )
         names = [f"{prefix}{n}_proj" for n in "qkv"]
         # One fused projection for q, k and v: one weight read per pass instead of three calls.
-        weight = torch.cat([w[f"{n}.weight"] for n in names])  # [(H + 2 Hkv) D, hidden]
+        weight = cat_weights([w[f"{n}.weight"] for n in names])  # [(H + 2 Hkv) D, hidden]
         biases = [w.get(f"{n}.bias") for n in names]
         bias = None if biases[0] is None else torch.cat(biases)  # [(H + 2 Hkv) D]
         self.qkv_proj = make_linear(weight, bias, quantization)
@@ -155,7 +160,10 @@ class Attention(nn.Module):
         row_exact = self.qkv_proj.row_exact and self.o_proj.row_exact
         self.per_query = row_exact and kernels.available()
         # RoPE in one native call, rounded as `_rotate` rounds (the kernel takes fp32 / bf16)
-        self.native_rope = self.per_query and weight.dtype in (torch.float32, torch.bfloat16)
+        # (GGUF weights run with fp32 or bf16 activations only)
+        dense = isinstance(weight, Tensor)
+        native_dtype = not dense or weight.dtype in (torch.float32, torch.bfloat16)
+        self.native_rope = self.per_query and native_dtype
 
     def forward(
         self,
@@ -192,10 +200,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, w: dict[str, Tensor], prefix: str, quantization: str | None) -> None:
+    def __init__(
+        self, w: dict[str, Tensor | GgufWeight], prefix: str, quantization: str | None
+    ) -> None:
         super().__init__()
         gate, up = w[f"{prefix}gate_proj.weight"], w[f"{prefix}up_proj.weight"]
-        fused = torch.cat([gate, up])  # [2 * inter, hidden]
+        fused = cat_weights([gate, up])  # [2 * inter, hidden]
         self.gate_up_proj = make_linear(fused, quantization=quantization)
         self.down_proj = make_linear(w[f"{prefix}down_proj.weight"], quantization=quantization)
 
@@ -208,7 +218,11 @@ class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(
-        self, cfg: ModelConfig, w: dict[str, Tensor], layer: int, quantization: str | None
+        self,
+        cfg: ModelConfig,
+        w: dict[str, Tensor | GgufWeight],
+        layer: int,
+        quantization: str | None,
     ) -> None:
         super().__init__()
         p = f"model.layers.{layer}."
@@ -234,20 +248,30 @@ class Block(nn.Module):
 
 
 # The head's format under each model format (None = the weights' dtype).
-HEAD_FORMAT: dict[str | None, str | None] = {None: None, "int8": "int8", "int4": "int8"}
+HEAD_FORMAT: dict[str | None, str | None] = {
+    None: None,
+    "int8": "int8",
+    "int4": "int8",
+    "gguf": "gguf",
+}
 
 
 class Transformer(nn.Module):
     """Llama-family decoder built from Hugging Face-named weights.
 
     Weights must already have the wanted dtype and device; the RoPE tables stay fp32.
-    quantization: None (every projection in the weights' dtype), "int8" or "int4" (see
+    quantization: None (every projection in the weights' dtype), "int8", "int4" or "gguf" (see
     `specdecode.model.quant`). The embedding and norms stay in the weights' dtype; the head is
-    int8 under both formats (like llama.cpp's Q4_K_M, which keeps its output matrix at 6 bits).
+    int8 under int8 and int4 (like llama.cpp's Q4_K_M, which keeps its output matrix at 6 bits).
+    Under "gguf" the projections and the head are `GgufWeight`s (`model.gguf_linear`), the
+    head under "lm_head.weight" even for tied embeddings.
     """
 
     def __init__(
-        self, cfg: ModelConfig, weights: dict[str, Tensor], quantization: str | None = None
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, Tensor | GgufWeight],
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
@@ -258,7 +282,7 @@ class Transformer(nn.Module):
             Block(cfg, weights, i, self.quantization) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps)
-        head = embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        head = weights.get("lm_head.weight", embed)  # tied: may be absent
         self.lm_head = make_linear(head, quantization=HEAD_FORMAT[self.quantization])
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(
             embed.device

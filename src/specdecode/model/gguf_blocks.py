@@ -1,0 +1,261 @@
+"""GGUF block formats, read as they are and repacked for specdecode's GGUF kernel.
+
+Every supported format is one case of a two-level block code (`Codes`):
+
+    w[n, k] = D[n, s] * sc[n, j] * q[n, k] - M[n, s] * mn[n, j]
+
+with q unsigned `bits`-bit codes, superblock s (D and M fp16) of `subs` sub-blocks j of `sub`
+values each (sc, mn int8; 1 where the format has none). No value or scale is rounded: e.g.
+Q4_0 (w = d (q - 8)) is D = d, M = 8 d; Q8_0 (w = d q, q int8) stores q + 128 with M = 128 d;
+Q4_K is D = d, M = dmin with its 6-bit scales and mins; Q6_K (w = d sc (q - 32)) is D = d,
+M = 32 d and mn = sc. `pack` lays the codes out the way `kernels/gguf.cpp` reads them (its
+header has the byte layout); `unpack` inverts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from specdecode.errors import UserError
+
+ROWS = 16  # output rows per packed tile (kernels/gguf.cpp), one per 32-bit lane
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The kernel's code shape: `bits` per code, `sub` values per sub-block, `subs` sub-blocks
+    per superblock, `mins`: 0 -> mn = 1, 1 -> mn its own table, 2 -> mn = sc."""
+
+    bits: int
+    sub: int
+    subs: int
+    mins: int
+
+    @property
+    def superblock(self) -> int:
+        """Values per superblock (one D and M per row)."""
+        return self.sub * self.subs
+
+    @property
+    def sub_bytes(self) -> int:
+        """Code bytes of one tile's sub-block."""
+        return ROWS * self.sub * self.bits // 8
+
+    @property
+    def header_bytes(self) -> int:
+        """D and M (fp16), sc and mn (int8) of a tile's rows in one superblock."""
+        tables = (self.subs if self.subs > 1 else 0) + (self.subs if self.mins == 1 else 0)
+        return 2 * ROWS * 2 + tables * ROWS
+
+    @property
+    def superblock_bytes(self) -> int:
+        """Bytes of one packed tile's superblock: header and codes."""
+        return self.header_bytes + self.subs * self.sub_bytes
+
+
+T = GGMLQuantizationType
+# Every GGUF type the kernel runs, with its layout.
+LAYOUTS: dict[GGMLQuantizationType, Layout] = {
+    T.Q4_0: Layout(4, 32, 1, 0),
+    T.Q4_1: Layout(4, 32, 1, 0),
+    T.Q5_0: Layout(5, 32, 1, 0),
+    T.Q5_1: Layout(5, 32, 1, 0),
+    T.Q8_0: Layout(8, 32, 1, 0),
+    T.Q4_K: Layout(4, 32, 8, 1),
+    T.Q5_K: Layout(5, 32, 8, 1),
+    T.Q6_K: Layout(6, 16, 16, 2),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Codes:
+    """A weight in the two-level block code (see the module docstring).
+
+    q: [N, K] uint8 codes. D, M: [N, K / superblock] fp16. sc, mn: [N, K / sub] int8 or None
+    (None = 1; mn is also None when the layout says mn = sc).
+    """
+
+    layout: Layout
+    q: np.ndarray
+    D: np.ndarray
+    M: np.ndarray
+    sc: np.ndarray | None
+    mn: np.ndarray | None
+
+    def weights(self) -> np.ndarray:
+        """The [N, K] fp32 weight the codes stand for, rounded as the kernel rounds its scales."""
+        rows, cols = self.q.shape
+        lay = self.layout
+        per_sub = np.ones((rows, cols // lay.sub), np.float32)
+        ds = np.repeat(self.D.astype(np.float32), lay.subs, axis=1)  # [N, K / sub]
+        ms = np.repeat(self.M.astype(np.float32), lay.subs, axis=1)
+        sc = per_sub if self.sc is None else self.sc.astype(np.float32)
+        mn = {0: per_sub, 1: self.mn, 2: self.sc}[lay.mins].astype(np.float32)
+        q = self.q.astype(np.float32).reshape(rows, -1, lay.sub)
+        w = (ds * sc)[..., None] * q - (ms * mn)[..., None]
+        return w.reshape(rows, cols)
+
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 -> [...] fp16."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0]
+
+
+def _scaled_half(d: np.ndarray, factor: float) -> np.ndarray:
+    """factor * d in fp16, refused where that is not exact (an overflow)."""
+    out = (d.astype(np.float32) * factor).astype(np.float16)
+    if not np.array_equal(out.astype(np.float32), d.astype(np.float32) * factor):
+        raise UserError(f"a GGUF block scale times {factor} overflows fp16; this tensor cannot run")
+    return out
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes: the low nibbles are values 0..15, the high 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 scale bytes [..., 12] -> 6-bit scales and mins [..., 8] each."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.int8), mn.astype(np.int8)
+
+
+def decode(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> Codes:
+    """The codes of a GGUF tensor: raw [N, row bytes] uint8 blocks of `tensor_type`, `cols`
+    values per row. A type without a kernel is a clear error."""
+    if tensor_type not in LAYOUTS:
+        names = ", ".join(t.name for t in LAYOUTS)
+        raise UserError(
+            f"GGUF tensor type {tensor_type.name} has no kernel here; supported: {names} "
+            "(load with quantization='int8' or 'none' instead)"
+        )
+    block_size, type_size = GGML_QUANT_SIZES[tensor_type]
+    rows = raw.shape[0]
+    b = np.ascontiguousarray(raw).reshape(rows, cols // block_size, type_size)
+    layout = LAYOUTS[tensor_type]
+    sc = mn = None
+    if tensor_type in (T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_1, T.Q5_1):
+        d = _half(b[..., 0:2])
+        offset = 4 if tensor_type in (T.Q4_1, T.Q5_1) else 2
+        if tensor_type == T.Q8_0:
+            q = (b[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+            big_m = _scaled_half(d, 128)
+        else:
+            if tensor_type in (T.Q5_0, T.Q5_1):
+                qh = np.ascontiguousarray(b[..., offset : offset + 4]).view(np.uint32)  # [.., 1]
+                high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+                offset += 4
+            else:
+                high = 0
+            q = _nibbles(b[..., offset : offset + 16]) | (high << 4)
+            if tensor_type in (T.Q4_1, T.Q5_1):
+                big_m = -_half(b[..., 2:4])
+            else:
+                big_m = _scaled_half(d, 8 if tensor_type == T.Q4_0 else 16)
+    elif tensor_type in (T.Q4_K, T.Q5_K):
+        d, big_m = _half(b[..., 0:2]), _half(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
+        qs = b[..., -128:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+        q = (qs & 0x0F).reshape(rows, -1, 256)
+        if tensor_type == T.Q5_K:
+            qh = b[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+            q = q | ((qh & 1) << 4).reshape(rows, -1, 256)
+    else:  # Q6_K: ql [128], qh [64], scales int8 [16], d
+        ql = b[..., 0:128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+        ql = (ql & 0x0F).reshape(rows, -1, 256)
+        qh = (
+            b[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+        )
+        q = ql | ((qh & 0x03) << 4).reshape(rows, -1, 256)
+        sc = b[..., 192:208].view(np.int8)
+        d = _half(b[..., 208:210])
+        big_m = _scaled_half(d, 32)
+    q = q.reshape(rows, cols).astype(np.uint8)
+    flat = [None if a is None else a.reshape(rows, -1) for a in (sc, mn)]
+    return Codes(layout, q, d.reshape(rows, -1), big_m.reshape(rows, -1), *flat)
+
+
+def pack(codes: Codes) -> np.ndarray:
+    """Codes of an [N, K] weight -> the kernel's uint8 [Np / 16, K / superblock, superblock
+    bytes] (rows zero-padded to a multiple of 16: zero scales, so zero outputs)."""
+    lay = codes.layout
+    rows, cols = codes.q.shape
+    rows_p = -(-rows // ROWS) * ROWS
+    blocks, nsb = rows_p // ROWS, cols // lay.superblock
+
+    def padded(a: np.ndarray) -> np.ndarray:
+        return np.pad(a, ((0, rows_p - rows), (0, 0)))
+
+    def tile_major(a: np.ndarray) -> np.ndarray:  # [Np, nsb * n] -> [Nb, nsb, n * 16] bytes
+        a = padded(a).reshape(blocks, ROWS, nsb, -1).transpose(0, 2, 3, 1)
+        return np.ascontiguousarray(a).view(np.uint8).reshape(blocks, nsb, -1)
+
+    parts = [tile_major(codes.D), tile_major(codes.M)]
+    if lay.subs > 1:
+        parts.append(tile_major(codes.sc))
+    if lay.mins == 1:
+        parts.append(tile_major(codes.mn))
+    # q [Np, K] -> [Nb, nsb, subs, lanes, sub]
+    q = padded(codes.q).reshape(blocks, ROWS, nsb, lay.subs, lay.sub).transpose(0, 2, 3, 1, 4)
+    lead = q.shape[:3]
+    if lay.bits == 8:  # [.., lanes, quads, 4] -> [.., quads, lanes, 4]
+        data = q.reshape(*lead, ROWS, -1, 4).swapaxes(-3, -2).reshape(*lead, -1)
+    else:
+        halves = q.reshape(*lead, ROWS, -1, 2, 4)  # [.., lanes, vectors, half, 4]
+        nib = (halves[..., 0, :] & 0x0F) | (halves[..., 1, :] << 4)
+        pieces = [nib.swapaxes(-3, -2).reshape(*lead, -1)]
+        quads = q.reshape(*lead, ROWS, -1, 4).swapaxes(-3, -2)  # [.., quads, lanes, 4]
+        for p in range(lay.bits - 4):
+            bits = (quads >> (4 + p)) & 1
+            packed = np.packbits(bits.reshape(*lead, -1, 64), axis=-1, bitorder="little")
+            pieces.append(packed.reshape(*lead, -1))
+        data = np.concatenate(pieces, axis=-1)
+    parts.append(data.reshape(blocks, nsb, -1))
+    out = np.concatenate(parts, axis=-1)
+    assert out.shape[-1] == lay.superblock_bytes
+    return out
+
+
+def unpack(packed: np.ndarray, layout: Layout, rows: int) -> Codes:
+    """The inverse of `pack`: uint8 [Nb, nsb, superblock bytes] -> the codes of its first
+    `rows` rows."""
+    lay = layout
+    blocks, nsb, _ = packed.shape
+    rows_p = blocks * ROWS
+
+    def row_major(raw: np.ndarray, dtype: type) -> np.ndarray:  # [Nb, nsb, n * 16 * size]
+        a = np.ascontiguousarray(raw).view(dtype).reshape(blocks, nsb, -1, ROWS)
+        return a.transpose(0, 3, 1, 2).reshape(rows_p, -1)[:rows]
+
+    at = 0
+    tables = []
+    for dtype, width in [(np.float16, 2 * ROWS), (np.float16, 2 * ROWS)]:
+        tables.append(row_major(packed[..., at : at + width], dtype))
+        at += width
+    sc = mn = None
+    if lay.subs > 1:
+        sc = row_major(packed[..., at : at + lay.subs * ROWS], np.int8)
+        at += lay.subs * ROWS
+    if lay.mins == 1:
+        mn = row_major(packed[..., at : at + lay.subs * ROWS], np.int8)
+        at += lay.subs * ROWS
+    data = packed[..., at:].reshape(blocks, nsb, lay.subs, lay.sub_bytes)
+    lead = data.shape[:3]
+    if lay.bits == 8:
+        q = data.reshape(*lead, -1, ROWS, 4).swapaxes(-3, -2)  # [.., lanes, quads, 4]
+    else:
+        nib_bytes = ROWS * lay.sub // 2
+        nib = data[..., :nib_bytes].reshape(*lead, -1, ROWS, 4).swapaxes(-3, -2)
+        q = np.stack([nib & 0x0F, nib >> 4], axis=-2).reshape(*lead, ROWS, -1, 4)
+        for p in range(lay.bits - 4):
+            plane = data[..., nib_bytes + p * 2 * lay.sub : nib_bytes + (p + 1) * 2 * lay.sub]
+            bits = np.unpackbits(plane.reshape(*lead, -1, 8), axis=-1, bitorder="little")
+            q = q | (bits.reshape(*lead, -1, ROWS, 4).swapaxes(-3, -2) << (4 + p))
+    q = q.reshape(*lead, ROWS, lay.sub).transpose(0, 3, 1, 2, 4)
+    q = q.reshape(rows_p, -1)[:rows]
+    return Codes(lay, np.ascontiguousarray(q), tables[0], tables[1], sc, mn)

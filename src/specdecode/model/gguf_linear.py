@@ -1,0 +1,163 @@
+"""`quantization="gguf"`: projections that keep a GGUF file's own quantized blocks.
+
+`read_gguf_projections` takes every projection (q/k/v, o, gate/up, down, the head) from the
+file as raw blocks (`GgufWeight`); `GgufLinear` repacks them once for the kernel
+(`model/gguf_blocks.py`, every value and scale kept) and multiplies with int8 activations per
+block of 32 (`kernels/gguf.cpp`). A fused projection (q|k|v, gate|up) may mix types (Q4_K_M
+keeps some v projections in Q6_K): each run of rows of one type is a segment, and one pass
+quantizes the activations once for all of them. Row-exact: a token's output does not depend on
+the other tokens of the pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from torch import Tensor, nn
+
+from specdecode import kernels
+from specdecode.errors import UserError
+from specdecode.model.config import ModelConfig
+from specdecode.model.gguf_blocks import Codes, decode, pack, unpack
+
+
+@dataclass(frozen=True, slots=True)
+class GgufSegment:
+    """Consecutive output rows of one GGUF type: raw [rows, row bytes] uint8 blocks."""
+
+    tensor_type: GGMLQuantizationType
+    raw: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class GgufWeight:
+    """A projection's [out, in] weight as GGUF blocks, in row segments of one type each."""
+
+    segments: tuple[GgufSegment, ...]
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return sum(seg.raw.shape[0] for seg in self.segments)
+
+    @staticmethod
+    def cat(weights: Sequence[GgufWeight]) -> GgufWeight:
+        """Rows of `weights` one after the other (like torch.cat of dense weights), adjacent
+        segments of one type merged."""
+        if len({w.in_features for w in weights}) != 1:
+            raise UserError("fused GGUF projections must share their input width")
+        merged: list[GgufSegment] = []
+        for seg in (s for w in weights for s in w.segments):
+            if merged and merged[-1].tensor_type == seg.tensor_type:
+                rows = np.concatenate([merged[-1].raw, seg.raw])
+                merged[-1] = GgufSegment(seg.tensor_type, rows)
+            else:
+                merged.append(seg)
+        return GgufWeight(tuple(merged), weights[0].in_features)
+
+
+def cat_weights(weights: Sequence[Tensor | GgufWeight]) -> Tensor | GgufWeight:
+    """The rows of dense weights (torch.cat) or of GGUF weights (`GgufWeight.cat`)."""
+    if all(isinstance(w, GgufWeight) for w in weights):
+        return GgufWeight.cat(weights)
+    return torch.cat(weights)
+
+
+class GgufLinear(nn.Module):
+    """y = x @ W^T + b for W in GGUF blocks; x [..., in] fp32 or bf16 -> y in x's dtype."""
+
+    row_exact = True
+
+    def __init__(self, weight: GgufWeight, bias: Tensor | None = None) -> None:
+        super().__init__()
+        if weight.in_features % 32:
+            raise UserError(f"GGUF weights need in_features % 32 == 0, got {weight.in_features}")
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.layouts = []  # per segment: (Layout, rows, first output column)
+        offset = 0
+        for index, seg in enumerate(weight.segments):
+            codes = decode(seg.tensor_type, seg.raw, weight.in_features)
+            self.register_buffer(f"packed{index}", torch.from_numpy(pack(codes)))
+            self.layouts.append((codes.layout, seg.raw.shape[0], offset))
+            offset += seg.raw.shape[0]
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        kernels.native()  # a clear error now, not at the first forward, if it cannot be built
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
+        x8, dx, mx16, mx32 = kernels.gguf_quantize(x)  # [M, in], [M, in / 32], ...
+        y = x.new_empty(x8.shape[0], self.out_features)  # [M, out]
+        for index, (layout, rows, offset) in enumerate(self.layouts):
+            bias = None if self.bias is None else self.bias[offset : offset + rows]
+            packed = getattr(self, f"packed{index}")
+            kernels.gguf_linear(x8, dx, mx16, mx32, packed, layout, rows, bias, y, offset)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def codes(self) -> list[Codes]:
+        """Each segment's codes, recovered from the packed buffers."""
+        return [
+            unpack(getattr(self, f"packed{index}").numpy(), layout, rows)
+            for index, (layout, rows, _) in enumerate(self.layouts)
+        ]
+
+    def dequantized(self) -> Tensor:
+        """The [out, in] fp32 weight this module multiplies by."""
+        return torch.from_numpy(np.concatenate([c.weights() for c in self.codes()]))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a pass reads: the packed blocks and the bias."""
+        return sum(t.nbytes for t in self.buffers())
+
+
+# GGUF name inside a block -> the projection it feeds (Hugging Face name after the layer prefix)
+PROJECTIONS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermuted(raw: np.ndarray, cfg: ModelConfig, projection: str) -> np.ndarray:
+    """Llama GGUFs store q and k rows in llama.cpp's RoPE order; rows (whole blocks) are put
+    back in Hugging Face's order (see `convert._unpermute_rope`)."""
+    from specdecode.model.convert import _unpermute_rope
+
+    if cfg.architecture != "llama" or projection not in ("self_attn.q_proj", "self_attn.k_proj"):
+        return raw
+    heads = cfg.num_heads if projection == "self_attn.q_proj" else cfg.num_kv_heads
+    return np.ascontiguousarray(_unpermute_rope(raw, heads))
+
+
+def read_gguf_projections(path: Path, cfg: ModelConfig) -> dict[str, GgufWeight]:
+    """Hugging Face weight name -> `GgufWeight` for every projection of the GGUF file at `path`
+    and for the head ("lm_head.weight": `output.weight`, or the token embedding when tied)."""
+    from specdecode.model.convert import open_gguf
+
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    names = {  # GGUF name -> (Hugging Face name, projection)
+        f"blk.{i}.{gguf}.weight": (f"model.layers.{i}.{hf}.weight", hf)
+        for i in range(cfg.num_layers)
+        for gguf, hf in PROJECTIONS.items()
+    }
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    names[head] = ("lm_head.weight", "lm_head")
+    out: dict[str, GgufWeight] = {}
+    for gguf_name, (hf_name, projection) in names.items():
+        if gguf_name not in tensors:
+            raise UserError(f"{path} lacks the tensor {gguf_name}")
+        t = tensors[gguf_name]
+        cols, rows = (int(d) for d in t.shape)  # GGUF lists dims innermost first
+        raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)  # [rows, row bytes]
+        raw = _unpermuted(raw, cfg, projection)
+        out[hf_name] = GgufWeight((GgufSegment(t.tensor_type, raw),), cols)
+    return out

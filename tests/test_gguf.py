@@ -1,0 +1,161 @@
+"""quantization="gguf": GGUF blocks decoded without rounding, the kernel against a reference,
+row-exactness, and whole models (tiny GGUF models built here) that speculate exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from gguf_cases import build_tiny_gguf, random_blocks
+from spec_cases import GREEDY, PROMPTS
+
+from specdecode.llm import LLM
+from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.model.gguf_blocks import LAYOUTS, decode, pack, unpack
+from specdecode.model.gguf_linear import GgufLinear, GgufSegment, GgufWeight
+from specdecode.model.loading import load_model
+
+T = GGMLQuantizationType
+TYPES = list(LAYOUTS)
+
+
+def _linear(types: list[GGMLQuantizationType], rows: list[int], cols: int, bias: bool = False):
+    segments = tuple(
+        GgufSegment(t, random_blocks(t, n, cols, seed=i))
+        for i, (t, n) in enumerate(zip(types, rows, strict=True))
+    )
+    b = torch.randn(sum(rows), generator=torch.Generator().manual_seed(3)) if bias else None
+    return GgufLinear(GgufWeight(segments, cols), b)
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x quantized as the kernel does (int8 per block of 32, absmax / 127), times the weight,
+    in float64."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    absmax = blocks.abs().amax(-1, keepdim=True)
+    codes = torch.round(blocks * (127 / absmax)).clamp(-127, 127)
+    y = (codes * (absmax / 127)).reshape(x.shape) @ weight.double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("tensor_type", TYPES, ids=[t.name for t in TYPES])
+def test_blocks_decode_to_what_gguf_dequantizes_and_pack_round_trips(tensor_type) -> None:
+    raw = random_blocks(tensor_type, 40, 512)
+    codes = decode(tensor_type, raw, 512)
+    assert np.array_equal(codes.weights(), dequantize(raw, tensor_type).reshape(40, 512))
+    back = unpack(pack(codes), codes.layout, 40)
+    for field in ("q", "D", "M", "sc", "mn"):
+        want, got = getattr(codes, field), getattr(back, field)
+        assert (want is None and got is None) or np.array_equal(want, got), field
+
+
+@pytest.mark.parametrize("tensor_type", TYPES, ids=[t.name for t in TYPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_the_reference_and_each_token_is_row_exact(tensor_type, dtype) -> None:
+    module = _linear([tensor_type], [72], 512, bias=True)  # 72 rows: a partial tile of 16
+    x = torch.randn(19, 512, generator=torch.Generator().manual_seed(1))  # 8 + 8 + 3 tokens
+    x[5] *= 40  # an outlier token: a per-pass scale would move every other token
+    y = module(x.to(dtype))
+    assert y.shape == (19, 72) and y.dtype == dtype
+    want = _reference(x.to(dtype).float(), module.dequantized(), module.bias)
+    error = float((y.double() - want).abs().max() / want.abs().max())
+    assert error < (1e-5 if dtype == torch.float32 else 1e-2), error
+    alone = torch.cat([module(x[i : i + 1].to(dtype)) for i in range(19)])
+    assert torch.equal(y, alone)
+    assert torch.equal(module(x[3:7].to(dtype)), y[3:7])
+
+
+def test_a_fused_weight_mixes_types_in_segments() -> None:
+    """q|k|v of Q4_K_M: Q4_K rows then Q6_K rows, one activation quantization for both."""
+    module = _linear([T.Q4_K, T.Q6_K, T.Q4_K], [48, 20, 16], 256, bias=True)
+    assert len(module.layouts) == 3
+    x = torch.randn(3, 2, 256, generator=torch.Generator().manual_seed(2))
+    y = module(x)
+    assert y.shape == (3, 2, 84)
+    want = _reference(x.reshape(6, 256), module.dequantized(), module.bias).reshape(3, 2, 84)
+    assert float((y.double() - want).abs().max() / want.abs().max()) < 1e-5
+    merged = GgufWeight.cat(
+        [GgufWeight((GgufSegment(T.Q8_0, random_blocks(T.Q8_0, 4, 64)),), 64)] * 2
+    )
+    assert len(merged.segments) == 1 and merged.out_features == 8
+
+
+def test_unsupported_block_types_are_refused_clearly() -> None:
+    with pytest.raises(
+        ValueError, match="GGUF tensor type Q2_K has no kernel here; supported: Q4_0"
+    ):
+        decode(T.Q2_K, np.zeros((4, 84), np.uint8), 256)
+    with pytest.raises(ValueError, match="in_features % 32 == 0"):
+        GgufLinear(GgufWeight((GgufSegment(T.F32, np.zeros((4, 64), np.uint8)),), 16))
+
+
+# --- whole models ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_gguf(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "model")
+
+
+def test_gguf_model_stays_close_to_the_dense_one(gguf_dir: Path) -> None:
+    """The blocks are the dense weights quantized to 4-8 bits, q and k rows in llama.cpp's
+    order: a wrong row order or scale would break the agreement."""
+    dense = load_model(gguf_dir, "float32")
+    model = load_model(gguf_dir, "float32", quantization="gguf")
+    assert isinstance(model.lm_head, GgufLinear) and model.quantization == "gguf"
+    tokens = torch.tensor([PROMPTS[1]["prompt_token_ids"]])
+    meta = AttentionMetadata.prefill([tokens.shape[1]], "cpu")
+    want, _ = dense(tokens, meta, dense.new_cache(1, 64))
+    got, _ = model(tokens, meta, model.new_cache(1, 64))
+    assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.99
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_pass_over_k_tokens_equals_k_decode_steps_bit_for_bit(gguf_dir: Path, dtype) -> None:
+    model = load_model(gguf_dir, dtype, quantization="gguf")
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 17, 42, 99, 7, 8, 9]] * 2)  # [2, 12]
+    cache = model.new_cache(2, 32)
+    model(ids[:, :6], AttentionMetadata.prefill([6, 6], "cpu"), cache)
+    cache.truncate([6, 4])
+
+    def decode_at(tokens: torch.Tensor) -> torch.Tensor:  # [2, T] at each row's length
+        meta = AttentionMetadata.contiguous(
+            AttentionMode.DECODE, cache.lengths, [tokens.shape[1]] * 2, "cpu"
+        )
+        return model(tokens, meta, cache)[0]
+
+    together = decode_at(ids[:, 6:11])  # [2, 5, V]
+    cache.truncate([6, 4])
+    steps = [decode_at(ids[:, 6 + i : 7 + i]) for i in range(5)]
+    assert torch.equal(together, torch.cat(steps, 1))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_greedy_equals_plain_in_gguf(gguf_dir: Path, method: str) -> None:
+    plain = LLM(str(gguf_dir), dtype="bfloat16", quantization="gguf")
+    config = (
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+        if method == "ngram"
+        else {"model": str(gguf_dir), "num_speculative_tokens": 3}
+    )
+    spec = plain.with_speculative_config(config)
+    if method == "draft_model":
+        assert spec.draft_model is not None and spec.draft_model.quantization == "gguf"
+    for prompt in PROMPTS:
+        want = list(plain.generate(prompt, GREEDY)[0].token_ids)
+        assert list(spec.generate(prompt, GREEDY)[0].token_ids) == want
+    assert spec.spec_metrics.num_accepted_tokens > 0
+
+
+def test_gguf_needs_a_gguf_file(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"has no model\.gguf: give a pulled alias or a \.gguf"):
+        LLM(str(tiny_model_dir), quantization="gguf")
+    with pytest.raises(ValueError, match="'gguf' has CPU kernels only, not meta"):
+        load_model(tiny_model_dir, quantization="gguf", device="meta")
+    with pytest.raises(ValueError, match=r"bfloat16 or float32, not torch\.float16"):
+        load_model(tiny_model_dir, "float16", quantization="gguf")
