@@ -3,7 +3,7 @@
 // backend does, and integer dot products (AVX-512 VNNI `vpdpbusd`; plain C++ elsewhere).
 //
 // Every format is one case of a two-level block code (Python repacks the GGUF blocks once at
-// load time, model/gguf_weights.py, keeping every quantized value and scale as it is):
+// load time, model/gguf_blocks.py, keeping every quantized value and scale as it is):
 //   w[n][k] = D[n][s] * sc[n][j] * q[n][k] - M[n][s] * mn[n][j]
 // q: BITS-bit unsigned codes; superblock s of SUBS sub-blocks of S values each; D and M fp16 per
 // (row, superblock); sc (and mn) int8 per (row, sub-block), or 1 when SUBS == 1. MINS says what
@@ -15,8 +15,8 @@
 // Then a sub-block contributes  isum * (D sc) * dx - (M mn) * mx  with isum = sum q * x8 exact
 // in int32. A tile is 16 rows (one per 32-bit lane) by up to 8 tokens; each lane accumulates one
 // (row, token) pair, in the same order whatever the number of tokens in the pass, so a token's
-// output never depends on the others (row-exact). Compiled with -ffp-contract=off; the portable path spells the same fused
-// multiply-adds with std::fma, so it rounds as the vector path does.
+// output never depends on the others (row-exact). Compiled with -ffp-contract=off; the portable
+// path spells the same fused multiply-adds with std::fma, so it rounds as the vector path does.
 //
 // Packed layout of one tile of 16 rows, per superblock (SUBS * S values):
 //   D fp16 [16], M fp16 [16], sc int8 [SUBS][16] (SUBS > 1), mn int8 [SUBS][16] (MINS == 1),
@@ -40,16 +40,16 @@
 namespace {
 
 constexpr int64_t ACT_BLOCK = 32;   // activation values per int8 scale
-constexpr int64_t GGUF_TOKENS = 8;  // tokens per tile, at most
+constexpr int GGUF_TOKENS = 8;      // tokens per tile, at most
 
 // The packed geometry of one layout (see the header).
 struct Layout {
   int64_t bits, sub, subs, mins;  // BITS, S, SUBS, MINS
-  int64_t group_bytes() const { return LANES * sub * bits / 8; }
+  int64_t sub_bytes() const { return LANES * sub * bits / 8; }
   int64_t header_bytes() const {
     return 2 * LANES * 2 + (subs > 1 ? subs * LANES : 0) + (mins == 1 ? subs * LANES : 0);
   }
-  int64_t superblock_bytes() const { return header_bytes() + subs * group_bytes(); }
+  int64_t superblock_bytes() const { return header_bytes() + subs * sub_bytes(); }
   int64_t superblock_values() const { return sub * subs; }
 };
 
@@ -139,7 +139,7 @@ struct Acts {
 template <int BITS, int S, int SUBS, int MINS, int T>
 void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, float acc[T][LANES]) {
   const Layout layout{BITS, S, SUBS, MINS};
-  const int64_t header = layout.header_bytes(), group_bytes = layout.group_bytes();
+  const int64_t header = layout.header_bytes(), sub_bytes = layout.sub_bytes();
   const int64_t sb_bytes = layout.superblock_bytes();
   const int64_t ld_mx = a.K / S, ld_dx = a.K / ACT_BLOCK;
   const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 4 * LANES);
@@ -169,7 +169,7 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, float acc[T][LANE
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(mn + at + j * LANES))));
         ms = _mm512_mul_ps(ms, scale);
       }
-      const uint8_t* codes = blk + at + header + j * group_bytes;
+      const uint8_t* codes = blk + at + header + j * sub_bytes;
       __m512i isum[P][T];
       UNROLL for (int p = 0; p < P; ++p)
         UNROLL for (int t = 0; t < T; ++t) isum[p][t] = _mm512_setzero_si512();
@@ -198,7 +198,7 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, float acc[T][LANE
     const uint16_t* D = reinterpret_cast<const uint16_t*>(blk + at);
     for (int j = 0; j < SUBS; ++j) {
       const int64_t sub = s * SUBS + j, k0 = sub * S;
-      const uint8_t* codes = blk + at + header + j * group_bytes;
+      const uint8_t* codes = blk + at + header + j * sub_bytes;
       for (int64_t l = 0; l < LANES; ++l) {
         float ds = half_to_float(D[l]), ms = half_to_float(D[LANES + l]);
         if (SUBS > 1) {
@@ -221,7 +221,7 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, float acc[T][LANE
 }
 
 // Runs gguf_tile<BITS, S, SUBS, MINS> over every tile of 16 rows and group of up to
-// GGUF_TOKENS tokens, tiles split across threads, and stores into y.
+// GGUF_TOKENS tokens (tiles split across threads) and stores into y.
 template <int BITS, int S, int SUBS, int MINS, typename out_t>
 void gguf_matmul(const uint8_t* w, int64_t tiles, int64_t nsb, const Acts& acts, int64_t M,
                  int64_t N, const float* b, out_t* y, int64_t ldy) {
@@ -234,22 +234,7 @@ void gguf_matmul(const uint8_t* w, int64_t tiles, int64_t nsb, const Acts& acts,
     gguf_tile<BITS, S, SUBS, MINS, T>(w + tile * tile_bytes, nsb, a, acc);
     store_rows(&acc[0][0], T, tile * LANES, N, b, y + m0 * ldy, ldy);
   };
-  const int64_t grain = std::max<int64_t>(1, TASK_BYTES / tile_bytes);
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile)
-      for (int64_t m0 = 0; m0 < M; m0 += GGUF_TOKENS) {
-        switch (std::min(GGUF_TOKENS, M - m0)) {
-          case 8: run(Int<8>(), tile, m0); break;
-          case 7: run(Int<7>(), tile, m0); break;
-          case 6: run(Int<6>(), tile, m0); break;
-          case 5: run(Int<5>(), tile, m0); break;
-          case 4: run(Int<4>(), tile, m0); break;
-          case 3: run(Int<3>(), tile, m0); break;
-          case 2: run(Int<2>(), tile, m0); break;
-          default: run(Int<1>(), tile, m0);
-        }
-      }
-  });
+  for_each_tile<GGUF_TOKENS>(tiles, M, tile_bytes, run);
 }
 
 }  // namespace

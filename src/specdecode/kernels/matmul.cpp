@@ -429,7 +429,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       });
       return;
     }
-    for_each_tile(w.size(0), M, ROWS * Kp, [&](auto tokens, int64_t block, int64_t m0) {
+    for_each_tile<TOKENS>(w.size(0), M, ROWS * Kp, [&](auto tokens, int64_t block, int64_t m0) {
       constexpr int T = decltype(tokens)::value;
       int32_t acc[GROUPS][T][LANES];
       dot_u8s8<T>(codes.data() + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, acc);
@@ -467,7 +467,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w,
       store(block, m0, T, acc);
     });
   } else {
-    for_each_tile(w.size(0), M, ROWS * Kp * 2, [&](auto tokens, int64_t block, int64_t m0) {
+    for_each_tile<TOKENS>(w.size(0), M, ROWS * Kp * 2, [&](auto tokens, int64_t block, int64_t m0) {
       constexpr int T = decltype(tokens)::value;
       float acc[GROUPS][T][LANES];
       dot_bf16<T>(xp + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, acc);

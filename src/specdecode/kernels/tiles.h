@@ -74,21 +74,26 @@ void store_rows(const float* acc, int64_t T, int64_t n0, int64_t N, const float*
 template <int V>
 using Int = std::integral_constant<int, V>;
 
-// Calls tile(Int<T>, block, m0) for every block of ROWS rows and every group of T tokens
-// starting at m0 (T = TOKENS, the last group the remainder); blocks are split across threads.
-template <class Tile>
+// Calls f(Int<count>()) for 1 <= count <= MAX: a run-time token count as a compile-time one.
+template <int MAX, class F>
+void with_tokens(int64_t count, const F& f) {
+  if constexpr (MAX > 1) {
+    if (count < MAX) return with_tokens<MAX - 1>(count, f);
+  }
+  f(Int<MAX>());
+}
+
+// Calls tile(Int<T>, block, m0) for every block (of a weight's rows) and every group of T
+// tokens starting at m0 (T = MAX, the last group the remainder); blocks are split across
+// threads, at least TASK_BYTES of weights per task.
+template <int MAX, class Tile>
 void for_each_tile(int64_t blocks, int64_t M, int64_t block_bytes, const Tile& tile) {
   const int64_t grain = std::max<int64_t>(1, TASK_BYTES / block_bytes);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block)
-      for (int64_t m0 = 0; m0 < M; m0 += TOKENS) {
-        switch (std::min(TOKENS, M - m0)) {
-          case 4: tile(Int<4>(), block, m0); break;
-          case 3: tile(Int<3>(), block, m0); break;
-          case 2: tile(Int<2>(), block, m0); break;
-          default: tile(Int<1>(), block, m0);
-        }
-      }
+      for (int64_t m0 = 0; m0 < M; m0 += MAX)
+        with_tokens<MAX>(std::min<int64_t>(MAX, M - m0),
+                         [&](auto tokens) { tile(tokens, block, m0); });
   });
 }
 

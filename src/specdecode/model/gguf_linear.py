@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from specdecode import kernels
 from specdecode.errors import UserError
 from specdecode.model.config import ModelConfig
+from specdecode.model.convert import _unpermute_rope, open_gguf
 from specdecode.model.gguf_blocks import Codes, decode, pack, unpack
 
 
@@ -129,8 +130,6 @@ PROJECTIONS = {
 def _unpermuted(raw: np.ndarray, cfg: ModelConfig, projection: str) -> np.ndarray:
     """Llama GGUFs store q and k rows in llama.cpp's RoPE order; rows (whole blocks) are put
     back in Hugging Face's order (see `convert._unpermute_rope`)."""
-    from specdecode.model.convert import _unpermute_rope
-
     if cfg.architecture != "llama" or projection not in ("self_attn.q_proj", "self_attn.k_proj"):
         return raw
     heads = cfg.num_heads if projection == "self_attn.q_proj" else cfg.num_kv_heads
@@ -140,8 +139,6 @@ def _unpermuted(raw: np.ndarray, cfg: ModelConfig, projection: str) -> np.ndarra
 def read_gguf_projections(path: Path, cfg: ModelConfig) -> dict[str, GgufWeight]:
     """Hugging Face weight name -> `GgufWeight` for every projection of the GGUF file at `path`
     and for the head ("lm_head.weight": `output.weight`, or the token embedding when tied)."""
-    from specdecode.model.convert import open_gguf
-
     reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
     names = {  # GGUF name -> (Hugging Face name, projection)

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from specdecode.errors import ModelNotFoundError, UserError
@@ -63,19 +62,28 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
 
 
 def load_weights(
-    path: Path, cfg: ModelConfig, dtype: torch.dtype, device: str
+    path: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: str,
+    skip: frozenset[str] = frozenset(),
 ) -> dict[str, Tensor]:
-    """Read every *.safetensors file in `path`, check names and shapes, cast to `dtype`."""
+    """Read every *.safetensors file in `path`, check names and shapes, cast to `dtype`.
+    Tensors named in `skip` (supplied by the caller in another form) are neither read nor
+    required."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{path} has no *.safetensors weight files")
     weights: dict[str, Tensor] = {}
     for file in files:
         try:
-            weights.update(load_file(str(file), device=device))
+            with safe_open(str(file), framework="pt", device=device) as tensors:
+                for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if name not in skip:
+                        weights[name] = tensors.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as err:
             raise UserError(f"cannot read weights from {file} (malformed?): {err}") from err
-    missing = [n for n in required_tensors(cfg) if n not in weights]
+    missing = [n for n in required_tensors(cfg) if n not in weights and n not in skip]
     if missing:
         raise UserError(
             f"{path} lacks {len(missing)} tensor(s) the {cfg.architecture} config needs, "
@@ -105,13 +113,12 @@ def load_model(
     if not path.is_dir():
         raise ModelNotFoundError(f"no such model folder: {path}")
     cfg = ModelConfig.from_folder(path)
-    source = gguf_source(path, device, parse_dtype(dtype)) if quantization == "gguf" else None
-    weights: dict[str, Tensor | GgufWeight] = dict(
-        load_weights(path, cfg, parse_dtype(dtype), device)
-    )
-    if source is not None:
-        weights.update(read_gguf_projections(source, cfg))
-    return Transformer(cfg, weights, quantization).eval()
+    torch_dtype = parse_dtype(dtype)
+    blocks: dict[str, GgufWeight] = {}
+    if quantization == "gguf":  # the projections come from the GGUF, not their dense copies
+        blocks = read_gguf_projections(gguf_source(path, device, torch_dtype), cfg)
+    dense = load_weights(path, cfg, torch_dtype, device, skip=frozenset(blocks))
+    return Transformer(cfg, {**dense, **blocks}, quantization).eval()
 
 
 def gguf_source(path: Path, device: str, dtype: torch.dtype) -> Path:
