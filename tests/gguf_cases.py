@@ -11,6 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 
+from specdecode.model.convert import _GLOBAL_NAMES, _LAYER_NAMES
 from specdecode.model.gguf_linear import PROJECTIONS
 
 T = GGMLQuantizationType
@@ -62,8 +63,8 @@ def _rope_permuted(w: np.ndarray, heads: int) -> np.ndarray:
 
 def build_tiny_gguf(model_dir: Path, out: Path) -> Path:
     """A copy of the tiny Hugging Face model folder `model_dir` in `out`, plus a model.gguf that
-    holds its projections and head quantized to TINY_TYPES (head: Q8_0), in llama.cpp's names
-    and q/k row order: what quantization="gguf" reads."""
+    holds its projections and head quantized to TINY_TYPES (head: Q8_0) and its other weights
+    in fp32, in llama.cpp's names and q/k row order: what quantization="gguf" reads."""
     import json
 
     shutil.copytree(model_dir, out)
@@ -83,6 +84,15 @@ def build_tiny_gguf(model_dir: Path, out: Path) -> Path:
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).astype(np.float32)
     name = "token_embd.weight" if cfg.get("tie_word_embeddings") else "output.weight"
     writer.add_tensor(name, quantize(head, T.Q8_0), raw_dtype=T.Q8_0)
+    hf_names = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()} | {
+        f"model.layers.{i}.{hf}": f"blk.{i}.{gguf}"
+        for i in range(cfg["num_hidden_layers"])
+        for gguf, hf in _LAYER_NAMES.items()
+    }
+    for hf, w in weights.items():  # embedding (untied), norms, biases in fp32
+        projection = hf.endswith(".weight") and hf.rsplit(".", 2)[-2].endswith("_proj")
+        if not projection and hf_names[hf] != name:
+            writer.add_tensor(hf_names[hf], w.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 from gguf_cases import build_tiny_gguf, random_blocks
 from spec_cases import GREEDY, PROMPTS
 
+from specdecode import kernels
 from specdecode.llm import LLM
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.gguf_blocks import LAYOUTS, decode, pack, unpack
@@ -33,14 +34,43 @@ def _linear(types: list[GGMLQuantizationType], rows: list[int], cols: int, bias:
     return GgufLinear(GgufWeight(segments, cols), b)
 
 
-def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x quantized as the kernel does (int8 per block of 32, absmax / 127), times the weight,
-    in float64."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
-    absmax = blocks.abs().amax(-1, keepdim=True)
-    codes = torch.round(blocks * (127 / absmax)).clamp(-127, 127)
-    y = (codes * (absmax / 127)).reshape(x.shape) @ weight.double().T
-    return y if bias is None else y + bias.double()
+def _quantized(x: torch.Tensor, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [M, K] quantized as llama.cpp's CPU backend does for a dot product: int8 codes
+    [M, K], scales dx [M, K / block] (fp16-rounded for block 32: Q8_0), sx [M, K / 32]
+    (Q8_1's fp16(d * sum))."""
+    blocks = x.float().numpy().reshape(x.shape[0], -1, block)
+    absmax = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.divide(127, absmax, out=np.zeros_like(absmax), where=absmax > 0).astype(np.float32)
+    codes = np.rint(blocks * inv)  # round half to even, as _mm256_round_ps and nearest_int
+    d = (absmax / np.float32(127)).astype(np.float32)[..., 0]
+    sx = (d * codes.sum(-1)).astype(np.float16).astype(np.float64)
+    if block == 32:
+        dx = d.astype(np.float16).astype(np.float64)
+    else:
+        dx = np.where(inv[..., 0] > 0, 1 / np.maximum(inv[..., 0], 1e-30), 0).astype(np.float64)
+    return codes.reshape(x.shape).astype(np.float64), dx, sx
+
+
+def _reference(x: torch.Tensor, module: GgufLinear) -> torch.Tensor:
+    """y = x @ W^T + b in float64 from the codes and llama.cpp's activations (`_quantized`)."""
+    out = []
+    for codes in module.codes():
+        lay = codes.layout
+        x8, dx, sx = _quantized(x, lay.superblock)
+        xs = (x8.reshape(*dx.shape, -1) * dx[..., None]).reshape(x8.shape)  # [M, K]
+        rows = codes.q.shape[0]
+        sc = 1.0 if codes.sc is None else codes.sc.astype(np.float64).reshape(rows, -1, 1)
+        q = codes.q.astype(np.float64).reshape(rows, -1, lay.sub) - lay.off
+        d = np.repeat(codes.D.astype(np.float64), lay.subs, axis=1)[..., None]
+        y = xs @ (d * sc * q).reshape(rows, -1).T
+        if lay.mins == 1:
+            m = np.repeat(codes.M.astype(np.float64), lay.subs, axis=1) * codes.mn
+            y -= xs @ np.repeat(m, lay.sub, axis=1).T
+        elif lay.mins == 2:
+            y -= sx @ codes.M.astype(np.float64).T
+        out.append(y)
+    y = torch.from_numpy(np.concatenate(out, axis=1))
+    return y if module.bias is None else y + module.bias.double()
 
 
 @pytest.mark.parametrize("tensor_type", TYPES, ids=[t.name for t in TYPES])
@@ -54,6 +84,21 @@ def test_blocks_decode_to_what_gguf_dequantizes_and_pack_round_trips(tensor_type
         assert (want is None and got is None) or np.array_equal(want, got), field
 
 
+@pytest.mark.parametrize("block", [32, 256])
+def test_activations_are_quantized_as_llama_cpp_quantizes_them(block: int) -> None:
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(5))
+    x[2] *= 300
+    x[4, :256] = 0  # an all-zero block: zero codes and scale
+    acts = kernels.gguf_quantize(x, block)
+    x8, dx, sx = _quantized(x, block)
+    assert np.array_equal(acts.x8.numpy(), x8) and np.array_equal(acts.dx.numpy(), dx)
+    assert acts.sx.numpy().size == 0 if block == 256 else np.array_equal(acts.sx.numpy(), sx)
+    assert np.array_equal(acts.bsum16.numpy(), x8.reshape(7, -1, 16).sum(-1))
+    assert np.array_equal(acts.bsum32.numpy(), x8.reshape(7, -1, 32).sum(-1))
+    with pytest.raises(RuntimeError, match="blocks are 32 or 256"):
+        kernels.gguf_quantize(x, 64)
+
+
 @pytest.mark.parametrize("tensor_type", TYPES, ids=[t.name for t in TYPES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_the_reference_and_each_token_is_row_exact(tensor_type, dtype) -> None:
@@ -62,7 +107,7 @@ def test_kernel_matches_the_reference_and_each_token_is_row_exact(tensor_type, d
     x[5] *= 40  # an outlier token: a per-pass scale would move every other token
     y = module(x.to(dtype))
     assert y.shape == (19, 72) and y.dtype == dtype
-    want = _reference(x.to(dtype).float(), module.dequantized(), module.bias)
+    want = _reference(x.to(dtype).float(), module)
     error = float((y.double() - want).abs().max() / want.abs().max())
     assert error < (1e-5 if dtype == torch.float32 else 1e-2), error
     alone = torch.cat([module(x[i : i + 1].to(dtype)) for i in range(19)])
@@ -71,14 +116,20 @@ def test_kernel_matches_the_reference_and_each_token_is_row_exact(tensor_type, d
 
 
 def test_a_fused_weight_mixes_types_in_segments() -> None:
-    """q|k|v of Q4_K_M: Q4_K rows then Q6_K rows, one activation quantization for both."""
+    """q|k|v of Q4_K_M: Q4_K rows then Q6_K rows, one activation quantization for both; a mix of
+    Q8_0 and Q4_K rows quantizes the activations both ways."""
     module = _linear([T.Q4_K, T.Q6_K, T.Q4_K], [48, 20, 16], 256, bias=True)
-    assert len(module.layouts) == 3
+    assert len(module.layouts) == 3 and module.blocks == [256]
     x = torch.randn(3, 2, 256, generator=torch.Generator().manual_seed(2))
     y = module(x)
     assert y.shape == (3, 2, 84)
-    want = _reference(x.reshape(6, 256), module.dequantized(), module.bias).reshape(3, 2, 84)
+    want = _reference(x.reshape(6, 256), module).reshape(3, 2, 84)
     assert float((y.double() - want).abs().max() / want.abs().max()) < 1e-5
+    mixed = _linear([T.Q8_0, T.Q4_K], [16, 32], 512)
+    assert mixed.blocks == [32, 256]
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
+    want = _reference(x, mixed)
+    assert float((mixed(x).double() - want).abs().max() / want.abs().max()) < 1e-5
     merged = GgufWeight.cat(
         [GgufWeight((GgufSegment(T.Q8_0, random_blocks(T.Q8_0, 4, 64)),), 64)] * 2
     )

@@ -3,6 +3,7 @@
 Both engines read the same token ids in one prefill each; at every position we compare the
 argmax of our logits with llama.cpp's. With quantization="gguf" both compute with the file's
 own blocks, so only the engines' arithmetic differs (activation rounding, summation order).
+`exact_model` is the yardstick for both: the file's weights in fp32 with fp32 activations.
 `benchmarks/gguf_parity.py` runs it over the bench's prompt sets; a test runs it on SmolLM2.
 """
 
@@ -15,6 +16,8 @@ import torch
 
 from specdecode.errors import MissingDependencyError
 from specdecode.model.attention_metadata import AttentionMetadata
+from specdecode.model.config import ModelConfig
+from specdecode.model.gguf_linear import GgufWeight, read_gguf_weights
 from specdecode.model.transformer import Transformer
 
 
@@ -47,6 +50,14 @@ def llamacpp_logits(gguf: Path, sequences: list[list[int]]) -> list[np.ndarray]:
 
 
 @torch.inference_mode()
+def exact_model(gguf: Path, cfg: ModelConfig) -> Transformer:
+    """The model a GGUF file stands for without activation rounding: every weight dequantized
+    exactly to fp32, fp32 activations. Both engines' gguf results are approximations of it."""
+    weights = read_gguf_weights(gguf, cfg)
+    dense = {n: w.dense() if isinstance(w, GgufWeight) else w for n, w in weights.items()}
+    return Transformer(cfg, dense, None).eval()
+
+
 def our_logits(model: Transformer, sequences: list[list[int]]) -> list[np.ndarray]:
     """Our logits ([len, V] fp32) at every position of each sequence, one prefill each."""
     out = []

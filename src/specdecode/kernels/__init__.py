@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
 
@@ -41,6 +41,18 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 ROWS = 64  # output rows per tile (matmul.cpp's ROWS)
 INT8_PACK = 4  # int8 values of a row per 32-bit lane
 BF16_PACK = 2  # bf16 values of a row per 32-bit lane
+
+
+class GgufActivations(NamedTuple):
+    """A pass's activations as `gguf_linear` reads them (kernels/gguf.cpp): per token, int8
+    values x8 [M, K], scales dx [M, K / block] (and sx, block 32 only), int16 sums of x8 per 16
+    and per 32 values."""
+
+    x8: Tensor
+    dx: Tensor
+    sx: Tensor
+    bsum16: Tensor
+    bsum32: Tensor
 
 
 class NativeKernelsUnavailable(UserError):
@@ -120,17 +132,14 @@ def bf16_linear(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tenso
     return native().bf16_linear(x, packed, bias, n)
 
 
-def gguf_quantize(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x [..., K] (K % 32 == 0) -> the int8 activations of `gguf_linear`: x8 [M, K] int8 and
-    fp32 dx [M, K / 32], mx16 [M, K / 16], mx32 [M, K / 32]; see gguf.cpp."""
-    return native().gguf_quantize(x)
+def gguf_quantize(x: Tensor, block: int) -> GgufActivations:
+    """x [..., K] (K % block == 0) -> the int8 activations of `gguf_linear` in blocks of
+    `block` (32: llama.cpp's Q8_0 / Q8_1, 256: its Q8_K); see gguf.cpp."""
+    return GgufActivations(*native().gguf_quantize(x, block))
 
 
 def gguf_linear(
-    x8: Tensor,
-    dx: Tensor,
-    mx16: Tensor,
-    mx32: Tensor,
+    acts: GgufActivations,
     packed: Tensor,
     layout: GgufLayout,
     n: int,
@@ -139,16 +148,15 @@ def gguf_linear(
     offset: int,
 ) -> None:
     """y[:, offset : offset + n] = x @ W^T (+ bias) for W packed by `gguf_blocks.pack` in
-    `layout`, x given by `gguf_quantize`; y [M, >= offset + n] fp32 or bf16."""
+    `layout`, x given by `gguf_quantize` with block `layout.superblock`; y [M, >= offset + n]
+    fp32 or bf16."""
     native().gguf_linear(
-        x8,
-        dx,
-        mx16,
-        mx32,
+        *acts,
         packed,
         layout.bits,
         layout.sub,
         layout.subs,
+        layout.off,
         layout.mins,
         n,
         bias,

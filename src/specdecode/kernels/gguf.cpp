@@ -1,30 +1,36 @@
 // y = x @ W^T (+ b) for weights kept in GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-// Q4_K, Q5_K, Q6_K), with activations quantized to int8 per block of 32, as llama.cpp's CPU
-// backend does, and integer dot products (AVX-512 VNNI `vpdpbusd`; plain C++ elsewhere).
+// Q4_K, Q5_K, Q6_K), with activations quantized to int8 as llama.cpp's CPU backend does, and
+// integer dot products (AVX-512 VNNI `vpdpbusd`; plain C++ elsewhere).
 //
 // Every format is one case of a two-level block code (Python repacks the GGUF blocks once at
 // load time, model/gguf_blocks.py, keeping every quantized value and scale as it is):
-//   w[n][k] = D[n][s] * sc[n][j] * q[n][k] - M[n][s] * mn[n][j]
-// q: BITS-bit unsigned codes; superblock s of SUBS sub-blocks of S values each; D and M fp16 per
-// (row, superblock); sc (and mn) int8 per (row, sub-block), or 1 when SUBS == 1. MINS says what
-// mn is: 0 -> 1, 1 -> its own int8 table (Q4_K, Q5_K), 2 -> sc itself (Q6_K: M = 32 D).
-// E.g. Q4_0: q in 0..15, D = d, M = 8 d; Q4_K: D = d, M = dmin, sc and mn its 6-bit scales.
+//   w[n][k] = D[n][s] * sc[n][j] * (q[n][k] - OFF) - M[n][s] * mn[n][j]
+// q: BITS-bit unsigned codes; superblock s of SUBS sub-blocks of S values each; D (and M) fp16
+// per (row, superblock); sc (and mn) int8 per (row, sub-block), or 1 when SUBS == 1. MINS says
+// what the M term is: 0 -> none, 1 -> M times its own int8 table mn (Q4_K, Q5_K), 2 -> M alone
+// (Q4_1, Q5_1: M = -m). E.g. Q4_0: OFF = 8, D = d; Q6_K: OFF = 32, D = d, sc its scales.
 //
-// Activations (gguf_quantize): each token's row in blocks of 32: dx = absmax / 127 and
-// x8 = round(x / dx); mx = dx * (sum of the sub-block's x8) per sub-block of 16 and of 32.
-// Then a sub-block contributes  isum * (D sc) * dx - (M mn) * mx  with isum = sum q * x8 exact
-// in int32. A tile is 16 rows (one per 32-bit lane) by up to 8 tokens; each lane accumulates one
+// Activations (gguf_quantize), per token in blocks of B = S * SUBS values (the superblock): for
+// B = 32 llama.cpp's Q8_0 / Q8_1 (x8 = round(x * 127 / absmax), dx = fp16(absmax / 127),
+// sx = fp16(absmax / 127 * sum x8)), for B = 256 its Q8_K (dx = 1 / (127 / absmax) in fp32);
+// bsum16 / bsum32: the int16 sums of x8 per 16 and per 32 values. Each superblock is then
+// summed in int32 exactly as llama.cpp sums it:
+//   main = sum_j sc_j * (sum_k q_k x8_k - OFF * bsum_j),  mins = sum_j mn_j * bsum_j
+// and added in fp32:  y += (D dx) * main  - (M dx) * mins  (MINS 1)  or  - M * sx  (MINS 2).
+// A tile is 16 rows (one per 32-bit lane) by up to 8 tokens; each lane accumulates one
 // (row, token) pair, in the same order whatever the number of tokens in the pass, so a token's
 // output never depends on the others (row-exact). Compiled with -ffp-contract=off; the portable
 // path spells the same fused multiply-adds with std::fma, so it rounds as the vector path does.
 //
-// Packed layout of one tile of 16 rows, per superblock (SUBS * S values):
-//   D fp16 [16], M fp16 [16], sc int8 [SUBS][16] (SUBS > 1), mn int8 [SUBS][16] (MINS == 1),
+// Packed layout of one tile of 16 rows, per superblock:
+//   D fp16 [16], M fp16 [16] (MINS > 0), sc int8 [SUBS / 2][16][2] (SUBS > 1; lane l's pair
+//   of sub-blocks 2p, 2p + 1 side by side), mn int8 [SUBS / 2][16][2] (MINS == 1),
 //   then per sub-block j, 16 * S * BITS / 8 bytes of codes:
 //   - BITS 8: [S / 4 quads][16 lanes][4]: byte b of lane l = q[row l][4 c + b];
-//   - else nibbles [S / 8][16 lanes][4]: byte b of lane l of vector v holds q[l][8 v + b] in
-//     its low and q[l][8 v + 4 + b] in its high nibble; then BITS - 4 bit planes, each
-//     [S / 4 quads] 64-bit masks: bit 4 l + b of quad c's mask = bit (4 + p) of q[l][4 c + b].
+//   - BITS 4: nibbles [S / 8][16 lanes][4]: byte b of lane l of vector v holds q[l][8 v + b]
+//     in its low and q[l][8 v + 4 + b] in its high nibble;
+//   - BITS 5, 6: [S / 4 quads][8 lane pairs][BITS bytes]: the 8 codes q[2 i][4 c .. 4 c + 3],
+//     q[2 i + 1][4 c .. 4 c + 3] of pair i as BITS-bit fields, the first in the lowest bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,47 +45,77 @@
 
 namespace {
 
-constexpr int64_t ACT_BLOCK = 32;   // activation values per int8 scale
-constexpr int GGUF_TOKENS = 8;      // tokens per tile, at most
+constexpr int GGUF_TOKENS = 8;  // tokens per tile, at most
 
 // The packed geometry of one layout (see the header).
 struct Layout {
   int64_t bits, sub, subs, mins;  // BITS, S, SUBS, MINS
   int64_t sub_bytes() const { return LANES * sub * bits / 8; }
   int64_t header_bytes() const {
-    return 2 * LANES * 2 + (subs > 1 ? subs * LANES : 0) + (mins == 1 ? subs * LANES : 0);
+    return (mins ? 2 : 1) * LANES * 2 + (subs > 1 ? subs * LANES : 0) +
+           (mins == 1 ? subs * LANES : 0);
   }
   int64_t superblock_bytes() const { return header_bytes() + subs * sub_bytes(); }
   int64_t superblock_values() const { return sub * subs; }
 };
 
+inline float half_to_float(uint16_t h) { return float(c10::Half(h, c10::Half::from_bits())); }
+inline float round_to_half(float v) { return float(c10::Half(v)); }
+
 // ---------------------------------------------------------------- activations
 
-// One token's row x [K] (K % 32 == 0) -> x8 [K], dx [K / 32], mx16 [K / 16], mx32 [K / 32].
+// One token's row x [K] (K % B == 0) in blocks of B (32 or 256, see the header) -> x8 [K],
+// dx [K / B], sx [K / B] (B == 32 only), bsum16 [K / 16], bsum32 [K / 32].
 template <typename scalar_t>
-void quantize_act_row(const scalar_t* x, int64_t K, int8_t* x8, float* dx, float* mx16,
-                      float* mx32) {
-  for (int64_t b = 0; b < K / ACT_BLOCK; ++b) {
-    const scalar_t* xb = x + b * ACT_BLOCK;
+void quantize_act_row(const scalar_t* x, int64_t K, int64_t B, int8_t* x8, float* dx, float* sx,
+                      int16_t* bsum16, int16_t* bsum32) {
+  for (int64_t b = 0; b < K / B; ++b) {
+    const scalar_t* xb = x + b * B;
     float absmax = 0.f;
-    for (int64_t i = 0; i < ACT_BLOCK; ++i) absmax = std::max(absmax, std::abs(float(xb[i])));
+    for (int64_t i = 0; i < B; ++i) absmax = std::max(absmax, std::abs(float(xb[i])));
     const float inv = absmax > 0.f ? 127.f / absmax : 0.f;
-    int32_t sums[2] = {0, 0};
-    for (int64_t i = 0; i < ACT_BLOCK; ++i) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < B; ++i) {
       const float q = std::nearbyint(float(xb[i]) * inv);
       const int32_t code = int32_t(std::min(127.f, std::max(-127.f, q)));
-      x8[b * ACT_BLOCK + i] = int8_t(code);
-      sums[i / 16] += code;
+      x8[b * B + i] = int8_t(code);
+      sum += code;
     }
-    const float scale = absmax / 127.f;
-    dx[b] = scale;
-    mx16[2 * b] = scale * float(sums[0]);
-    mx16[2 * b + 1] = scale * float(sums[1]);
-    mx32[b] = scale * float(sums[0] + sums[1]);
+    if (B == 32) {  // Q8_0 / Q8_1
+      const float d = absmax / 127.f;
+      dx[b] = round_to_half(d);
+      sx[b] = round_to_half(d * float(sum));
+    } else {  // Q8_K
+      dx[b] = absmax > 0.f ? 1.f / inv : 0.f;
+    }
+  }
+  for (int64_t g = 0; g < K / 16; ++g) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < 16; ++i) sum += x8[g * 16 + i];
+    bsum16[g] = int16_t(sum);
+    if (g % 2 == 1) bsum32[g / 2] = int16_t(bsum16[g - 1] + sum);
   }
 }
 
 // ---------------------------------------------------------------- weights
+
+// Code of value k (0 <= k < S) of lane l of one tile's sub-block at `codes` (the layout in the
+// header).
+template <int BITS, int S>
+inline int32_t code_at(const uint8_t* codes, int64_t l, int64_t k) {
+  const int64_t c = k / 4, b = k % 4;
+  if constexpr (BITS == 8) {
+    return codes[c * 64 + l * 4 + b];
+  } else if constexpr (BITS == 4) {
+    const uint8_t byte = codes[(c / 2) * 64 + l * 4 + b];
+    return (c % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
+  } else {  // field (l % 2) * 4 + b of the BITS bytes of lane pair l / 2 in quad c
+    const uint8_t* pair = codes + c * 8 * BITS + (l / 2) * BITS;
+    const int64_t bit = ((l % 2) * 4 + b) * BITS;
+    const int32_t two = pair[bit / 8] | (bit / 8 + 1 < BITS ? pair[bit / 8 + 1] << 8 : 0);
+    return (two >> (bit % 8)) & ((1 << BITS) - 1);
+  }
+}
 
 // The u8 codes of quad c (values 4 c .. 4 c + 3 of each of the 16 rows) of one tile's
 // sub-block at `codes`, one row per 32-bit lane.
@@ -88,62 +124,85 @@ template <int BITS, int S>
 inline __m512i quad_codes(const uint8_t* codes, int c) {
   if constexpr (BITS == 8) {
     return _mm512_loadu_si512(codes + c * 64);
-  } else {
+  } else if constexpr (BITS == 4) {
     const __m512i nibbles = _mm512_loadu_si512(codes + (c / 2) * 64);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    __m512i q = (c % 2 == 0) ? _mm512_and_si512(nibbles, low4)
-                             : _mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low4);
-    const uint8_t* planes = codes + S * 8;
-    UNROLL for (int p = 0; p < BITS - 4; ++p) {
-      uint64_t bits;
-      std::memcpy(&bits, planes + p * S * 2 + c * 8, sizeof(bits));
-      q = _mm512_mask_add_epi8(q, __mmask64(bits), q, _mm512_set1_epi8(char(16 << p)));
+    return (c % 2 == 0) ? _mm512_and_si512(nibbles, low4)
+                        : _mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low4);
+  } else {
+#if defined(__AVX512VBMI__)
+    // 8 BITS bytes per lane pair -> one 64-bit word each (vpermb), then the 8 fields of each
+    // word into its 8 bytes (vpmultishiftqb) and the low BITS bits kept.
+    alignas(64) static constexpr auto spread = [] {
+      struct { uint8_t at[64]; } idx{};
+      for (int i = 0; i < 64; ++i) idx.at[i] = uint8_t((i / 8) * BITS + std::min(i % 8, BITS - 1));
+      return idx;
+    }();
+    // the quad's 8 BITS bytes (40 or 48) in two loads that stay inside them
+    const uint8_t* at = codes + c * 8 * BITS;
+    const __m128i tail = BITS == 6 ? _mm_loadu_si128((const __m128i*)(at + 32))
+                                   : _mm_loadl_epi64((const __m128i*)(at + 32));
+    const __m512i raw = _mm512_inserti32x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)at)), tail, 2);
+    const __m512i words = _mm512_permutexvar_epi8(_mm512_load_si512(spread.at), raw);
+    const __m512i shifts = _mm512_set1_epi64(int64_t(0x0706050403020100ULL * BITS));
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, words),
+                            _mm512_set1_epi8(char((1 << BITS) - 1)));
+#else
+    alignas(64) uint8_t q[64];
+    for (int l = 0; l < LANES; ++l)
+      for (int b = 0; b < 4; ++b) q[l * 4 + b] = uint8_t(code_at<BITS, S>(codes, l, 4 * c + b));
+    return _mm512_load_si512(q);
+#endif
+  }
+}
+
+// Lane l of pair table p (int8 [SUBS / 2][16][2]) as two int16: (t[2p][l], t[2p + 1][l]).
+inline __m512i pair_vector(const int8_t* table, int p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(table + p * 2 * LANES)));
+}
+
+// out[t][l] = sum_j table[j][l] * bsum[t * ld + j] over a superblock's SUBS sub-blocks: a
+// pair table (int8 [SUBS / 2][16][2]) times T tokens' int16 sums of their codes.
+template <int SUBS, int T>
+inline void table_sums(const int8_t* table, const int16_t* bsum, int64_t ld, __m512i out[T]) {
+  UNROLL for (int t = 0; t < T; ++t) out[t] = _mm512_setzero_si512();
+  UNROLL for (int p = 0; p < SUBS / 2; ++p) {
+    const __m512i pair = pair_vector(table, p);
+    UNROLL for (int t = 0; t < T; ++t) {
+      int32_t two;  // bsum[t][2p], bsum[t][2p + 1] as two int16
+      std::memcpy(&two, bsum + t * ld + 2 * p, sizeof(two));
+      out[t] = _mm512_dpwssd_epi32(out[t], pair, _mm512_set1_epi32(two));
     }
-    return q;
   }
 }
 #endif
 
-// Code of value k (0 <= k < S) of lane l of one tile's sub-block at `codes` (portable path).
-template <int BITS, int S>
-inline int32_t code_at(const uint8_t* codes, int64_t l, int64_t k) {
-  const int64_t c = k / 4, b = k % 4;
-  if constexpr (BITS == 8) {
-    return codes[c * 64 + l * 4 + b];
-  } else {
-    const uint8_t byte = codes[(c / 2) * 64 + l * 4 + b];
-    int32_t q = (c % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
-    const uint8_t* planes = codes + S * 8;
-    for (int p = 0; p < BITS - 4; ++p) {
-      uint64_t bits;
-      std::memcpy(&bits, planes + p * S * 2 + c * 8, sizeof(bits));
-      q += int32_t((bits >> (4 * l + b)) & 1) << (4 + p);
-    }
-    return q;
-  }
-}
-
-inline float half_to_float(uint16_t h) { return float(c10::Half(h, c10::Half::from_bits())); }
-
-// Tokens' activations for a tile: T rows of x8 (stride K), dx (stride K / 32) and mx (the
-// sub-block sums for sub-blocks of S values, stride K / S).
+// Tokens' activations for a tile (see the header): T rows of x8 (stride K), dx and sx (stride
+// K / B), bsum16 (stride K / 16), bsum32 (stride K / 32).
 struct Acts {
   const int8_t* x8;
   const float* dx;
-  const float* mx;
+  const float* sx;
+  const int16_t* bsum16;
+  const int16_t* bsum32;
   int64_t K;
 };
 
 // acc[t][l] = sum over the superblocks of row l's by token t's contributions (see the header);
 // blk is one packed tile (16 rows) of nsb superblocks.
-template <int BITS, int S, int SUBS, int MINS, int T>
+template <int BITS, int S, int SUBS, int OFF, int MINS, int T>
 void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, float acc[T][LANES]) {
+  static_assert(OFF == 0 || (OFF & (OFF - 1)) == 0, "OFF is a power of two");
+  constexpr int SHIFT = OFF == 0 ? 0 : __builtin_ctz(OFF);  // OFF = 1 << SHIFT
   const Layout layout{BITS, S, SUBS, MINS};
   const int64_t header = layout.header_bytes(), sub_bytes = layout.sub_bytes();
   const int64_t sb_bytes = layout.superblock_bytes();
-  const int64_t ld_mx = a.K / S, ld_dx = a.K / ACT_BLOCK;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 4 * LANES);
-  const int8_t* mn = sc + SUBS * LANES;
+  const int64_t ld_dx = a.K / (S * SUBS), ld16 = a.K / 16, ld32 = a.K / 32;
+  const int64_t sc_at = (MINS ? 4 : 2) * LANES, mn_at = sc_at + (SUBS > 1 ? SUBS * LANES : 0);
+  // the sums of x8 per sub-block
+  const int16_t* bsum = S == 16 ? a.bsum16 : a.bsum32;
+  const int64_t ld_bsum = S == 16 ? ld16 : ld32;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   // One token alone sums even and odd quads apart (shorter dependency chains; integer sums
   // are exact in any order).
@@ -151,25 +210,14 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, float acc[T][LANE
   __m512 sum[T];
   UNROLL for (int t = 0; t < T; ++t) sum[t] = _mm512_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
-    const int64_t at = s * sb_bytes;
-    const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + at)));
-    const __m512 M = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + at + 32)));
+    const uint8_t* h = blk + s * sb_bytes;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(h + sc_at);
+    const int8_t* mn = reinterpret_cast<const int8_t*>(h + mn_at);
+    __m512i main[T];
+    UNROLL for (int t = 0; t < T; ++t) main[t] = _mm512_setzero_si512();
     UNROLL for (int j = 0; j < SUBS; ++j) {
-      const int64_t sub = s * SUBS + j;  // the sub-block's index in the row
-      const int64_t k0 = sub * S;
-      __m512 ds = D, ms = M;
-      if constexpr (SUBS > 1) {
-        const __m512 scale = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + at + j * LANES))));
-        ds = _mm512_mul_ps(ds, scale);
-        if constexpr (MINS == 2) ms = _mm512_mul_ps(ms, scale);
-      }
-      if constexpr (MINS == 1) {
-        const __m512 scale = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(mn + at + j * LANES))));
-        ms = _mm512_mul_ps(ms, scale);
-      }
-      const uint8_t* codes = blk + at + header + j * sub_bytes;
+      const int64_t k0 = (s * SUBS + j) * S;
+      const uint8_t* codes = h + header + j * sub_bytes;
       __m512i isum[P][T];
       UNROLL for (int p = 0; p < P; ++p)
         UNROLL for (int t = 0; t < T; ++t) isum[p][t] = _mm512_setzero_si512();
@@ -181,12 +229,47 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, float acc[T][LANE
           isum[c % P][t] = _mm512_dpbusd_epi32(isum[c % P][t], q, _mm512_set1_epi32(four));
         }
       }
+      __m512i scale = _mm512_setzero_si512();
+      if constexpr (SUBS > 1) {
+        const __m512i pair = pair_vector(sc, j / 2);
+        scale = j % 2 == 0 ? _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16)
+                           : _mm512_srai_epi32(pair, 16);
+      }
       UNROLL for (int t = 0; t < T; ++t) {
         __m512i total = isum[0][t];
         if constexpr (P == 2) total = _mm512_add_epi32(total, isum[1][t]);
-        const __m512 scale = _mm512_mul_ps(ds, _mm512_set1_ps(a.dx[t * ld_dx + k0 / ACT_BLOCK]));
-        sum[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, sum[t]);
-        sum[t] = _mm512_fnmadd_ps(ms, _mm512_set1_ps(a.mx[t * ld_mx + sub]), sum[t]);
+        if constexpr (SUBS > 1) total = _mm512_mullo_epi32(total, scale);
+        main[t] = _mm512_add_epi32(main[t], total);
+      }
+    }
+    if constexpr (OFF != 0) {  // main -= OFF * sum_j sc_j bsum_j
+      __m512i off[T];
+      if constexpr (SUBS > 1) {
+        table_sums<SUBS, T>(sc, bsum + s * SUBS, ld_bsum, off);
+      } else {
+        UNROLL for (int t = 0; t < T; ++t)
+          off[t] = _mm512_set1_epi32(int32_t(bsum[t * ld_bsum + s]));
+      }
+      UNROLL for (int t = 0; t < T; ++t)
+        main[t] = _mm512_sub_epi32(main[t], _mm512_slli_epi32(off[t], SHIFT));
+    }
+    const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h));
+    UNROLL for (int t = 0; t < T; ++t) {
+      const __m512 dx = _mm512_set1_ps(a.dx[t * ld_dx + s]);
+      sum[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(main[t]), _mm512_mul_ps(D, dx), sum[t]);
+    }
+    if constexpr (MINS != 0) {
+      const __m512 M = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + 2 * LANES)));
+      if constexpr (MINS == 1) {  // sum -= (M dx) * sum_j mn_j bsum_j
+        __m512i mins[T];
+        table_sums<SUBS, T>(mn, bsum + s * SUBS, ld_bsum, mins);
+        UNROLL for (int t = 0; t < T; ++t) {
+          const __m512 mdx = _mm512_mul_ps(M, _mm512_set1_ps(a.dx[t * ld_dx + s]));
+          sum[t] = _mm512_fnmadd_ps(mdx, _mm512_cvtepi32_ps(mins[t]), sum[t]);
+        }
+      } else {  // sum -= M * sx
+        UNROLL for (int t = 0; t < T; ++t)
+          sum[t] = _mm512_fnmadd_ps(M, _mm512_set1_ps(a.sx[t * ld_dx + s]), sum[t]);
       }
     }
   }
@@ -194,44 +277,53 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, float acc[T][LANE
 #else
   std::memset(acc, 0, sizeof(float) * T * LANES);
   for (int64_t s = 0; s < nsb; ++s) {
-    const int64_t at = s * sb_bytes;
-    const uint16_t* D = reinterpret_cast<const uint16_t*>(blk + at);
-    for (int j = 0; j < SUBS; ++j) {
-      const int64_t sub = s * SUBS + j, k0 = sub * S;
-      const uint8_t* codes = blk + at + header + j * sub_bytes;
-      for (int64_t l = 0; l < LANES; ++l) {
-        float ds = half_to_float(D[l]), ms = half_to_float(D[LANES + l]);
-        if (SUBS > 1) {
-          ds = ds * float(sc[at + j * LANES + l]);
-          if (MINS == 2) ms = ms * float(sc[at + j * LANES + l]);
-        }
-        if (MINS == 1) ms = ms * float(mn[at + j * LANES + l]);
-        for (int t = 0; t < T; ++t) {
+    const uint8_t* h = blk + s * sb_bytes;
+    const uint16_t* D = reinterpret_cast<const uint16_t*>(h);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(h + sc_at);
+    const int8_t* mn = reinterpret_cast<const int8_t*>(h + mn_at);
+    auto table = [](const int8_t* t, int64_t j, int64_t l) {  // pair layout (see the header)
+      return int32_t(t[(j / 2) * 2 * LANES + 2 * l + j % 2]);
+    };
+    for (int64_t l = 0; l < LANES; ++l) {
+      for (int t = 0; t < T; ++t) {
+        int32_t main = 0, mins = 0;
+        for (int64_t j = 0; j < SUBS; ++j) {
+          const int64_t k0 = (s * SUBS + j) * S;
+          const uint8_t* codes = h + header + j * sub_bytes;
           int32_t isum = 0;
           for (int64_t k = 0; k < S; ++k)
             isum += code_at<BITS, S>(codes, l, k) * int32_t(a.x8[t * a.K + k0 + k]);
-          const float scale = ds * a.dx[t * ld_dx + k0 / ACT_BLOCK];
-          acc[t][l] = std::fma(float(isum), scale, acc[t][l]);
-          acc[t][l] = std::fma(-ms, a.mx[t * ld_mx + sub], acc[t][l]);
+          const int32_t b = bsum[t * ld_bsum + s * SUBS + j];
+          const int32_t scale = SUBS > 1 ? table(sc, j, l) : 1;
+          main += scale * isum - OFF * scale * b;
+          if (MINS == 1) mins += table(mn, j, l) * b;
         }
+        const float dx = a.dx[t * ld_dx + s];
+        acc[t][l] = std::fma(float(main), half_to_float(D[l]) * dx, acc[t][l]);
+        if (MINS == 1)
+          acc[t][l] = std::fma(-(half_to_float(D[LANES + l]) * dx), float(mins), acc[t][l]);
+        if (MINS == 2)
+          acc[t][l] = std::fma(-half_to_float(D[LANES + l]), a.sx[t * ld_dx + s], acc[t][l]);
       }
     }
   }
 #endif
 }
 
-// Runs gguf_tile<BITS, S, SUBS, MINS> over every tile of 16 rows and group of up to
+// Runs gguf_tile<BITS, S, SUBS, OFF, MINS> over every tile of 16 rows and group of up to
 // GGUF_TOKENS tokens (tiles split across threads) and stores into y.
-template <int BITS, int S, int SUBS, int MINS, typename out_t>
+template <int BITS, int S, int SUBS, int OFF, int MINS, typename out_t>
 void gguf_matmul(const uint8_t* w, int64_t tiles, int64_t nsb, const Acts& acts, int64_t M,
                  int64_t N, const float* b, out_t* y, int64_t ldy) {
   const int64_t tile_bytes = nsb * Layout{BITS, S, SUBS, MINS}.superblock_bytes();
+  const int64_t B = S * SUBS;
   auto run = [&](auto tokens, int64_t tile, int64_t m0) {
     constexpr int T = decltype(tokens)::value;
     float acc[T][LANES];
-    const Acts a{acts.x8 + m0 * acts.K, acts.dx + m0 * (acts.K / ACT_BLOCK),
-                 acts.mx + m0 * (acts.K / S), acts.K};
-    gguf_tile<BITS, S, SUBS, MINS, T>(w + tile * tile_bytes, nsb, a, acc);
+    const Acts a{acts.x8 + m0 * acts.K,          acts.dx + m0 * (acts.K / B),
+                 acts.sx + m0 * (acts.K / B),    acts.bsum16 + m0 * (acts.K / 16),
+                 acts.bsum32 + m0 * (acts.K / 32), acts.K};
+    gguf_tile<BITS, S, SUBS, OFF, MINS, T>(w + tile * tile_bytes, nsb, a, acc);
     store_rows(&acc[0][0], T, tile * LANES, N, b, y + m0 * ldy, ldy);
   };
   for_each_tile<GGUF_TOKENS>(tiles, M, tile_bytes, run);
@@ -239,48 +331,61 @@ void gguf_matmul(const uint8_t* w, int64_t tiles, int64_t nsb, const Acts& acts,
 
 }  // namespace
 
-// x [..., K] fp32 or bf16 (K % 32 == 0) -> (x8 int8 [M, K], dx fp32 [M, K / 32],
-// mx16 fp32 [M, K / 16], mx32 fp32 [M, K / 32]) with M the number of rows of x.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_quantize(const at::Tensor& x) {
+// x [..., K] fp32 or bf16 in blocks of `block` (32 or 256; K % block == 0) -> (x8 int8 [M, K],
+// dx fp32 [M, K / block], sx fp32 [M, K / block] (block 32; [M, 0] for 256), bsum16 int16
+// [M, K / 16], bsum32 int16 [M, K / 32]) with M the number of rows of x; see the header.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_quantize(
+    const at::Tensor& x, int64_t block) {
   TORCH_CHECK(x.device().is_cpu(), "specdecode kernels run on the CPU");
+  TORCH_CHECK(block == 32 || block == 256, "gguf_quantize blocks are 32 or 256, got ", block);
   const int64_t K = x.size(-1);
-  TORCH_CHECK(K % ACT_BLOCK == 0, "gguf_quantize needs K % ", ACT_BLOCK, " == 0, got ", K);
+  TORCH_CHECK(K % block == 0, "gguf_quantize needs K % ", block, " == 0, got ", K);
   const at::Tensor rows = x.reshape({-1, K}).contiguous();  // [M, K]
   const int64_t M = rows.size(0);
   at::Tensor x8 = at::empty({M, K}, rows.options().dtype(at::kChar));
-  const auto f32 = rows.options().dtype(at::kFloat);
-  at::Tensor dx = at::empty({M, K / ACT_BLOCK}, f32), mx32 = at::empty({M, K / ACT_BLOCK}, f32);
-  at::Tensor mx16 = at::empty({M, K / 16}, f32);
+  const auto f32 = rows.options().dtype(at::kFloat), i16 = rows.options().dtype(at::kShort);
+  at::Tensor dx = at::empty({M, K / block}, f32);
+  at::Tensor sx = at::empty({M, block == 32 ? K / block : 0}, f32);
+  at::Tensor bsum16 = at::empty({M, K / 16}, i16), bsum32 = at::empty({M, K / 32}, i16);
   fp32_or_bf16(rows.scalar_type(), "gguf_quantize", [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
     const scalar_t* data = rows.data_ptr<scalar_t>();
     at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m)
-        quantize_act_row(data + m * K, K, x8.data_ptr<int8_t>() + m * K,
-                         dx.data_ptr<float>() + m * (K / ACT_BLOCK),
-                         mx16.data_ptr<float>() + m * (K / 16),
-                         mx32.data_ptr<float>() + m * (K / ACT_BLOCK));
+        quantize_act_row(data + m * K, K, block, x8.data_ptr<int8_t>() + m * K,
+                         dx.data_ptr<float>() + m * (K / block),
+                         sx.data_ptr<float>() + m * sx.size(1),
+                         bsum16.data_ptr<int16_t>() + m * (K / 16),
+                         bsum32.data_ptr<int16_t>() + m * (K / 32));
     });
   });
-  return {x8, dx, mx16, mx32};
+  return {x8, dx, sx, bsum16, bsum32};
 }
 
 // y[:, offset : offset + N] = acts @ W^T (+ bias) for one packed GGUF weight w uint8
-// [Np / 16, K / (S * SUBS), superblock bytes] of layout (bits, sub, subs, mins); acts from
-// gguf_quantize; y [M, ldy] fp32 or bf16, contiguous; bias fp32 [N] or None.
-void gguf_linear(const at::Tensor& x8, const at::Tensor& dx, const at::Tensor& mx16,
-                 const at::Tensor& mx32, const at::Tensor& w, int64_t bits, int64_t sub,
-                 int64_t subs, int64_t mins, int64_t N, const c10::optional<at::Tensor>& bias,
-                 at::Tensor& y, int64_t offset) {
+// [Np / 16, K / (S * SUBS), superblock bytes] of layout (bits, sub, subs, off, mins); acts
+// (x8, dx, sx, bsum16, bsum32) from gguf_quantize with block S * SUBS; y [M, ldy] fp32 or bf16,
+// contiguous; bias fp32 [N] or None.
+void gguf_linear(const at::Tensor& x8, const at::Tensor& dx, const at::Tensor& sx,
+                 const at::Tensor& bsum16, const at::Tensor& bsum32, const at::Tensor& w,
+                 int64_t bits, int64_t sub, int64_t subs, int64_t off, int64_t mins, int64_t N,
+                 const c10::optional<at::Tensor>& bias, at::Tensor& y, int64_t offset) {
   const Layout layout{bits, sub, subs, mins};
-  const int64_t M = x8.size(0), K = x8.size(1);
+  const int64_t M = x8.size(0), K = x8.size(1), B = layout.superblock_values();
   TORCH_CHECK(x8.scalar_type() == at::kChar && x8.dim() == 2 && x8.is_contiguous(),
               "x8 must be a contiguous int8 [M, K] tensor from gguf_quantize");
+  TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.size(0) == M &&
+                  dx.size(1) * B == K && bsum16.scalar_type() == at::kShort &&
+                  bsum16.is_contiguous() && bsum16.numel() == M * (K / 16) &&
+                  bsum32.scalar_type() == at::kShort && bsum32.is_contiguous() &&
+                  bsum32.numel() == M * (K / 32) &&
+                  (mins != 2 || (sx.scalar_type() == at::kFloat && sx.is_contiguous() &&
+                                 sx.numel() == dx.numel())),
+              "activations must come from gguf_quantize with block ", B);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() &&
-                  w.size(1) * layout.superblock_values() == K &&
-                  w.size(2) == layout.superblock_bytes(),
-              "packed GGUF weight must be a contiguous uint8 [Np/16, K/", layout.superblock_values(),
-              ", ", layout.superblock_bytes(), "] tensor for K = ", K, ", got ", w.sizes());
+                  w.size(1) * B == K && w.size(2) == layout.superblock_bytes(),
+              "packed GGUF weight must be a contiguous uint8 [Np/16, K/", B, ", ",
+              layout.superblock_bytes(), "] tensor for K = ", K, ", got ", w.sizes());
   TORCH_CHECK(N <= w.size(0) * LANES && w.size(0) * LANES - N < LANES, "out_features ", N,
               " does not fit the packed weight's ", w.size(0) * LANES, " rows");
   TORCH_CHECK(y.is_contiguous() && y.dim() == 2 && y.size(0) == M && offset >= 0 &&
@@ -292,23 +397,25 @@ void gguf_linear(const at::Tensor& x8, const at::Tensor& dx, const at::Tensor& m
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t tiles = w.size(0), nsb = w.size(1), ldy = y.size(1);
+  const Acts acts{x8.data_ptr<int8_t>(),      dx.data_ptr<float>(),
+                  mins == 2 ? sx.data_ptr<float>() : nullptr,
+                  bsum16.data_ptr<int16_t>(), bsum32.data_ptr<int16_t>(), K};
   fp32_or_bf16(y.scalar_type(), "gguf_linear", [&](auto type_tag) {
     using out_t = decltype(type_tag);
     out_t* yp = y.data_ptr<out_t>() + offset;
-    const Acts acts16{x8.data_ptr<int8_t>(), dx.data_ptr<float>(), mx16.data_ptr<float>(), K};
-    const Acts acts32{x8.data_ptr<int8_t>(), dx.data_ptr<float>(), mx32.data_ptr<float>(), K};
-#define SPECDECODE_GGUF_CASE(BITS, S, SUBS, MINS)                                         \
-  if (bits == BITS && sub == S && subs == SUBS && mins == MINS)                           \
-    return gguf_matmul<BITS, S, SUBS, MINS>(wp, tiles, nsb, S == 16 ? acts16 : acts32, M, \
-                                            N, b, yp, ldy);
-    SPECDECODE_GGUF_CASE(4, 32, 1, 0)   // Q4_0, Q4_1
-    SPECDECODE_GGUF_CASE(5, 32, 1, 0)   // Q5_0, Q5_1
-    SPECDECODE_GGUF_CASE(8, 32, 1, 0)   // Q8_0
-    SPECDECODE_GGUF_CASE(4, 32, 8, 1)   // Q4_K
-    SPECDECODE_GGUF_CASE(5, 32, 8, 1)   // Q5_K
-    SPECDECODE_GGUF_CASE(6, 16, 16, 2)  // Q6_K
+#define SPECDECODE_GGUF_CASE(BITS, S, SUBS, OFF, MINS)                                   \
+  if (bits == BITS && sub == S && subs == SUBS && off == OFF && mins == MINS)            \
+    return gguf_matmul<BITS, S, SUBS, OFF, MINS>(wp, tiles, nsb, acts, M, N, b, yp, ldy);
+    SPECDECODE_GGUF_CASE(4, 32, 1, 8, 0)    // Q4_0
+    SPECDECODE_GGUF_CASE(4, 32, 1, 0, 2)    // Q4_1
+    SPECDECODE_GGUF_CASE(5, 32, 1, 16, 0)   // Q5_0
+    SPECDECODE_GGUF_CASE(5, 32, 1, 0, 2)    // Q5_1
+    SPECDECODE_GGUF_CASE(8, 32, 1, 128, 0)  // Q8_0
+    SPECDECODE_GGUF_CASE(4, 32, 8, 0, 1)    // Q4_K
+    SPECDECODE_GGUF_CASE(5, 32, 8, 0, 1)    // Q5_K
+    SPECDECODE_GGUF_CASE(6, 16, 16, 32, 0)  // Q6_K
 #undef SPECDECODE_GGUF_CASE
     TORCH_CHECK(false, "no GGUF kernel for the layout bits=", bits, " sub=", sub,
-                " subs=", subs, " mins=", mins);
+                " subs=", subs, " off=", off, " mins=", mins);
   });
 }

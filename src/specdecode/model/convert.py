@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,13 +121,19 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def iter_hf_tensors(
-    reader: GGUFReader, cfg: ModelConfig, progress: bool = False
+    reader: GGUFReader,
+    cfg: ModelConfig,
+    progress: bool = False,
+    skip: Container[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize every tensor to fp32 and yield it under its Hugging Face name."""
+    """Dequantize every tensor (but those whose Hugging Face name is in `skip`) to fp32,
+    exactly, and yield it under its Hugging Face name."""
     for t in tqdm(reader.tensors, desc="convert", unit="tensor", disable=not progress):
         if t.name == "rope_freqs.weight":
             raise UserError("GGUF has rope_freqs (scaled RoPE); only the default RoPE is supported")
         name = _hf_name(t.name)
+        if name in skip:
+            continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         w = w.reshape(shape)

@@ -2,14 +2,16 @@
 
 Every supported format is one case of a two-level block code (`Codes`):
 
-    w[n, k] = D[n, s] * sc[n, j] * q[n, k] - M[n, s] * mn[n, j]
+    w[n, k] = D[n, s] * sc[n, j] * (q[n, k] - off) - M[n, s] * mn[n, j]
 
 with q unsigned `bits`-bit codes, superblock s (D and M fp16) of `subs` sub-blocks j of `sub`
-values each (sc, mn int8; 1 where the format has none). No value or scale is rounded: e.g.
-Q4_0 (w = d (q - 8)) is D = d, M = 8 d; Q8_0 (w = d q, q int8) stores q + 128 with M = 128 d;
-Q4_K is D = d, M = dmin with its 6-bit scales and mins; Q6_K (w = d sc (q - 32)) is D = d,
-M = 32 d and mn = sc. `pack` lays the codes out the way `kernels/gguf.cpp` reads them (its
-header has the byte layout); `unpack` inverts it.
+values each (sc, mn int8; 1 where the format has none), `off` a constant of the format. No value
+or scale is rounded: e.g. Q4_0 (w = d (q - 8)) is D = d, off = 8 and no M; Q8_0 (w = d q, q
+int8) stores q + 128 with off = 128; Q4_1 (w = d q + m) is D = d, M = -m; Q4_K is D = d,
+M = dmin with its 6-bit scales and mins; Q6_K (w = d sc (q - 32)) is D = d, off = 32.
+The kernel sums each superblock in integers as llama.cpp does (`kernels/gguf.cpp`). `pack` lays
+the codes out the way the kernel reads them (its header has the byte layout); `unpack` inverts
+it.
 """
 
 from __future__ import annotations
@@ -27,16 +29,19 @@ ROWS = 16  # output rows per packed tile (kernels/gguf.cpp), one per 32-bit lane
 @dataclass(frozen=True, slots=True)
 class Layout:
     """The kernel's code shape: `bits` per code, `sub` values per sub-block, `subs` sub-blocks
-    per superblock, `mins`: 0 -> mn = 1, 1 -> mn its own table, 2 -> mn = sc."""
+    per superblock, `off` the codes' offset, `mins`: 0 -> no M, 1 -> M times an own int8 table
+    mn, 2 -> M alone (mn = 1)."""
 
     bits: int
     sub: int
     subs: int
+    off: int
     mins: int
 
     @property
     def superblock(self) -> int:
-        """Values per superblock (one D and M per row)."""
+        """Values per superblock (one D and M per row); also the activations' block: 32 values
+        per int8 scale with fp16 scales (llama.cpp's Q8_0 / Q8_1) or 256 with fp32 (Q8_K)."""
         return self.sub * self.subs
 
     @property
@@ -48,7 +53,7 @@ class Layout:
     def header_bytes(self) -> int:
         """D and M (fp16), sc and mn (int8) of a tile's rows in one superblock."""
         tables = (self.subs if self.subs > 1 else 0) + (self.subs if self.mins == 1 else 0)
-        return 2 * ROWS * 2 + tables * ROWS
+        return (2 if self.mins else 1) * ROWS * 2 + tables * ROWS
 
     @property
     def superblock_bytes(self) -> int:
@@ -59,14 +64,14 @@ class Layout:
 T = GGMLQuantizationType
 # Every GGUF type the kernel runs, with its layout.
 LAYOUTS: dict[GGMLQuantizationType, Layout] = {
-    T.Q4_0: Layout(4, 32, 1, 0),
-    T.Q4_1: Layout(4, 32, 1, 0),
-    T.Q5_0: Layout(5, 32, 1, 0),
-    T.Q5_1: Layout(5, 32, 1, 0),
-    T.Q8_0: Layout(8, 32, 1, 0),
-    T.Q4_K: Layout(4, 32, 8, 1),
-    T.Q5_K: Layout(5, 32, 8, 1),
-    T.Q6_K: Layout(6, 16, 16, 2),
+    T.Q4_0: Layout(4, 32, 1, 8, 0),
+    T.Q4_1: Layout(4, 32, 1, 0, 2),
+    T.Q5_0: Layout(5, 32, 1, 16, 0),
+    T.Q5_1: Layout(5, 32, 1, 0, 2),
+    T.Q8_0: Layout(8, 32, 1, 128, 0),
+    T.Q4_K: Layout(4, 32, 8, 0, 1),
+    T.Q5_K: Layout(5, 32, 8, 0, 1),
+    T.Q6_K: Layout(6, 16, 16, 32, 0),
 }
 
 
@@ -74,42 +79,37 @@ LAYOUTS: dict[GGMLQuantizationType, Layout] = {
 class Codes:
     """A weight in the two-level block code (see the module docstring).
 
-    q: [N, K] uint8 codes. D, M: [N, K / superblock] fp16. sc, mn: [N, K / sub] int8 or None
-    (None = 1; mn is also None when the layout says mn = sc).
+    q: [N, K] uint8 codes. D: [N, K / superblock] fp16; M likewise, or None (layout.mins 0).
+    sc, mn: [N, K / sub] int8 or None (None = 1).
     """
 
     layout: Layout
     q: np.ndarray
     D: np.ndarray
-    M: np.ndarray
+    M: np.ndarray | None
     sc: np.ndarray | None
     mn: np.ndarray | None
 
     def weights(self) -> np.ndarray:
-        """The [N, K] fp32 weight the codes stand for, rounded as the kernel rounds its scales."""
+        """The [N, K] fp32 weight the codes stand for (in fp32 as gguf's dequantize rounds)."""
         rows, cols = self.q.shape
         lay = self.layout
-        per_sub = np.ones((rows, cols // lay.sub), np.float32)
         ds = np.repeat(self.D.astype(np.float32), lay.subs, axis=1)  # [N, K / sub]
-        ms = np.repeat(self.M.astype(np.float32), lay.subs, axis=1)
-        sc = per_sub if self.sc is None else self.sc.astype(np.float32)
-        mn = {0: per_sub, 1: self.mn, 2: self.sc}[lay.mins].astype(np.float32)
-        q = self.q.astype(np.float32).reshape(rows, -1, lay.sub)
-        w = (ds * sc)[..., None] * q - (ms * mn)[..., None]
+        if self.sc is not None:
+            ds = ds * self.sc.astype(np.float32)
+        q = self.q.astype(np.float32).reshape(rows, -1, lay.sub) - np.float32(lay.off)
+        w = ds[..., None] * q
+        if self.M is not None:
+            ms = np.repeat(self.M.astype(np.float32), lay.subs, axis=1)
+            if self.mn is not None:
+                ms = ms * self.mn.astype(np.float32)
+            w = w - ms[..., None]
         return w.reshape(rows, cols)
 
 
 def _half(raw: np.ndarray) -> np.ndarray:
     """[..., 2] uint8 -> [...] fp16."""
     return np.ascontiguousarray(raw).view(np.float16)[..., 0]
-
-
-def _scaled_half(d: np.ndarray, factor: float) -> np.ndarray:
-    """factor * d in fp16, refused where that is not exact (an overflow)."""
-    out = (d.astype(np.float32) * factor).astype(np.float16)
-    if not np.array_equal(out.astype(np.float32), d.astype(np.float32) * factor):
-        raise UserError(f"a GGUF block scale times {factor} overflows fp16; this tensor cannot run")
-    return out
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -138,13 +138,12 @@ def decode(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> Cod
     rows = raw.shape[0]
     b = np.ascontiguousarray(raw).reshape(rows, cols // block_size, type_size)
     layout = LAYOUTS[tensor_type]
-    sc = mn = None
+    sc = mn = big_m = None
     if tensor_type in (T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_1, T.Q5_1):
         d = _half(b[..., 0:2])
         offset = 4 if tensor_type in (T.Q4_1, T.Q5_1) else 2
         if tensor_type == T.Q8_0:
             q = (b[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-            big_m = _scaled_half(d, 128)
         else:
             if tensor_type in (T.Q5_0, T.Q5_1):
                 qh = np.ascontiguousarray(b[..., offset : offset + 4]).view(np.uint32)  # [.., 1]
@@ -155,8 +154,6 @@ def decode(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> Cod
             q = _nibbles(b[..., offset : offset + 16]) | (high << 4)
             if tensor_type in (T.Q4_1, T.Q5_1):
                 big_m = -_half(b[..., 2:4])
-            else:
-                big_m = _scaled_half(d, 8 if tensor_type == T.Q4_0 else 16)
     elif tensor_type in (T.Q4_K, T.Q5_K):
         d, big_m = _half(b[..., 0:2]), _half(b[..., 2:4])
         sc, mn = _k_scales(b[..., 4:16])
@@ -174,10 +171,9 @@ def decode(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> Cod
         q = ql | ((qh & 0x03) << 4).reshape(rows, -1, 256)
         sc = b[..., 192:208].view(np.int8)
         d = _half(b[..., 208:210])
-        big_m = _scaled_half(d, 32)
     q = q.reshape(rows, cols).astype(np.uint8)
-    flat = [None if a is None else a.reshape(rows, -1) for a in (sc, mn)]
-    return Codes(layout, q, d.reshape(rows, -1), big_m.reshape(rows, -1), *flat)
+    flat = [None if a is None else a.reshape(rows, -1) for a in (big_m, sc, mn)]
+    return Codes(layout, q, d.reshape(rows, -1), *flat)
 
 
 def pack(codes: Codes) -> np.ndarray:
@@ -195,26 +191,32 @@ def pack(codes: Codes) -> np.ndarray:
         a = padded(a).reshape(blocks, ROWS, nsb, -1).transpose(0, 2, 3, 1)
         return np.ascontiguousarray(a).view(np.uint8).reshape(blocks, nsb, -1)
 
-    parts = [tile_major(codes.D), tile_major(codes.M)]
+    def pairs(a: np.ndarray) -> np.ndarray:  # [Np, nsb * subs] -> [Nb, nsb, subs / 2 * 16 * 2]
+        a = padded(a).reshape(blocks, ROWS, nsb, lay.subs // 2, 2).transpose(0, 2, 3, 1, 4)
+        return np.ascontiguousarray(a).view(np.uint8).reshape(blocks, nsb, -1)
+
+    parts = [tile_major(codes.D)]
+    if lay.mins:
+        parts.append(tile_major(codes.M))
     if lay.subs > 1:
-        parts.append(tile_major(codes.sc))
+        parts.append(pairs(codes.sc))
     if lay.mins == 1:
-        parts.append(tile_major(codes.mn))
+        parts.append(pairs(codes.mn))
     # q [Np, K] -> [Nb, nsb, subs, lanes, sub]
     q = padded(codes.q).reshape(blocks, ROWS, nsb, lay.subs, lay.sub).transpose(0, 2, 3, 1, 4)
     lead = q.shape[:3]
-    if lay.bits == 8:  # [.., lanes, quads, 4] -> [.., quads, lanes, 4]
-        data = q.reshape(*lead, ROWS, -1, 4).swapaxes(-3, -2).reshape(*lead, -1)
-    else:
+    quads = q.reshape(*lead, ROWS, -1, 4).swapaxes(-3, -2)  # [.., quads, lanes, 4]
+    if lay.bits == 8:
+        data = quads.reshape(*lead, -1)
+    elif lay.bits == 4:
         halves = q.reshape(*lead, ROWS, -1, 2, 4)  # [.., lanes, vectors, half, 4]
         nib = (halves[..., 0, :] & 0x0F) | (halves[..., 1, :] << 4)
-        pieces = [nib.swapaxes(-3, -2).reshape(*lead, -1)]
-        quads = q.reshape(*lead, ROWS, -1, 4).swapaxes(-3, -2)  # [.., quads, lanes, 4]
-        for p in range(lay.bits - 4):
-            bits = (quads >> (4 + p)) & 1
-            packed = np.packbits(bits.reshape(*lead, -1, 64), axis=-1, bitorder="little")
-            pieces.append(packed.reshape(*lead, -1))
-        data = np.concatenate(pieces, axis=-1)
+        data = nib.swapaxes(-3, -2).reshape(*lead, -1)
+    else:  # 8 codes of a lane pair -> `bits` bytes of bit fields
+        fields = quads.reshape(*lead, -1, 8, 8).astype(np.uint64)  # [.., quads, pairs, 8]
+        shifts = np.arange(8, dtype=np.uint64) * np.uint64(lay.bits)
+        words = (fields << shifts).sum(-1, dtype=np.uint64)  # [.., quads, pairs]
+        data = words[..., None].view(np.uint8)[..., : lay.bits].reshape(*lead, -1)
     parts.append(data.reshape(blocks, nsb, -1))
     out = np.concatenate(parts, axis=-1)
     assert out.shape[-1] == lay.superblock_bytes
@@ -232,30 +234,37 @@ def unpack(packed: np.ndarray, layout: Layout, rows: int) -> Codes:
         a = np.ascontiguousarray(raw).view(dtype).reshape(blocks, nsb, -1, ROWS)
         return a.transpose(0, 3, 1, 2).reshape(rows_p, -1)[:rows]
 
-    at = 0
-    tables = []
-    for dtype, width in [(np.float16, 2 * ROWS), (np.float16, 2 * ROWS)]:
-        tables.append(row_major(packed[..., at : at + width], dtype))
-        at += width
-    sc = mn = None
+    def pair_major(raw: np.ndarray) -> np.ndarray:  # [Nb, nsb, subs / 2 * 16 * 2] int8
+        a = np.ascontiguousarray(raw).view(np.int8).reshape(blocks, nsb, -1, ROWS, 2)
+        return a.transpose(0, 3, 1, 2, 4).reshape(rows_p, -1)[:rows]
+
+    d = row_major(packed[..., : 2 * ROWS], np.float16)
+    at = 2 * ROWS
+    big_m = sc = mn = None
+    if lay.mins:
+        big_m = row_major(packed[..., at : at + 2 * ROWS], np.float16)
+        at += 2 * ROWS
     if lay.subs > 1:
-        sc = row_major(packed[..., at : at + lay.subs * ROWS], np.int8)
+        sc = pair_major(packed[..., at : at + lay.subs * ROWS])
         at += lay.subs * ROWS
     if lay.mins == 1:
-        mn = row_major(packed[..., at : at + lay.subs * ROWS], np.int8)
+        mn = pair_major(packed[..., at : at + lay.subs * ROWS])
         at += lay.subs * ROWS
     data = packed[..., at:].reshape(blocks, nsb, lay.subs, lay.sub_bytes)
     lead = data.shape[:3]
     if lay.bits == 8:
         q = data.reshape(*lead, -1, ROWS, 4).swapaxes(-3, -2)  # [.., lanes, quads, 4]
-    else:
-        nib_bytes = ROWS * lay.sub // 2
-        nib = data[..., :nib_bytes].reshape(*lead, -1, ROWS, 4).swapaxes(-3, -2)
+    elif lay.bits == 4:
+        nib = data.reshape(*lead, -1, ROWS, 4).swapaxes(-3, -2)
         q = np.stack([nib & 0x0F, nib >> 4], axis=-2).reshape(*lead, ROWS, -1, 4)
-        for p in range(lay.bits - 4):
-            plane = data[..., nib_bytes + p * 2 * lay.sub : nib_bytes + (p + 1) * 2 * lay.sub]
-            bits = np.unpackbits(plane.reshape(*lead, -1, 8), axis=-1, bitorder="little")
-            q = q | (bits.reshape(*lead, -1, ROWS, 4).swapaxes(-3, -2) << (4 + p))
+    else:
+        raw = data.reshape(*lead, -1, 8, lay.bits)  # [.., quads, pairs, bytes]
+        words = np.zeros((*raw.shape[:-1], 8), np.uint8)
+        words[..., : lay.bits] = raw
+        words = words.view(np.uint64)  # [.., quads, pairs, 1]
+        shifts = np.arange(8, dtype=np.uint64) * np.uint64(lay.bits)
+        fields = (words >> shifts) & np.uint64((1 << lay.bits) - 1)  # [.., quads, pairs, 8]
+        q = fields.astype(np.uint8).reshape(*lead, -1, ROWS, 4).swapaxes(-3, -2)
     q = q.reshape(*lead, ROWS, lay.sub).transpose(0, 3, 1, 2, 4)
     q = q.reshape(rows_p, -1)[:rows]
-    return Codes(lay, np.ascontiguousarray(q), tables[0], tables[1], sc, mn)
+    return Codes(lay, np.ascontiguousarray(q), d, big_m, sc, mn)

@@ -1,12 +1,13 @@
 """`quantization="gguf"`: projections that keep a GGUF file's own quantized blocks.
 
-`read_gguf_projections` takes every projection (q/k/v, o, gate/up, down, the head) from the
-file as raw blocks (`GgufWeight`); `GgufLinear` repacks them once for the kernel
-(`model/gguf_blocks.py`, every value and scale kept) and multiplies with int8 activations per
-block of 32 (`kernels/gguf.cpp`). A fused projection (q|k|v, gate|up) may mix types (Q4_K_M
-keeps some v projections in Q6_K): each run of rows of one type is a segment, and one pass
-quantizes the activations once for all of them. Row-exact: a token's output does not depend on
-the other tokens of the pass.
+`read_gguf_weights` takes every projection (q/k/v, o, gate/up, down, the head) from the file as
+raw blocks (`GgufWeight`), and the other weights dequantized exactly; `GgufLinear` repacks the
+blocks once for the kernel (`model/gguf_blocks.py`, every value and scale kept) and multiplies
+with int8 activations quantized as llama.cpp quantizes them for the type: per block of 32 for
+Q4_0 .. Q8_0, of 256 for the K-quants (`kernels/gguf.cpp`). A fused projection (q|k|v, gate|up)
+may mix types (Q4_K_M keeps some v projections in Q6_K): each run of rows of one type is a
+segment, and one pass quantizes the activations once per block size for all of them. Row-exact:
+a token's output does not depend on the other tokens of the pass.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from specdecode import kernels
 from specdecode.errors import UserError
 from specdecode.model.config import ModelConfig
-from specdecode.model.convert import _unpermute_rope, open_gguf
+from specdecode.model.convert import _unpermute_rope, iter_hf_tensors, open_gguf
 from specdecode.model.gguf_blocks import Codes, decode, pack, unpack
 
 
@@ -61,6 +62,11 @@ class GgufWeight:
                 merged.append(seg)
         return GgufWeight(tuple(merged), weights[0].in_features)
 
+    def dense(self) -> Tensor:
+        """The [out, in] fp32 weight the blocks stand for (dequantized exactly)."""
+        parts = [decode(s.tensor_type, s.raw, self.in_features).weights() for s in self.segments]
+        return torch.from_numpy(np.concatenate(parts))
+
 
 def cat_weights(weights: Sequence[Tensor | GgufWeight]) -> Tensor | GgufWeight:
     """The rows of dense weights (torch.cat) or of GGUF weights (`GgufWeight.cat`)."""
@@ -86,16 +92,19 @@ class GgufLinear(nn.Module):
             self.register_buffer(f"packed{index}", torch.from_numpy(pack(codes)))
             self.layouts.append((codes.layout, seg.raw.shape[0], offset))
             offset += seg.raw.shape[0]
+        self.blocks = sorted({layout.superblock for layout, _, _ in self.layouts})
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         kernels.native()  # a clear error now, not at the first forward, if it cannot be built
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
-        x8, dx, mx16, mx32 = kernels.gguf_quantize(x)  # [M, in], [M, in / 32], ...
-        y = x.new_empty(x8.shape[0], self.out_features)  # [M, out]
+        acts = {  # activations per block size the segments need
+            block: kernels.gguf_quantize(x, block) for block in self.blocks
+        }
+        y = x.new_empty(acts[self.blocks[0]].x8.shape[0], self.out_features)  # [M, out]
         for index, (layout, rows, offset) in enumerate(self.layouts):
             bias = None if self.bias is None else self.bias[offset : offset + rows]
             packed = getattr(self, f"packed{index}")
-            kernels.gguf_linear(x8, dx, mx16, mx32, packed, layout, rows, bias, y, offset)
+            kernels.gguf_linear(acts[layout.superblock], packed, layout, rows, bias, y, offset)
         return y.view(*x.shape[:-1], self.out_features)
 
     def codes(self) -> list[Codes]:
@@ -136,9 +145,11 @@ def _unpermuted(raw: np.ndarray, cfg: ModelConfig, projection: str) -> np.ndarra
     return np.ascontiguousarray(_unpermute_rope(raw, heads))
 
 
-def read_gguf_projections(path: Path, cfg: ModelConfig) -> dict[str, GgufWeight]:
-    """Hugging Face weight name -> `GgufWeight` for every projection of the GGUF file at `path`
-    and for the head ("lm_head.weight": `output.weight`, or the token embedding when tied)."""
+def read_gguf_weights(path: Path, cfg: ModelConfig) -> dict[str, GgufWeight | Tensor]:
+    """Every weight of the GGUF file at `path` under its Hugging Face name: each projection and
+    the head ("lm_head.weight": `output.weight`, or the token embedding when tied) as a
+    `GgufWeight`, the rest (embedding, norms, biases) dequantized exactly to fp32, as llama.cpp
+    reads them."""
     reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
     names = {  # GGUF name -> (Hugging Face name, projection)
@@ -148,7 +159,7 @@ def read_gguf_projections(path: Path, cfg: ModelConfig) -> dict[str, GgufWeight]
     }
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     names[head] = ("lm_head.weight", "lm_head")
-    out: dict[str, GgufWeight] = {}
+    out: dict[str, GgufWeight | Tensor] = {}
     for gguf_name, (hf_name, projection) in names.items():
         if gguf_name not in tensors:
             raise UserError(f"{path} lacks the tensor {gguf_name}")
@@ -157,4 +168,5 @@ def read_gguf_projections(path: Path, cfg: ModelConfig) -> dict[str, GgufWeight]
         raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)  # [rows, row bytes]
         raw = _unpermuted(raw, cfg, projection)
         out[hf_name] = GgufWeight((GgufSegment(t.tensor_type, raw),), cols)
+    out.update(iter_hf_tensors(reader, cfg, skip=frozenset(out)))
     return out

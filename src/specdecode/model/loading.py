@@ -10,7 +10,7 @@ from torch import Tensor
 
 from specdecode.errors import ModelNotFoundError, UserError
 from specdecode.model.config import ModelConfig
-from specdecode.model.gguf_linear import GgufWeight, read_gguf_projections
+from specdecode.model.gguf_linear import GgufWeight, read_gguf_weights
 from specdecode.model.quant import parse_quantization
 from specdecode.model.transformer import Transformer
 
@@ -66,11 +66,8 @@ def load_weights(
     cfg: ModelConfig,
     dtype: torch.dtype,
     device: str,
-    skip: frozenset[str] = frozenset(),
 ) -> dict[str, Tensor]:
-    """Read every *.safetensors file in `path`, check names and shapes, cast to `dtype`.
-    Tensors named in `skip` (supplied by the caller in another form) are neither read nor
-    required."""
+    """Read every *.safetensors file in `path`, check names and shapes, cast to `dtype`."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{path} has no *.safetensors weight files")
@@ -79,11 +76,10 @@ def load_weights(
         try:
             with safe_open(str(file), framework="pt", device=device) as tensors:
                 for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if name not in skip:
-                        weights[name] = tensors.get_tensor(name)
+                    weights[name] = tensors.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as err:
             raise UserError(f"cannot read weights from {file} (malformed?): {err}") from err
-    missing = [n for n in required_tensors(cfg) if n not in weights and n not in skip]
+    missing = [n for n in required_tensors(cfg) if n not in weights]
     if missing:
         raise UserError(
             f"{path} lacks {len(missing)} tensor(s) the {cfg.architecture} config needs, "
@@ -114,11 +110,17 @@ def load_model(
         raise ModelNotFoundError(f"no such model folder: {path}")
     cfg = ModelConfig.from_folder(path)
     torch_dtype = parse_dtype(dtype)
-    blocks: dict[str, GgufWeight] = {}
-    if quantization == "gguf":  # the projections come from the GGUF, not their dense copies
-        blocks = read_gguf_projections(gguf_source(path, device, torch_dtype), cfg)
-    dense = load_weights(path, cfg, torch_dtype, device, skip=frozenset(blocks))
-    return Transformer(cfg, {**dense, **blocks}, quantization).eval()
+    if quantization == "gguf":  # every weight from the GGUF, none from its dense copy
+        weights = read_gguf_weights(gguf_source(path, device, torch_dtype), cfg)
+        missing = [n for n in required_tensors(cfg) if n not in weights]
+        if missing:
+            raise UserError(f"{path / 'model.gguf'} lacks tensors the config needs: {missing[:3]}")
+        weights = {
+            n: w if isinstance(w, GgufWeight) else w.to(torch_dtype) for n, w in weights.items()
+        }
+    else:
+        weights = load_weights(path, cfg, torch_dtype, device)
+    return Transformer(cfg, weights, quantization).eval()
 
 
 def gguf_source(path: Path, device: str, dtype: torch.dtype) -> Path:
