@@ -46,6 +46,9 @@
 namespace {
 
 constexpr int GGUF_TOKENS = 8;  // tokens per tile, at most
+// 4 activation bytes read as one int32 where they lie, so that the compiler can fold the load
+// into vpdpbusd's broadcast operand
+typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
 
 // The packed geometry of one layout (see the header).
 struct Layout {
@@ -215,7 +218,8 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, float acc[T][LANE
     const int8_t* mn = reinterpret_cast<const int8_t*>(h + mn_at);
     __m512i main[T];
     UNROLL for (int t = 0; t < T; ++t) main[t] = _mm512_setzero_si512();
-    UNROLL for (int j = 0; j < SUBS; ++j) {
+    // the sub-blocks in a loop: unrolled, the compiler hoists loads across them and spills
+    _Pragma("GCC unroll 1") for (int j = 0; j < SUBS; ++j) {
       const int64_t k0 = (s * SUBS + j) * S;
       const uint8_t* codes = h + header + j * sub_bytes;
       __m512i isum[P][T];
@@ -224,8 +228,7 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, float acc[T][LANE
       UNROLL for (int c = 0; c < S / 4; ++c) {
         const __m512i q = quad_codes<BITS, S>(codes, c);
         UNROLL for (int t = 0; t < T; ++t) {
-          int32_t four;
-          std::memcpy(&four, a.x8 + t * a.K + k0 + 4 * c, sizeof(four));
+          const int32_t four = *reinterpret_cast<const unaligned_i32*>(a.x8 + t * a.K + k0 + 4 * c);
           isum[c % P][t] = _mm512_dpbusd_epi32(isum[c % P][t], q, _mm512_set1_epi32(four));
         }
       }

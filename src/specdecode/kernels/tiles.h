@@ -84,16 +84,20 @@ void with_tokens(int64_t count, const F& f) {
 }
 
 // Calls tile(Int<T>, block, m0) for every block (of a weight's rows) and every group of T
-// tokens starting at m0 (T = MAX, the last group the remainder); blocks are split across
-// threads, at least TASK_BYTES of weights per task.
+// tokens starting at m0: the fewest groups of at most MAX tokens, of sizes that differ by at
+// most one (9 tokens of MAX 8: 5 + 4, not 8 + 1); blocks are split across threads, at least
+// TASK_BYTES of weights per task.
 template <int MAX, class Tile>
 void for_each_tile(int64_t blocks, int64_t M, int64_t block_bytes, const Tile& tile) {
   const int64_t grain = std::max<int64_t>(1, TASK_BYTES / block_bytes);
+  const int64_t groups = (M + MAX - 1) / MAX;
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block)
-      for (int64_t m0 = 0; m0 < M; m0 += MAX)
-        with_tokens<MAX>(std::min<int64_t>(MAX, M - m0),
-                         [&](auto tokens) { tile(tokens, block, m0); });
+      for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+        const int64_t count = M / groups + (g < M % groups ? 1 : 0);
+        with_tokens<MAX>(count, [&](auto tokens) { tile(tokens, block, m0); });
+        m0 += count;
+      }
   });
 }
 
