@@ -498,7 +498,8 @@ def test_preset_sets_defaults_and_flags_given_still_win() -> None:
     )
     assert plain.ignore_eos is False and plain.per_set == 3
     preset = bench_options(parse(["bench", "--model", "m", "--preset", "plain-vs-hf"]))
-    assert (preset.methods, preset.prompts, preset.ignore_eos) == ("plain,hf", ("chat",), True)
+    want = ("plain:q=none,plain,hf", ("chat",), True)
+    assert (preset.methods, preset.prompts, preset.ignore_eos) == want
     assert (preset.max_tokens, preset.repeats) == (64, 3)
     args = ["bench", "--max-tokens", "16", "--preset", "plain-vs-hf", "--no-ignore-eos"]
     mine = bench_options(parse([*args, "--repeats", "1", "--methods", "plain"]))
@@ -513,7 +514,7 @@ def test_bench_help_spells_out_each_preset(capsys: pytest.CaptureFixture) -> Non
     # (argparse may wrap a line after a hyphen: "--max-" / "tokens")
     help_text = re.sub(r"-\s+", "-", " ".join(capsys.readouterr().out.split()))
     assert (
-        "plain-vs-hf = --methods plain,hf --prompts chat --ignore-eos --max-tokens 64 "
+        "plain-vs-hf = --methods plain:q=none,plain,hf --prompts chat --ignore-eos --max-tokens 64 "
         "--repeats 3" in help_text
     )
 

@@ -3,13 +3,14 @@ row-exactness, and whole models (tiny GGUF models built here) that speculate exa
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 from gguf_cases import build_tiny_gguf, random_blocks
 from spec_cases import GREEDY, PROMPTS
@@ -210,3 +211,27 @@ def test_gguf_needs_a_gguf_file(tiny_model_dir: Path) -> None:
         load_model(tiny_model_dir, quantization="gguf", device="meta")
     with pytest.raises(ValueError, match=r"bfloat16 or float32, not torch\.float16"):
         load_model(tiny_model_dir, "float16", quantization="gguf")
+
+
+def test_auto_runs_the_gguf_blocks_where_they_run(
+    gguf_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The default format: the GGUF's own blocks for a model with a GGUF file on the CPU in
+    bf16 / fp32; the dense weights otherwise (no GGUF, fp16, a block type without a kernel),
+    and a draft model resolves it for itself."""
+    assert LLM(str(gguf_dir)).model.quantization == "gguf"
+    assert load_model(gguf_dir, "float16", quantization="auto").quantization is None
+    plain = LLM(str(tiny_model_dir))
+    assert plain.model.quantization is None and plain.weight_format == "bfloat16"
+    spec = plain.with_speculative_config({"model": str(gguf_dir), "num_speculative_tokens": 2})
+    assert spec.draft_model is not None and spec.draft_model.quantization == "gguf"
+    odd = shutil.copytree(tiny_model_dir, tmp_path / "odd")
+    writer = GGUFWriter(odd / "model.gguf", arch="llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 84), np.uint8), raw_dtype=T.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert load_model(odd, quantization="auto").quantization is None
+    with pytest.raises(ValueError, match="Q2_K has no kernel here"):
+        load_model(odd, quantization="gguf")

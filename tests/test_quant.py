@@ -109,7 +109,8 @@ def test_a_pass_over_k_tokens_equals_k_decode_steps_bit_for_bit(
 def test_quantization_names_and_errors() -> None:
     assert parse_quantization(None) is None and parse_quantization("none") is None
     assert parse_quantization("int8") == "int8"
-    with pytest.raises(ValueError, match="unknown quantization 'fp8'; allowed: none, int8, int4"):
+    allowed = "allowed: auto, none, int8, int4, gguf"
+    with pytest.raises(ValueError, match=f"unknown quantization .fp8.; {allowed}"):
         parse_quantization("fp8")
     assert int4_group(256) == 128 and int4_group(64) == 64 and int4_group(96) == 32
     with pytest.raises(ValueError, match="int4 needs in_features divisible by 32, got 100"):

@@ -250,7 +250,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         printed = len(out.text)
     assert out is not None and out.metrics is not None
     label = "speculative: " if args.compare else ""
-    print(f"\n[{label}{_summary(out, llm.drafter_config is not None)}]", file=sys.stderr)
+    summary = _summary(out, llm.drafter_config is not None)
+    print(f"\n[{label}{llm.weight_format}: {summary}]", file=sys.stderr)
     if args.compare:
         plain = _comparison(llm, prompt, params, out)
         print(

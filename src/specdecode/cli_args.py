@@ -6,7 +6,7 @@ import argparse
 import json
 
 from specdecode.model.loading import DTYPES
-from specdecode.model.quant import QUANTIZATIONS
+from specdecode.model.quant import AUTO, QUANTIZATIONS
 
 
 def json_object(text: str) -> dict[str, object]:
@@ -24,10 +24,11 @@ def add_quantization(p: argparse.ArgumentParser) -> None:
     """--quantization: the target's weight format."""
     p.add_argument(
         "--quantization",
-        default="none",
-        choices=["none", *QUANTIZATIONS],
+        default=AUTO,
+        choices=[AUTO, "none", *QUANTIZATIONS],
         help="weight format of the target (and of a draft model, unless speculative_config "
-        "sets its own): none = --dtype, int8 = dynamic int8, int4 = weight-only int4, "
+        "sets its own): auto (default) = gguf where the model has a GGUF file and runs on the "
+        "CPU, else none; none = --dtype, int8 = dynamic int8, int4 = weight-only int4, "
         "gguf = the GGUF file's own blocks (pulled aliases and .gguf files)",
     )
 

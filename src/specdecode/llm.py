@@ -46,9 +46,12 @@ class LLM:
         (the methods and their keys: `specdecode.drafters.registry.DRAFTERS`). Output is the
         same either way (greedy: token for token; sampling: the same distribution).
     device: where weights and caches live ("cpu", "cuda", ...).
-    quantization: the target's weight format: None (= "none", `dtype`), "int8" (dynamic int8)
-        or "int4" (weight-only int4); see `specdecode.model.quant`. A draft model takes the
-        same format unless speculative_config's "quantization" says otherwise. Speculation is
+    quantization: the target's weight format: "auto" (default: "gguf" for a pulled alias or a
+        .gguf file on the CPU, the file's own blocks; None otherwise), None (= "none",
+        `dtype`), "int8" (dynamic int8), "int4" (weight-only int4) or "gguf"; see
+        `specdecode.model.quant`. `self.model.quantization` is the format it resolved to. A
+        draft model takes the same format (resolved for it) unless speculative_config's
+        "quantization" says otherwise. Speculation is
         exact relative to the quantized target: the target is the model you run.
     drafter: your own `Drafter` instead of a speculative_config (not both).
     """
@@ -59,7 +62,7 @@ class LLM:
         dtype: str = "bfloat16",
         speculative_config: Mapping[str, Any] | None = None,
         device: str = "cpu",
-        quantization: str | None = None,
+        quantization: str | None = "auto",
         drafter: Drafter | None = None,
     ) -> None:
         if speculative_config is not None and drafter is not None:
@@ -71,6 +74,7 @@ class LLM:
         self.model_name = model  # as given: an alias, a folder or a .gguf file
         self.model_path = path
         self.model = load_model(path, dtype=dtype, device=device, quantization=quantization)
+        self.quantization = quantization  # as asked: draft models follow it ("auto" included)
         self.tokenizer = Tokenizer.from_folder(path)
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise UserError(
@@ -118,9 +122,10 @@ class LLM:
     def _load_draft_model(
         self, name: str, quantization: str | None
     ) -> tuple[Transformer, Tokenizer]:
-        """A draft model and its tokenizer in `quantization` (None: the target's format),
-        loaded once per LLM family; remembered as this LLM's `draft_model`."""
-        fmt = self.model.quantization if quantization is None else quantization
+        """A draft model and its tokenizer in `quantization` (None: the format asked of the
+        target, so "auto" picks per model), loaded once per LLM family; remembered as this LLM's
+        `draft_model`."""
+        fmt = self.quantization if quantization is None else quantization
         key = resolve_model(name), parse_quantization(fmt)
         if key not in self._loaded:
             path, fmt = key
@@ -217,3 +222,11 @@ class LLM:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
+
+    @property
+    def weight_format(self) -> str:
+        """What the target runs in, for people: e.g. "gguf (bfloat16 activations)", "int8
+        (float32 activations)" or "bfloat16"."""
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        fmt = self.model.quantization
+        return dtype if fmt is None else f"{fmt} ({dtype} activations)"

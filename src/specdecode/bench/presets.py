@@ -27,10 +27,12 @@ BENCH_DEFAULTS: Mapping[str, object] = MappingProxyType(
 # `bench --preset NAME`: values for some of BENCH_DEFAULTS' options; a flag given still wins.
 BENCH_PRESETS: Mapping[str, Mapping[str, object]] = MappingProxyType(
     {
-        # our plain decoding vs HF transformers' generate(), same weights, fixed-length outputs
+        # our plain decoding vs HF transformers' generate(), fixed-length outputs: on the same
+        # weights (q=none: in --dtype, as HF runs them) and in the run's format (the default,
+        # "auto": a GGUF model's own blocks)
         "plain-vs-hf": MappingProxyType(
             {
-                "methods": "plain,hf",
+                "methods": "plain:q=none,plain,hf",
                 "prompts": ("chat",),
                 "ignore_eos": True,
                 "max_tokens": 64,

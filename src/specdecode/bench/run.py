@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,7 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
         ignore_eos=config.ignore_eos,
     )
     llm = LLM(config.model, config.dtype, device=config.device, quantization=config.quantization)
+    config = replace(config, quantization=_format(llm))  # "auto" as it resolved
     rendered = [(p, llm.chat_prompt(list(p.messages))["prompt_token_ids"]) for p in prompts]
     n_ctx = max(len(ids) for _, ids in rendered) + config.max_tokens + WARMUP_TOKENS
     runners, skipped = build_runners(specs, llm, n_ctx)

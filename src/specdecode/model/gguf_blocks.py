@@ -125,15 +125,24 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.int8), mn.astype(np.int8)
 
 
-def decode(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> Codes:
-    """The codes of a GGUF tensor: raw [N, row bytes] uint8 blocks of `tensor_type`, `cols`
-    values per row. A type without a kernel is a clear error."""
+class UnsupportedBlockType(UserError):
+    """A GGUF tensor type that has no kernel here."""
+
+
+def check_supported(tensor_type: GGMLQuantizationType) -> None:
+    """A clear error (`UnsupportedBlockType`) for a type without a kernel."""
     if tensor_type not in LAYOUTS:
         names = ", ".join(t.name for t in LAYOUTS)
-        raise UserError(
+        raise UnsupportedBlockType(
             f"GGUF tensor type {tensor_type.name} has no kernel here; supported: {names} "
             "(load with quantization='int8' or 'none' instead)"
         )
+
+
+def decode(tensor_type: GGMLQuantizationType, raw: np.ndarray, cols: int) -> Codes:
+    """The codes of a GGUF tensor: raw [N, row bytes] uint8 blocks of `tensor_type`, `cols`
+    values per row. A type without a kernel is a clear error."""
+    check_supported(tensor_type)
     block_size, type_size = GGML_QUANT_SIZES[tensor_type]
     rows = raw.shape[0]
     b = np.ascontiguousarray(raw).reshape(rows, cols // block_size, type_size)

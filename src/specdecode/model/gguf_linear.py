@@ -25,7 +25,7 @@ from specdecode import kernels
 from specdecode.errors import UserError
 from specdecode.model.config import ModelConfig
 from specdecode.model.convert import _unpermute_rope, iter_hf_tensors, open_gguf
-from specdecode.model.gguf_blocks import Codes, decode, pack, unpack
+from specdecode.model.gguf_blocks import Codes, check_supported, decode, pack, unpack
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +164,7 @@ def read_gguf_weights(path: Path, cfg: ModelConfig) -> dict[str, GgufWeight | Te
         if gguf_name not in tensors:
             raise UserError(f"{path} lacks the tensor {gguf_name}")
         t = tensors[gguf_name]
+        check_supported(t.tensor_type)
         cols, rows = (int(d) for d in t.shape)  # GGUF lists dims innermost first
         raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)  # [rows, row bytes]
         raw = _unpermuted(raw, cfg, projection)

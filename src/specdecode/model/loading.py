@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -10,9 +11,12 @@ from torch import Tensor
 
 from specdecode.errors import ModelNotFoundError, UserError
 from specdecode.model.config import ModelConfig
+from specdecode.model.gguf_blocks import UnsupportedBlockType
 from specdecode.model.gguf_linear import GgufWeight, read_gguf_weights
-from specdecode.model.quant import parse_quantization
+from specdecode.model.quant import AUTO, parse_quantization
 from specdecode.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -103,24 +107,42 @@ def load_model(
     quantization: str | None = None,
 ) -> Transformer:
     """Build a `Transformer` from a Hugging Face folder, its projections in `dtype` or in a
-    quantized format (`quantization`: None | "none" | "int8" | "int4" | "gguf", see
-    `model.quant`; "gguf" keeps the blocks of the folder's model.gguf)."""
+    quantized format (`quantization`: None | "none" | "int8" | "int4" | "gguf" | "auto", see
+    `model.quant`; "gguf" keeps the blocks of the folder's model.gguf; "auto" is "gguf" where
+    that runs, on the CPU in bfloat16 or float32 with every block type supported, else None)."""
     quantization = parse_quantization(quantization)  # a bad name fails before any reading
     if not path.is_dir():
         raise ModelNotFoundError(f"no such model folder: {path}")
     cfg = ModelConfig.from_folder(path)
     torch_dtype = parse_dtype(dtype)
+    auto = quantization == AUTO
+    if auto:
+        quantization = "gguf" if _gguf_runs(path, device, torch_dtype) else None
+    weights: dict[str, Tensor | GgufWeight] | None = None
     if quantization == "gguf":  # every weight from the GGUF, none from its dense copy
-        weights = read_gguf_weights(gguf_source(path, device, torch_dtype), cfg)
+        try:
+            weights = read_gguf_weights(gguf_source(path, device, torch_dtype), cfg)
+        except UnsupportedBlockType as err:
+            if not auto:
+                raise
+            log.info("%s; loading the dense weights instead", err)
+            quantization = None
+    if weights is None:
+        weights = load_weights(path, cfg, torch_dtype, device)
+    else:
         missing = [n for n in required_tensors(cfg) if n not in weights]
         if missing:
             raise UserError(f"{path / 'model.gguf'} lacks tensors the config needs: {missing[:3]}")
         weights = {
             n: w if isinstance(w, GgufWeight) else w.to(torch_dtype) for n, w in weights.items()
         }
-    else:
-        weights = load_weights(path, cfg, torch_dtype, device)
     return Transformer(cfg, weights, quantization).eval()
+
+
+def _gguf_runs(path: Path, device: str, dtype: torch.dtype) -> bool:
+    """Whether quantization="gguf" can run the model folder at `path` here (what "auto" picks)."""
+    cpu = torch.device(device).type == "cpu"
+    return cpu and dtype in (torch.float32, torch.bfloat16) and (path / "model.gguf").is_file()
 
 
 def gguf_source(path: Path, device: str, dtype: torch.dtype) -> Path:

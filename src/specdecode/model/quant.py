@@ -28,6 +28,9 @@ from specdecode import kernels
 from specdecode.errors import UserError
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
+# The default: "gguf" for a model with a GGUF file whose block types all have kernels, on the
+# CPU, in bfloat16 or float32 (the fastest format that keeps the file's quality); else None.
+AUTO = "auto"
 INT4_GROUP = 128  # input channels per int4 scale/offset (llama.cpp's Q4_K uses 32 per sub-block)
 INT4_MIN_GROUP = 32
 _INT4_TILES = 2  # `inner_k_tiles` of the CPU int4 packing
@@ -35,12 +38,12 @@ _TINY = 1e-8  # floor of a scale, so an all-zero row or group does not divide by
 
 
 def parse_quantization(quantization: str | None) -> str | None:
-    """None | "none" -> None (the model's dtype); "int8" | "int4" as they are."""
+    """None | "none" -> None (the model's dtype); "auto", "int8", "int4", "gguf" as they are."""
     if quantization is None or quantization == "none":
         return None
-    if quantization in QUANTIZATIONS:
+    if quantization in (AUTO, *QUANTIZATIONS):
         return quantization
-    allowed = ", ".join(["none", *QUANTIZATIONS])
+    allowed = ", ".join([AUTO, "none", *QUANTIZATIONS])
     raise UserError(f"unknown quantization {quantization!r}; allowed: {allowed}")
 
 
