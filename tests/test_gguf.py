@@ -16,11 +16,14 @@ from gguf_cases import build_tiny_gguf, random_blocks
 from spec_cases import GREEDY, PROMPTS
 
 from specdecode import kernels
+from specdecode.drafters.medusa import MedusaConfig
 from specdecode.llm import LLM
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.model.config import ModelConfig
 from specdecode.model.gguf_blocks import LAYOUTS, decode, pack, unpack
 from specdecode.model.gguf_linear import GgufLinear, GgufSegment, GgufWeight
 from specdecode.model.loading import load_model
+from specdecode.model.transformer import Transformer
 
 T = GGMLQuantizationType
 TYPES = list(LAYOUTS)
@@ -235,3 +238,17 @@ def test_auto_runs_the_gguf_blocks_where_they_run(
     assert load_model(odd, quantization="auto").quantization is None
     with pytest.raises(ValueError, match="Q2_K has no kernel here"):
         load_model(odd, quantization="gguf")
+
+
+def test_auto_is_a_load_time_choice(tiny_model_dir: Path) -> None:
+    """A head drafter's "auto" takes the target's format (its dense weights have no GGUF of
+    their own); a Transformer built by hand needs a resolved format."""
+    config = MedusaConfig(model="heads", num_speculative_tokens=2, quantization="auto")
+    assert config.weight_format("gguf") == "gguf" and config.weight_format(None) is None
+    assert (
+        MedusaConfig(model="h", num_speculative_tokens=2, quantization="none").weight_format("gguf")
+        is None
+    )
+    cfg = ModelConfig.from_folder(tiny_model_dir)
+    with pytest.raises(ValueError, match="'auto' is resolved by load_model"):
+        Transformer(cfg, {}, "auto")

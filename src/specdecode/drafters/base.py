@@ -11,7 +11,7 @@ from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
 from specdecode.errors import UserError
-from specdecode.model.quant import parse_quantization
+from specdecode.model.quant import AUTO, parse_quantization
 from specdecode.tree.token_tree import TokenTree
 from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
 
@@ -130,8 +130,10 @@ class ModelDrafterConfig:
             parse_quantization(self.quantization)
 
     def weight_format(self, target_format: str | None) -> str | None:
-        """The drafter's parsed weight format: its own, else the target's."""
-        return parse_quantization(target_format if self.quantization is None else self.quantization)
+        """The drafter's parsed weight format: its own, else (or for "auto", a load-time choice
+        its dense head weights have no file for) the target's."""
+        inherited = self.quantization is None or self.quantization == AUTO
+        return parse_quantization(target_format if inherited else self.quantization)
 
 
 def cache_with_room(

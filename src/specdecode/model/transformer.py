@@ -14,11 +14,12 @@ from torch import Tensor, nn
 
 from specdecode import kernels
 from specdecode.cache.kv_cache import KVCache
+from specdecode.errors import UserError
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.config import ModelConfig
 from specdecode.model.gguf_linear import GgufWeight, cat_weights
 from specdecode.model.linear import make_linear
-from specdecode.model.quant import parse_quantization
+from specdecode.model.quant import AUTO, parse_quantization
 
 
 class RMSNorm(nn.Module):
@@ -276,6 +277,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.quantization = parse_quantization(quantization)
+        if self.quantization == AUTO:
+            raise UserError("quantization 'auto' is resolved by load_model; give a format here")
         embed = weights["model.embed_tokens.weight"]  # [V, hidden]
         self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
         self.layers = nn.ModuleList(
