@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from gguf_cases import build_tiny_gguf, random_blocks
 from spec_cases import GREEDY, PROMPTS
@@ -22,6 +22,7 @@ from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.config import ModelConfig
 from specdecode.model.gguf_blocks import LAYOUTS, decode, pack, unpack
 from specdecode.model.gguf_linear import GgufLinear, GgufSegment, GgufWeight
+from specdecode.model.gguf_tensors import read_tensors
 from specdecode.model.loading import load_model
 from specdecode.model.transformer import Transformer
 
@@ -252,3 +253,20 @@ def test_auto_is_a_load_time_choice(tiny_model_dir: Path) -> None:
     cfg = ModelConfig.from_folder(tiny_model_dir)
     with pytest.raises(ValueError, match="'auto' is resolved by load_model"):
         Transformer(cfg, {}, "auto")
+
+
+def test_the_tensor_table_is_read_as_gguf_reads_it(gguf_dir: Path, tmp_path: Path) -> None:
+    """`read_tensors` (no metadata parsing) gives GGUFReader's tensors; bad files get a clear
+    error."""
+    path = gguf_dir / "model.gguf"
+    ours, theirs = read_tensors(path).tensors, GGUFReader(path).tensors
+    assert [t.name for t in ours] == [t.name for t in theirs]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.tensor_type == b.tensor_type and a.shape == tuple(int(d) for d in b.shape)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+    (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04 a zip file")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        read_tensors(tmp_path / "not.gguf")
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:4000])
+    with pytest.raises(ValueError, match="truncated"):
+        read_tensors(tmp_path / "cut.gguf")

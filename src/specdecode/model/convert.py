@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from specdecode.errors import ModelNotFoundError, UserError
 from specdecode.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from specdecode.model.gguf_tensors import GgufTensors
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -121,7 +122,7 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def iter_hf_tensors(
-    reader: GGUFReader,
+    reader: GGUFReader | GgufTensors,
     cfg: ModelConfig,
     progress: bool = False,
     skip: Container[str] = frozenset(),

@@ -24,8 +24,9 @@ from torch import Tensor, nn
 from specdecode import kernels
 from specdecode.errors import UserError
 from specdecode.model.config import ModelConfig
-from specdecode.model.convert import _unpermute_rope, iter_hf_tensors, open_gguf
+from specdecode.model.convert import _unpermute_rope, iter_hf_tensors
 from specdecode.model.gguf_blocks import Codes, check_supported, decode, pack, unpack
+from specdecode.model.gguf_tensors import read_tensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +151,7 @@ def read_gguf_weights(path: Path, cfg: ModelConfig) -> dict[str, GgufWeight | Te
     the head ("lm_head.weight": `output.weight`, or the token embedding when tied) as a
     `GgufWeight`, the rest (embedding, norms, biases) dequantized exactly to fp32, as llama.cpp
     reads them."""
-    reader = open_gguf(path)
+    reader = read_tensors(path)  # the tensor table alone: the metadata is not parsed
     tensors = {t.name: t for t in reader.tensors}
     names = {  # GGUF name -> (Hugging Face name, projection)
         f"blk.{i}.{gguf}.weight": (f"model.layers.{i}.{hf}.weight", hf)
