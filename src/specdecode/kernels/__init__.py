@@ -138,6 +138,12 @@ def gguf_quantize(x: Tensor, block: int) -> GgufActivations:
     return GgufActivations(*native().gguf_quantize(x, block))
 
 
+def gguf_pack_codes(q: Tensor, bits: int, sub: int, subs: int) -> Tensor:
+    """Codes q uint8 [Np, K] (Np % 16 == 0) in the GGUF kernel's tile layout: uint8
+    [Np / 16, K / (sub * subs), subs * 16 * sub * bits / 8]; see gguf.cpp."""
+    return native().gguf_pack_codes(q, bits, sub, subs)
+
+
 def gguf_linear(
     acts: GgufActivations,
     packed: Tensor,

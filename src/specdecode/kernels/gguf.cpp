@@ -422,3 +422,48 @@ void gguf_linear(const at::Tensor& x8, const at::Tensor& dx, const at::Tensor& s
                 " subs=", subs, " off=", off, " mins=", mins);
   });
 }
+
+// q uint8 [Np, K] (Np % 16 == 0; codes of BITS bits, K % (sub * subs) == 0) -> the codes of
+// every tile's sub-blocks in the layout of the header, uint8 [Np / 16, K / (sub * subs),
+// subs * 16 * sub * BITS / 8] (the packed weight less its scale tables; gguf_blocks.pack).
+at::Tensor gguf_pack_codes(const at::Tensor& q, int64_t bits, int64_t sub, int64_t subs) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() &&
+                  q.size(0) % LANES == 0 && q.size(1) % (sub * subs) == 0 && sub % 8 == 0,
+              "codes must be a contiguous uint8 [Np, K] tensor, Np % 16 == 0 and K % ",
+              sub * subs, " == 0");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "no code layout for ", bits,
+              " bits");
+  const int64_t K = q.size(1), tiles = q.size(0) / LANES, nsb = K / (sub * subs);
+  const int64_t sub_bytes = LANES * sub * bits / 8;
+  at::Tensor out = at::empty({tiles, nsb, subs * sub_bytes}, q.options());
+  const uint8_t* src = q.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile)
+      for (int64_t sb = 0; sb < nsb * subs; ++sb) {  // sub-blocks of the tile, in order
+        const uint8_t* rows = src + tile * LANES * K + sb * sub;
+        uint8_t* o = dst + (tile * nsb * subs + sb) * sub_bytes;
+        auto code = [&](int64_t l, int64_t k) { return rows[l * K + k]; };
+        for (int64_t c = 0; c < sub / 4; ++c) {  // quads
+          if (bits == 8) {
+            for (int64_t l = 0; l < LANES; ++l)
+              for (int64_t b = 0; b < 4; ++b) o[c * 64 + l * 4 + b] = code(l, 4 * c + b);
+          } else if (bits == 4) {
+            if (c % 2 == 1) continue;  // vector c / 2 holds quads c and c + 1
+            for (int64_t l = 0; l < LANES; ++l)
+              for (int64_t b = 0; b < 4; ++b)
+                o[(c / 2) * 64 + l * 4 + b] =
+                    uint8_t((code(l, 4 * c + b) & 0x0F) | (code(l, 4 * c + 4 + b) << 4));
+          } else {
+            for (int64_t i = 0; i < LANES / 2; ++i) {  // lane pairs
+              uint64_t word = 0;
+              for (int64_t f = 0; f < 8; ++f)
+                word |= uint64_t(code(2 * i + f / 4, 4 * c + f % 4)) << (f * bits);
+              std::memcpy(o + c * 8 * bits + i * bits, &word, size_t(bits));
+            }
+          }
+        }
+      }
+  });
+  return out;
+}

@@ -12,6 +12,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w,
                        const c10::optional<at::Tensor>& bias, int64_t N);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_quantize(
     const at::Tensor& x, int64_t block);
+at::Tensor gguf_pack_codes(const at::Tensor& q, int64_t bits, int64_t sub, int64_t subs);
 void gguf_linear(const at::Tensor& x8, const at::Tensor& dx, const at::Tensor& sx,
                  const at::Tensor& bsum16, const at::Tensor& bsum32, const at::Tensor& w,
                  int64_t bits, int64_t sub, int64_t subs, int64_t off, int64_t mins, int64_t N,
@@ -29,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = int8(x) @ w^T * scales + bias, per-token int8 x");
   m.def("bf16_linear", &bf16_linear, "y = x @ w^T + bias in bf16 with fp32 sums");
   m.def("gguf_quantize", &gguf_quantize, "int8 activations per block of 32 or 256 for gguf_linear");
+  m.def("gguf_pack_codes", &gguf_pack_codes, "GGUF codes laid out in the kernel's tiles");
   m.def("gguf_linear", &gguf_linear, "y[:, offset:offset+N] = x @ w^T + bias, w in GGUF blocks");
   m.def("decode_attention", &decode_attention, "per-query causal or tree attention over the cache");
   m.def("rms_norm", &rms_norm, "weight * x / rms(x), rms in fp32, row by row");

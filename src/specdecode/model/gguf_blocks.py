@@ -10,7 +10,8 @@ or scale is rounded: e.g. Q4_0 (w = d (q - 8)) is D = d, off = 8 and no M; Q8_0 
 int8) stores q + 128 with off = 128; Q4_1 (w = d q + m) is D = d, M = -m; Q4_K is D = d,
 M = dmin with its 6-bit scales and mins; Q6_K (w = d sc (q - 32)) is D = d, off = 32.
 The kernel sums each superblock in integers as llama.cpp does (`kernels/gguf.cpp`). `pack` lays
-the codes out the way the kernel reads them (its header has the byte layout); `unpack` inverts
+the codes out the way the kernel reads them (its header has the byte layout; the codes are laid
+out natively, `kernels.gguf_pack_codes`, the scale tables here); `unpack`, in numpy, inverts
 it.
 """
 
@@ -19,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from specdecode import kernels
 from specdecode.errors import UserError
 
 ROWS = 16  # output rows per packed tile (kernels/gguf.cpp), one per 32-bit lane
@@ -211,22 +214,8 @@ def pack(codes: Codes) -> np.ndarray:
         parts.append(pairs(codes.sc))
     if lay.mins == 1:
         parts.append(pairs(codes.mn))
-    # q [Np, K] -> [Nb, nsb, subs, lanes, sub]
-    q = padded(codes.q).reshape(blocks, ROWS, nsb, lay.subs, lay.sub).transpose(0, 2, 3, 1, 4)
-    lead = q.shape[:3]
-    quads = q.reshape(*lead, ROWS, -1, 4).swapaxes(-3, -2)  # [.., quads, lanes, 4]
-    if lay.bits == 8:
-        data = quads.reshape(*lead, -1)
-    elif lay.bits == 4:
-        halves = q.reshape(*lead, ROWS, -1, 2, 4)  # [.., lanes, vectors, half, 4]
-        nib = (halves[..., 0, :] & 0x0F) | (halves[..., 1, :] << 4)
-        data = nib.swapaxes(-3, -2).reshape(*lead, -1)
-    else:  # 8 codes of a lane pair -> `bits` bytes of bit fields
-        fields = quads.reshape(*lead, -1, 8, 8).astype(np.uint64)  # [.., quads, pairs, 8]
-        shifts = np.arange(8, dtype=np.uint64) * np.uint64(lay.bits)
-        words = (fields << shifts).sum(-1, dtype=np.uint64)  # [.., quads, pairs]
-        data = words[..., None].view(np.uint8)[..., : lay.bits].reshape(*lead, -1)
-    parts.append(data.reshape(blocks, nsb, -1))
+    q = torch.from_numpy(padded(codes.q))  # [Np, K]
+    parts.append(kernels.gguf_pack_codes(q, lay.bits, lay.sub, lay.subs).numpy())
     out = np.concatenate(parts, axis=-1)
     assert out.shape[-1] == lay.superblock_bytes
     return out

@@ -5,8 +5,10 @@
   (`specdecode.kernels`, AVX-512 VNNI integer dot products, compiled on first use), whose
   integer sums are exact: each token gets bit for bit what a 1-token step gives it, whatever
   else is in the pass, so verifying K + 1 tokens is exact against plain decoding.
-- "gguf": the GGUF file's own blocks (Q4_0 ... Q6_K), int8 activations per block of 32
-  (`model/gguf_linear.py`, `kernels/gguf.cpp`); weights that come dense take int8.
+- "gguf": the GGUF file's own blocks (Q4_0 ... Q6_K), int8 activations quantized as llama.cpp
+  quantizes them (per 32 or 256 values; `model/gguf_linear.py`, `kernels/gguf.cpp`); weights
+  that come dense take int8. "auto" (`AUTO`, the default of `LLM` and the CLI) is resolved at
+  load time (`model.loading.load_model`) to "gguf" or None.
 - "int4": weight-only int4. Weights: 4-bit with a scale and an offset per group of `INT4_GROUP`
   input channels (asymmetric). Activations stay in the model's dtype; the kernel
   (`aten._weight_int4pack_mm_for_cpu`) dequantizes groups as it multiplies.
