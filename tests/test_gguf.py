@@ -16,6 +16,7 @@ from gguf_cases import build_tiny_gguf, random_blocks
 from spec_cases import GREEDY, PROMPTS
 
 from specdecode import kernels
+from specdecode.bench.parity import exact_model
 from specdecode.drafters.medusa import MedusaConfig
 from specdecode.llm import LLM
 from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
@@ -270,3 +271,18 @@ def test_the_tensor_table_is_read_as_gguf_reads_it(gguf_dir: Path, tmp_path: Pat
     (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:4000])
     with pytest.raises(ValueError, match="truncated"):
         read_tensors(tmp_path / "cut.gguf")
+
+
+def test_the_exact_model_is_the_files_weights_in_fp32(gguf_dir: Path) -> None:
+    """`exact_model`, the parity yardstick: every projection is its blocks dequantized, and the
+    gguf model (int8 activations) stays close to it."""
+    cfg = ModelConfig.from_folder(gguf_dir)
+    exact = exact_model(gguf_dir / "model.gguf", cfg)
+    model = load_model(gguf_dir, "float32", quantization="gguf")
+    assert exact.quantization is None
+    assert torch.equal(exact.lm_head.weight, model.lm_head.dequantized())  # fp32 DenseLinear
+    tokens = torch.tensor([PROMPTS[0]["prompt_token_ids"]])
+    meta = AttentionMetadata.prefill([tokens.shape[1]], "cpu")
+    want, _ = exact(tokens, meta, exact.new_cache(1, 64))
+    got, _ = model(tokens, meta, model.new_cache(1, 64))
+    assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999

@@ -49,7 +49,6 @@ def llamacpp_logits(gguf: Path, sequences: list[list[int]]) -> list[np.ndarray]:
     return out
 
 
-@torch.inference_mode()
 def exact_model(gguf: Path, cfg: ModelConfig) -> Transformer:
     """The model a GGUF file stands for without activation rounding: every weight dequantized
     exactly to fp32, fp32 activations. Both engines' gguf results are approximations of it."""
@@ -58,6 +57,7 @@ def exact_model(gguf: Path, cfg: ModelConfig) -> Transformer:
     return Transformer(cfg, dense, None).eval()
 
 
+@torch.inference_mode()
 def our_logits(model: Transformer, sequences: list[list[int]]) -> list[np.ndarray]:
     """Our logits ([len, V] fp32) at every position of each sequence, one prefill each."""
     out = []
