@@ -77,12 +77,18 @@ void quantize_act_row(const scalar_t* x, int64_t K, int64_t B, int8_t* x8, float
     float absmax = 0.f;
     for (int64_t i = 0; i < B; ++i) absmax = std::max(absmax, std::abs(float(xb[i])));
     const float inv = absmax > 0.f ? 127.f / absmax : 0.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < B; ++i) {
-      const float q = std::nearbyint(float(xb[i]) * inv);
-      const int32_t code = int32_t(std::min(127.f, std::max(-127.f, q)));
-      x8[b * B + i] = int8_t(code);
-      sum += code;
+    int32_t sum = 0;  // of the block's codes
+    for (int64_t g = b * B / 16; g < (b + 1) * B / 16; ++g) {  // groups of 16 codes
+      int32_t group = 0;
+      for (int64_t i = g * 16; i < g * 16 + 16; ++i) {
+        const float q = std::nearbyint(float(x[i]) * inv);
+        const int32_t code = int32_t(std::min(127.f, std::max(-127.f, q)));
+        x8[i] = int8_t(code);
+        group += code;
+      }
+      bsum16[g] = int16_t(group);
+      if (g % 2 == 1) bsum32[g / 2] = int16_t(bsum16[g - 1] + group);
+      sum += group;
     }
     if (B == 32) {  // Q8_0 / Q8_1
       const float d = absmax / 127.f;
@@ -91,12 +97,6 @@ void quantize_act_row(const scalar_t* x, int64_t K, int64_t B, int8_t* x8, float
     } else {  // Q8_K
       dx[b] = absmax > 0.f ? 1.f / inv : 0.f;
     }
-  }
-  for (int64_t g = 0; g < K / 16; ++g) {
-    int32_t sum = 0;
-    for (int64_t i = 0; i < 16; ++i) sum += x8[g * 16 + i];
-    bsum16[g] = int16_t(sum);
-    if (g % 2 == 1) bsum32[g / 2] = int16_t(bsum16[g - 1] + sum);
   }
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -83,21 +84,29 @@ def load_weights(
                     weights[name] = tensors.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as err:
             raise UserError(f"cannot read weights from {file} (malformed?): {err}") from err
-    missing = [n for n in required_tensors(cfg) if n not in weights]
-    if missing:
-        raise UserError(
-            f"{path} lacks {len(missing)} tensor(s) the {cfg.architecture} config needs, "
-            f"e.g. {missing[:3]}"
-        )
-    embed = weights["model.embed_tokens.weight"].shape
-    if tuple(embed) != (cfg.vocab_size, cfg.hidden_size):
-        raise UserError(
-            f"embedding shape {tuple(embed)} does not match config "
-            f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})"
-        )
+    _check_weights(weights, cfg, path)
     return {
         name: w.to(dtype) for name, w in weights.items() if not name.endswith("rotary_emb.inv_freq")
     }
+
+
+def _check_weights(
+    weights: Mapping[str, Tensor | GgufWeight], cfg: ModelConfig, source: Path
+) -> None:
+    """A clear error where the weights read from `source` lack a tensor the config needs or
+    their embedding does not have the config's shape."""
+    missing = [n for n in required_tensors(cfg) if n not in weights]
+    if missing:
+        raise UserError(
+            f"{source} lacks {len(missing)} tensor(s) the {cfg.architecture} config needs, "
+            f"e.g. {missing[:3]}"
+        )
+    embed = tuple(weights["model.embed_tokens.weight"].shape)  # a Tensor in every format
+    if embed != (cfg.vocab_size, cfg.hidden_size):
+        raise UserError(
+            f"embedding shape {embed} does not match config "
+            f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size})"
+        )
 
 
 def load_model(
@@ -117,7 +126,7 @@ def load_model(
     torch_dtype = parse_dtype(dtype)
     auto = quantization == AUTO
     if auto:
-        quantization = "gguf" if _gguf_runs(path, device, torch_dtype) else None
+        quantization = "gguf" if _gguf_problem(path, device, torch_dtype) is None else None
     weights: dict[str, Tensor | GgufWeight] | None = None
     if quantization == "gguf":  # every weight from the GGUF, none from its dense copy
         try:
@@ -130,36 +139,36 @@ def load_model(
     if weights is None:
         weights = load_weights(path, cfg, torch_dtype, device)
     else:
-        missing = [n for n in required_tensors(cfg) if n not in weights]
-        if missing:
-            raise UserError(f"{path / 'model.gguf'} lacks tensors the config needs: {missing[:3]}")
+        _check_weights(weights, cfg, path / "model.gguf")
         weights = {
             n: w if isinstance(w, GgufWeight) else w.to(torch_dtype) for n, w in weights.items()
         }
     return Transformer(cfg, weights, quantization).eval()
 
 
-def _gguf_runs(path: Path, device: str, dtype: torch.dtype) -> bool:
-    """Whether quantization="gguf" can run the model folder at `path` here (what "auto" picks)."""
-    cpu = torch.device(device).type == "cpu"
-    return cpu and dtype in (torch.float32, torch.bfloat16) and (path / "model.gguf").is_file()
+def _gguf_problem(path: Path, device: str, dtype: torch.dtype) -> str | None:
+    """Why quantization="gguf" cannot run the model folder at `path` here (None: it can; what
+    "auto" asks)."""
+    if torch.device(device).type != "cpu":
+        return (
+            f"quantization 'gguf' has CPU kernels only, not {device} (use quantization=None there)"
+        )
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"quantization 'gguf' runs with dtype bfloat16 or float32, not {dtype}"
+    if not (path / "model.gguf").is_file():
+        return (
+            f"quantization 'gguf' runs a GGUF file's own blocks, and {path} has no model.gguf: "
+            "give a pulled alias or a .gguf file (a .gguf converted before this version: delete "
+            "its folder under the cache's gguf/ to convert it again), or use 'int8'"
+        )
+    return None
 
 
 def gguf_source(path: Path, device: str, dtype: torch.dtype) -> Path:
     """The GGUF file behind a model folder (a pulled alias, or a converted .gguf file), whose
     blocks quantization="gguf" runs; a clear error where there is none, the device is not the
     CPU or the activations' `dtype` is neither fp32 nor bf16."""
-    if torch.device(device).type != "cpu":
-        raise UserError(
-            f"quantization 'gguf' has CPU kernels only, not {device} (use quantization=None there)"
-        )
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise UserError(f"quantization 'gguf' runs with dtype bfloat16 or float32, not {dtype}")
-    source = path / "model.gguf"
-    if not source.is_file():
-        raise UserError(
-            f"quantization 'gguf' runs a GGUF file's own blocks, and {path} has no model.gguf: "
-            "give a pulled alias or a .gguf file (a .gguf converted before this version: delete "
-            "its folder under the cache's gguf/ to convert it again), or use 'int8'"
-        )
-    return source
+    problem = _gguf_problem(path, device, dtype)
+    if problem is not None:
+        raise UserError(problem)
+    return path / "model.gguf"
