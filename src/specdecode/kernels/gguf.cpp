@@ -192,10 +192,23 @@ struct Acts {
   int64_t K;
 };
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Prefetches into the L2 cache part `part` of `parts` of the `bytes` bytes at p (the cache
+// lines that start in it).
+inline void prefetch_part(const uint8_t* p, int64_t bytes, int64_t part, int64_t parts) {
+  const int64_t lines = (bytes + 63) / 64;
+  for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(p + line * 64), _MM_HINT_T1);
+}
+#endif
+
 // acc[t][l] = sum over the superblocks of row l's by token t's contributions (see the header);
-// blk is one packed tile (16 rows) of nsb superblocks.
+// blk is one packed tile (16 rows) of nsb superblocks. While it computes, the tile at `next`
+// (nullptr: none) is prefetched, superblock by superblock: the hardware prefetchers alone leave
+// the memory stream idle while a multi-token tile computes.
 template <int BITS, int S, int SUBS, int OFF, int MINS, int T>
-void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, float acc[T][LANES]) {
+void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, const uint8_t* next,
+               float acc[T][LANES]) {
   static_assert(OFF == 0 || (OFF & (OFF - 1)) == 0, "OFF is a power of two");
   constexpr int SHIFT = OFF == 0 ? 0 : __builtin_ctz(OFF);  // OFF = 1 << SHIFT
   const Layout layout{BITS, S, SUBS, MINS};
@@ -220,6 +233,7 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, float acc[T][LANE
     UNROLL for (int t = 0; t < T; ++t) main[t] = _mm512_setzero_si512();
     // the sub-blocks in a loop: unrolled, the compiler hoists loads across them and spills
     _Pragma("GCC unroll 1") for (int j = 0; j < SUBS; ++j) {
+      if (next != nullptr) prefetch_part(next + s * sb_bytes, sb_bytes, j, SUBS);
       const int64_t k0 = (s * SUBS + j) * S;
       const uint8_t* codes = h + header + j * sub_bytes;
       __m512i isum[P][T];
@@ -326,7 +340,8 @@ void gguf_matmul(const uint8_t* w, int64_t tiles, int64_t nsb, const Acts& acts,
     const Acts a{acts.x8 + m0 * acts.K,          acts.dx + m0 * (acts.K / B),
                  acts.sx + m0 * (acts.K / B),    acts.bsum16 + m0 * (acts.K / 16),
                  acts.bsum32 + m0 * (acts.K / 32), acts.K};
-    gguf_tile<BITS, S, SUBS, OFF, MINS, T>(w + tile * tile_bytes, nsb, a, acc);
+    const uint8_t* next = m0 == 0 && tile + 1 < tiles ? w + (tile + 1) * tile_bytes : nullptr;
+    gguf_tile<BITS, S, SUBS, OFF, MINS, T>(w + tile * tile_bytes, nsb, a, next, acc);
     store_rows(&acc[0][0], T, tile * LANES, N, b, y + m0 * ldy, ldy);
   };
   for_each_tile<GGUF_TOKENS>(tiles, M, tile_bytes, run);
