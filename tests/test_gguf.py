@@ -125,14 +125,14 @@ def test_a_fused_weight_mixes_types_in_segments() -> None:
     """q|k|v of Q4_K_M: Q4_K rows then Q6_K rows, one activation quantization for both; a mix of
     Q8_0 and Q4_K rows quantizes the activations both ways."""
     module = _linear([T.Q4_K, T.Q6_K, T.Q4_K], [48, 20, 16], 256, bias=True)
-    assert len(module.layouts) == 3 and module.blocks == [256]
+    assert [layout.superblock for layout, _, _ in module.layouts] == [256] * 3
     x = torch.randn(3, 2, 256, generator=torch.Generator().manual_seed(2))
     y = module(x)
     assert y.shape == (3, 2, 84)
     want = _reference(x.reshape(6, 256), module).reshape(3, 2, 84)
     assert float((y.double() - want).abs().max() / want.abs().max()) < 1e-5
     mixed = _linear([T.Q8_0, T.Q4_K], [16, 32], 512)
-    assert mixed.blocks == [32, 256]
+    assert [layout.superblock for layout, _, _ in mixed.layouts] == [32, 256]
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
     want = _reference(x, mixed)
     assert float((mixed(x).double() - want).abs().max() / want.abs().max()) < 1e-5

@@ -267,3 +267,60 @@ def test_metadata_and_cache_refuse_what_does_not_fit(models) -> None:
         ours(torch.tensor([[1]]), _meta([3], 1), cache)
     with pytest.raises(ValueError, match="do not match"):
         ours(torch.tensor([[1, 2]]), _meta([0], 1), cache)
+
+
+@pytest.fixture(scope="module")
+def gguf_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gguf_cases import build_tiny_gguf
+
+    return build_tiny_gguf(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "model")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization"),
+    [
+        ("bfloat16", None),
+        ("float32", "int8"),
+        ("bfloat16", "int8"),
+        ("float32", "gguf"),
+        ("bfloat16", "gguf"),
+    ],
+)
+def test_native_blocks_give_the_python_blocks_bits(
+    tiny_model_dir: Path, gguf_model_dir: Path, dtype: str, quantization: str | None
+) -> None:
+    """A DECODE pass over rows at different starts and a TREE pass run each block as one
+    native call (`Block.native`); logits and cache are bit for bit what the Python blocks
+    give. A prefill pass keeps the Python blocks."""
+    folder = gguf_model_dir if quantization == "gguf" else tiny_model_dir
+    model = load_model(folder, dtype, quantization=quantization)
+    assert all(block.native is not None for block in model.layers)
+    gen = torch.Generator().manual_seed(21)
+    prompt = torch.randint(0, 300, (2, 6), generator=gen)
+    decode_tokens = torch.randint(0, 300, (2, 4), generator=gen)
+    tree_tokens = torch.randint(0, 300, (2, 3), generator=gen)
+    parents_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+
+    def run() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        cache = model.new_cache(2, 32)
+        prefill = AttentionMetadata.contiguous(AttentionMode.PREFILL, [0, 0], [6, 4], "cpu")
+        outs = [model(prompt, prefill, cache)[0]]
+        decode = AttentionMetadata.contiguous(AttentionMode.DECODE, [6, 4], [4, 3], "cpu")
+        outs.append(model(decode_tokens, decode, cache)[0])
+        positions = torch.tensor([[10, 11, 11], [7, 8, 8]])
+        tree = AttentionMetadata(
+            AttentionMode.TREE, (10, 7), (3, 3), positions, parents_mask.expand(2, 3, 3)
+        )
+        outs.append(model(tree_tokens, tree, cache)[0])
+        return outs, cache.k[:, :, :, :13].clone(), cache.v[:, :, :, :13].clone()
+
+    native = run()
+    natives = [block.native for block in model.layers]
+    for block in model.layers:
+        block.native = None
+    python = run()
+    for block, layer in zip(model.layers, natives, strict=True):
+        block.native = layer
+    for got, want in zip(native[0], python[0], strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(native[1], python[1]) and torch.equal(native[2], python[2])

@@ -1,7 +1,9 @@
 """Native CPU kernels, compiled on first use with the machine's compiler: matmuls for the
 projections (`matmul.cpp`; `gguf.cpp` for weights in GGUF's block formats), attention for
 decode / verification passes (`attention.cpp`), RMSNorm and RoPE (`pointwise.cpp`): each one
-call where torch needs several, and each row-exact.
+call where torch needs several, and each row-exact. `layer.cpp` holds a projection of any
+native format as one object (`*_projection`) and runs a whole decoder block of a decode or
+verification pass in one call (`decoder_layer`).
 
 `native()` builds (once per machine and source version; torch caches the build under
 ~/.cache/torch_extensions) and returns the extension module; `pack` lays a weight out the way
@@ -18,7 +20,7 @@ import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -35,7 +37,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(f"{name}.cpp")
-    for name in ("ops", "matmul", "gguf", "attention", "pointwise")
+    for name in ("ops", "matmul", "gguf", "attention", "pointwise", "layer")
 ]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 ROWS = 64  # output rows per tile (matmul.cpp's ROWS)
@@ -144,31 +146,47 @@ def gguf_pack_codes(q: Tensor, bits: int, sub: int, subs: int) -> Tensor:
     return native().gguf_pack_codes(q, bits, sub, subs)
 
 
-def gguf_linear(
-    acts: GgufActivations,
-    packed: Tensor,
-    layout: GgufLayout,
-    n: int,
-    bias: Tensor | None,
-    y: Tensor,
-    offset: int,
-) -> None:
-    """y[:, offset : offset + n] = x @ W^T (+ bias) for W packed by `gguf_blocks.pack` in
-    `layout`, x given by `gguf_quantize` with block `layout.superblock`; y [M, >= offset + n]
-    fp32 or bf16."""
-    native().gguf_linear(
-        *acts,
-        packed,
-        layout.bits,
-        layout.sub,
-        layout.subs,
-        layout.off,
-        layout.mins,
-        n,
-        bias,
-        y,
-        offset,
-    )
+def int8_projection(
+    packed: Tensor, scale: Tensor, row_sum: Tensor, bias: Tensor | None, n: int
+) -> Callable[[Tensor], Tensor]:
+    """x [..., K] -> [..., n] by `int8_linear` with these tensors (held, not copied)."""
+    return native().Projection.int8(packed, scale, row_sum, bias, n)
+
+
+def bf16_projection(packed: Tensor, bias: Tensor | None, n: int) -> Callable[[Tensor], Tensor]:
+    """x [..., K] bf16 -> [..., n] by `bf16_linear` with these tensors (held, not copied)."""
+    return native().Projection.bf16(packed, bias, n)
+
+
+def gguf_projection(
+    segments: Sequence[tuple[Tensor, GgufLayout, int, int]], bias: Tensor | None, n: int
+) -> Callable[[Tensor], Tensor]:
+    """x [..., K] -> [..., n] for a GGUF weight in row segments (packed, layout, rows, first
+    output column): activations quantized once per block size (`gguf_quantize`), then
+    `gguf_linear` per segment into its columns; bias fp32 [n] or None."""
+    specs = [
+        (packed, lo.bits, lo.sub, lo.subs, lo.off, lo.mins, rows, offset)
+        for packed, lo, rows, offset in segments
+    ]
+    return native().Projection.gguf(specs, bias, n)
+
+
+def decoder_layer(
+    input_norm: Tensor,
+    post_norm: Tensor,
+    eps: float,
+    projections: Sequence[Callable[[Tensor], Tensor]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> Callable[..., Tensor]:
+    """One decoder block in one native call (see layer.cpp): the norms' weights ([hidden]),
+    the q|k|v, o, gate|up and down projections (from `*_projection`), the head counts. Called
+    as `layer(x [B, T, hidden], cos, sin ([B, T, D] fp32), k_pool, v_pool ([L, B, Hkv, S, D]),
+    layer_index, starts, tree_starts, tree_mask)` for a DECODE or TREE pass; returns the
+    block's output [B, T, hidden]."""
+    layer = native().DecoderLayer
+    return layer(input_norm, post_norm, eps, *projections, heads, kv_heads, head_dim)
 
 
 def set_amx(wanted: bool) -> bool:

@@ -93,20 +93,19 @@ class GgufLinear(nn.Module):
             self.register_buffer(f"packed{index}", torch.from_numpy(pack(codes)))
             self.layouts.append((codes.layout, seg.raw.shape[0], offset))
             offset += seg.raw.shape[0]
-        self.blocks = sorted({layout.superblock for layout, _, _ in self.layouts})
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
-        kernels.native()  # a clear error now, not at the first forward, if it cannot be built
+        # one native object over the segments (a clear error now if the kernels cannot build)
+        self.projection = kernels.gguf_projection(
+            [
+                (getattr(self, f"packed{index}"), layout, rows, offset)
+                for index, (layout, rows, offset) in enumerate(self.layouts)
+            ],
+            self.bias,
+            self.out_features,
+        )
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
-        acts = {  # activations per block size the segments need
-            block: kernels.gguf_quantize(x, block) for block in self.blocks
-        }
-        y = x.new_empty(acts[self.blocks[0]].x8.shape[0], self.out_features)  # [M, out]
-        for index, (layout, rows, offset) in enumerate(self.layouts):
-            bias = None if self.bias is None else self.bias[offset : offset + rows]
-            packed = getattr(self, f"packed{index}")
-            kernels.gguf_linear(acts[layout.superblock], packed, layout, rows, bias, y, offset)
-        return y.view(*x.shape[:-1], self.out_features)
+        return self.projection(x)
 
     def codes(self) -> list[Codes]:
         """Each segment's codes, recovered from the packed buffers."""

@@ -80,9 +80,10 @@ class Bf16Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = kernels.pack(weight, kernels.BF16_PACK)  # [Np / 64, Kp / 2, 64, 2] bf16
         self.bias = None if bias is None else bias.float()  # [out] fp32
+        self.projection = kernels.bf16_projection(self.packed, self.bias, self.out_features)
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
-        return kernels.bf16_linear(x, self.packed, self.bias, self.out_features)
+        return self.projection(x)
 
     @property
     def weight_bytes(self) -> int:

@@ -75,12 +75,13 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer("scale", _pad(scale, rows))  # [Np] fp32
         self.register_buffer("row_sum", _pad(q.sum(1, dtype=torch.int32), rows))  # [Np] int32
         self.register_buffer("bias", None if bias is None else bias.float())  # [out] fp32
-        kernels.native()  # a clear error now, not at the first forward, if it cannot be built
+        # one native object over these buffers (a clear error now if the kernels cannot build)
+        self.projection = kernels.int8_projection(
+            self.packed, self.scale, self.row_sum, self.bias, self.out_features
+        )
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
-        return kernels.int8_linear(
-            x, self.packed, self.scale, self.row_sum, self.bias, self.out_features
-        )
+        return self.projection(x)
 
     def dequantized(self) -> Tensor:
         """The [out, in] fp32 weight this module multiplies by."""

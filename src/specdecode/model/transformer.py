@@ -6,6 +6,7 @@ tokenizes and never changes its own config; all generation state lives in the `K
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -234,6 +235,27 @@ class Block(nn.Module):
             w[f"{p}post_attention_layernorm.weight"], cfg.rms_norm_eps
         )
         self.mlp = MLP(w, f"{p}mlp.", quantization)
+        self.native = self._native_layer(cfg)
+
+    def _native_layer(self, cfg: ModelConfig) -> Callable[..., Tensor] | None:
+        """The whole block as one native call for DECODE and TREE passes (`kernels.
+        decoder_layer`: the same kernels in the same order, so the same bits, without ~12
+        Python-level calls per layer), or None where a part has no native kernel."""
+        attn, mlp = self.self_attn, self.mlp
+        parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        projections = [getattr(part, "projection", None) for part in parts]
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if not attn.native_rope or None in projections or not all(n.native for n in norms):
+            return None
+        return kernels.decoder_layer(
+            self.input_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            cfg.rms_norm_eps,
+            projections,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
 
     def forward(
         self,
@@ -244,6 +266,18 @@ class Block(nn.Module):
         meta: AttentionMetadata,
         view: PassView,
     ) -> Tensor:  # [B, T, hidden]
+        if view.per_query and self.native is not None:
+            return self.native(
+                x,
+                cos,
+                sin,
+                cache.k,
+                cache.v,
+                self.layer,
+                meta.starts,
+                meta.tree_starts or (),
+                meta.tree_mask,
+            )
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, self.layer, meta, view)
         return x + self.mlp(self.post_attention_layernorm(x))
 

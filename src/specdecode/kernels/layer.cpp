@@ -1,0 +1,110 @@
+// A projection in any native format as one object, and a whole decoder block in one call: a
+// decode step of a small model spends more time in Python and dispatch between its ~12 ops per
+// layer than in them (SmolLM2-135M: 30 layers). The block runs the same kernels and ATen ops,
+// in the same order, as model/transformer.py's Block, so its output is bit for bit the same.
+
+#include "ops.h"
+
+#include <algorithm>
+#include <utility>
+
+Projection Projection::int8(at::Tensor packed, at::Tensor scale, at::Tensor row_sum,
+                            c10::optional<at::Tensor> bias, int64_t N) {
+  Projection p;
+  p.format_ = Format::int8;
+  p.packed_ = std::move(packed), p.scale_ = std::move(scale), p.row_sum_ = std::move(row_sum);
+  p.bias_ = std::move(bias), p.N_ = N;
+  return p;
+}
+
+Projection Projection::bf16(at::Tensor packed, c10::optional<at::Tensor> bias, int64_t N) {
+  Projection p;
+  p.format_ = Format::bf16;
+  p.packed_ = std::move(packed), p.bias_ = std::move(bias), p.N_ = N;
+  return p;
+}
+
+Projection Projection::gguf(std::vector<GgufSegment> segments, c10::optional<at::Tensor> bias,
+                            int64_t N) {
+  TORCH_CHECK(!segments.empty(), "a GGUF projection needs at least one segment");
+  Projection p;
+  p.format_ = Format::gguf;
+  for (const auto& seg : segments) {
+    const int64_t block = std::get<2>(seg) * std::get<3>(seg);  // sub * subs
+    if (std::find(p.blocks_.begin(), p.blocks_.end(), block) == p.blocks_.end())
+      p.blocks_.push_back(block);
+  }
+  p.segments_ = std::move(segments), p.bias_ = std::move(bias), p.N_ = N;
+  return p;
+}
+
+at::Tensor Projection::operator()(const at::Tensor& x) const {
+  if (format_ == Format::int8) return int8_linear(x, packed_, scale_, row_sum_, bias_, N_);
+  if (format_ == Format::bf16) return bf16_linear(x, packed_, bias_, N_);
+  // gguf: the activations quantized once per block size, then every segment into its columns
+  std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>> acts;
+  for (const int64_t block : blocks_) acts.push_back(gguf_quantize(x, block));
+  const auto& first = std::get<0>(acts[0]);  // x8 [M, K]
+  at::Tensor y = at::empty({first.size(0), N_}, x.options());  // [M, N]
+  for (const auto& [packed, bits, sub, subs, off, mins, rows, offset] : segments_) {
+    const auto at = std::find(blocks_.begin(), blocks_.end(), sub * subs) - blocks_.begin();
+    const auto& [x8, dx, sx, bsum16, bsum32] = acts[at];
+    c10::optional<at::Tensor> bias;
+    if (bias_.has_value()) bias = bias_->narrow(0, offset, rows);
+    gguf_linear(x8, dx, sx, bsum16, bsum32, packed, bits, sub, subs, off, mins, rows, bias, y,
+                offset);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N_;
+  return y.view(shape);
+}
+
+DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps,
+                           Projection qkv, Projection o, Projection gate_up, Projection down,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim)
+    : input_norm_(std::move(input_norm)),
+      post_norm_(std::move(post_norm)),
+      eps_(eps),
+      qkv_(std::move(qkv)),
+      o_(std::move(o)),
+      gate_up_(std::move(gate_up)),
+      down_(std::move(down)),
+      heads_(heads),
+      kv_heads_(kv_heads),
+      head_dim_(head_dim) {}
+
+// x [B, T, hidden]; cos, sin fp32 [B, T, D]; k_cache, v_cache [L, B, Hkv, capacity, D]: the
+// block's keys and values of new token t of row b go to slot starts[b] + t of `layer`, and
+// its queries attend as decode_attention says (tree_starts and tree_mask: TREE passes).
+// Returns the block's output [B, T, hidden].
+at::Tensor DecoderLayer::operator()(const at::Tensor& x, const at::Tensor& cos,
+                                    const at::Tensor& sin, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache, int64_t layer,
+                                    const std::vector<int64_t>& starts,
+                                    const std::vector<int64_t>& tree_starts,
+                                    const c10::optional<at::Tensor>& tree_mask) const {
+  const int64_t B = x.size(0), T = x.size(1);
+  TORCH_CHECK(int64_t(starts.size()) == B, "starts needs one entry per row of x");
+  at::Tensor qkv = qkv_(rms_norm(x, input_norm_, eps_));  // [B, T, (H + 2 Hkv) D]
+  rope_(qkv, cos, sin, heads_ + kv_heads_);               // q and k heads
+  const int64_t q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
+  const auto parts = qkv.split_with_sizes({q_width, kv_width, kv_width}, -1);
+  const at::Tensor q = parts[0].view({B, T, heads_, head_dim_}).transpose(1, 2);  // [B, H, T, D]
+  const at::Tensor k = parts[1].view({B, T, kv_heads_, head_dim_});  // [B, T, Hkv, D]
+  const at::Tensor v = parts[2].view({B, T, kv_heads_, head_dim_});
+  const at::Tensor keys = k_cache.select(0, layer), values = v_cache.select(0, layer);
+  TORCH_CHECK(keys.size(0) == B, "the cache has ", keys.size(0), " rows, x ", B);
+  int64_t span = 0;  // slots the queries may read
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(starts[b] >= 0 && starts[b] + T <= keys.size(2), "row ", b, ": slots ",
+                starts[b], " + ", T, " do not fit the cache's ", keys.size(2));
+    keys[b].narrow(1, starts[b], T).copy_(k[b].transpose(0, 1));  // [Hkv, T, D]
+    values[b].narrow(1, starts[b], T).copy_(v[b].transpose(0, 1));
+    span = std::max(span, starts[b] + T);
+  }
+  const at::Tensor out = decode_attention(q, keys.narrow(2, 0, span), values.narrow(2, 0, span),
+                                          starts, tree_starts, tree_mask);  // [B, H, T, D]
+  const at::Tensor h = x + o_(out.transpose(1, 2).reshape({B, T, -1}));  // [B, T, hidden]
+  const auto gate_up = gate_up_(rms_norm(h, post_norm_, eps_)).chunk(2, -1);
+  return h + down_(at::silu(gate_up[0]) * gate_up[1]);
+}

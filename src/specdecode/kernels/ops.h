@@ -1,0 +1,76 @@
+// What the kernels export (matmul.cpp, gguf.cpp, attention.cpp, pointwise.cpp, layer.cpp): the
+// functions ops.cpp binds, and the projection and decoder-layer objects of layer.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       const at::Tensor& w_sum, const c10::optional<at::Tensor>& bias, int64_t N);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w,
+                       const c10::optional<at::Tensor>& bias, int64_t N);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_quantize(
+    const at::Tensor& x, int64_t block);
+at::Tensor gguf_pack_codes(const at::Tensor& q, int64_t bits, int64_t sub, int64_t subs);
+void gguf_linear(const at::Tensor& x8, const at::Tensor& dx, const at::Tensor& sx,
+                 const at::Tensor& bsum16, const at::Tensor& bsum32, const at::Tensor& w,
+                 int64_t bits, int64_t sub, int64_t subs, int64_t off, int64_t mins, int64_t N,
+                 const c10::optional<at::Tensor>& bias, at::Tensor& y, int64_t offset);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::vector<int64_t>& starts,
+                            const std::vector<int64_t>& tree_starts,
+                            const c10::optional<at::Tensor>& tree_mask);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
+std::string isa();
+bool set_amx(bool wanted);
+
+// One row segment of a GGUF projection: its packed blocks (gguf_blocks.pack), its layout
+// (bits, sub, subs, off, mins), its row count and its first output column.
+using GgufSegment =
+    std::tuple<at::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+// y = x @ W^T (+ b) for one packed projection in one of the native formats: x [..., K] ->
+// y [..., N] in x's dtype. Holds the module's tensors (shared, not copied).
+class Projection {
+ public:
+  static Projection int8(at::Tensor packed, at::Tensor scale, at::Tensor row_sum,
+                         c10::optional<at::Tensor> bias, int64_t N);
+  static Projection bf16(at::Tensor packed, c10::optional<at::Tensor> bias, int64_t N);
+  static Projection gguf(std::vector<GgufSegment> segments, c10::optional<at::Tensor> bias,
+                         int64_t N);
+  at::Tensor operator()(const at::Tensor& x) const;
+
+ private:
+  enum class Format { int8, bf16, gguf };
+  Format format_ = Format::bf16;
+  at::Tensor packed_, scale_, row_sum_;  // int8 and bf16
+  std::vector<GgufSegment> segments_;    // gguf
+  std::vector<int64_t> blocks_;          // gguf: the activation block sizes the segments need
+  c10::optional<at::Tensor> bias_;
+  int64_t N_ = 0;
+};
+
+// One pre-norm decoder block (RMSNorm, fused q|k|v with RoPE, per-query attention over the
+// cache, o, RMSNorm, SwiGLU) for passes whose new tokens each attend by themselves (DECODE
+// and TREE): the ops of model/transformer.py's Block in the same order, in one call.
+class DecoderLayer {
+ public:
+  DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps, Projection qkv,
+               Projection o, Projection gate_up, Projection down, int64_t heads,
+               int64_t kv_heads, int64_t head_dim);
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer,
+                        const std::vector<int64_t>& starts,
+                        const std::vector<int64_t>& tree_starts,
+                        const c10::optional<at::Tensor>& tree_mask) const;
+
+ private:
+  at::Tensor input_norm_, post_norm_;  // [hidden]
+  double eps_;
+  Projection qkv_, o_, gate_up_, down_;
+  int64_t heads_, kv_heads_, head_dim_;
+};
