@@ -23,9 +23,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("int8", &Projection::int8, "an int8_linear projection")
       .def_static("bf16", &Projection::bf16, "a bf16_linear projection")
       .def_static("gguf", &Projection::gguf, "a gguf_linear projection of row segments")
-      .def("__call__", &Projection::operator(), "x [..., K] -> x @ W^T (+ b) [..., N]");
+      .def("__call__", &Projection::operator(), "x [..., K] -> x @ W^T (+ b) [..., N]",
+           pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<DecoderLayer>(m, "DecoderLayer")
       .def(pybind11::init<at::Tensor, at::Tensor, double, Projection, Projection, Projection,
                           Projection, int64_t, int64_t, int64_t>())
-      .def("__call__", &DecoderLayer::operator(), "one decoder block over the cache");
+      .def("__call__", &DecoderLayer::operator(), "one decoder block over the cache",
+           pybind11::call_guard<pybind11::gil_scoped_release>());  // other threads run meanwhile
 }
