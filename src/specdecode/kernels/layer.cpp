@@ -4,6 +4,7 @@
 // in the same order, as model/transformer.py's Block, so its output is bit for bit the same.
 
 #include "ops.h"
+#include "tiles.h"
 
 #include <algorithm>
 #include <utility>
@@ -54,9 +55,7 @@ at::Tensor Projection::operator()(const at::Tensor& x) const {
     gguf_linear(x8, dx, sx, bsum16, bsum32, packed, bits, sub, subs, off, mins, rows, bias, y,
                 offset);
   }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N_;
-  return y.view(shape);
+  return y.view(out_shape(x, N_));
 }
 
 DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps,
