@@ -7,7 +7,7 @@ MODEL ?= smollm2-135m
 PROMPT ?= Add type hints to this Python function. Reply with the whole function only.\n\ndef is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n        if n %% d == 0:\n            return False\n    return True\n
 SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
-.PHONY: install demo serve test lint bench bench-docs
+.PHONY: install demo serve browser test lint bench bench-docs
 
 install: $(VENV)/.installed
 
@@ -27,7 +27,15 @@ serve: install
 	$(VENV)/bin/specdecode pull $(MODEL)
 	$(VENV)/bin/specdecode serve $(MODEL) --speculative-config '$(SPEC)'
 
-test: install
+# Headless Chromium for the visualizer's browser test (Debian's packages, as root); without it
+# that test skips and says why.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -q && apt-get install -y -q chromium chromium-driver; \
+	else echo "no chromium here and no root to install it: the browser test will skip"; fi
+
+test: install browser
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q
 

@@ -555,6 +555,7 @@ def test_bench_end_to_end_on_a_tiny_model(
     assert [Run.from_dict(r) for r in saved["runs"]] == report["runs"]
     assert len(report["runs"]) == 6 * 4 * 2
     assert {r.num_tokens for r in report["runs"]} == {12}
+    assert all(r.cpu_s is not None and r.cpu_s > 0 for r in report["runs"])  # every runner's
     # every runner streams: the arrivals count up to the last token (HF's drafting methods
     # push several tokens at once), the first arrival is the first token
     assert all(r.arrivals[-1][1] == 12 and r.arrivals[0][0] == r.ttft_s for r in report["runs"])
@@ -589,6 +590,8 @@ def test_bench_end_to_end_on_a_tiny_model(
     assert summary["peers"][0]["decode_ratio"]["n"] == 8 and summary["peers"][0]["itl_ratio"]
     text = markdown(report)
     assert "| ngram:k=3 | " in text and "Ours / peer library" in text
+    assert summary["methods"]["hf"]["cells"][ALL]["joules_per_token"]["n"] == 4 * 2
+    assert "J/token (est.)" in text and "CPU seconds x" in text
     assert "- roofline (float32): " in text
     assert (
         "; decode in the runs, median ms/token after the first (share of the floor speed): plain "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -12,10 +12,12 @@ from typing import Any
 import torch
 
 from specdecode.drafters.base import Drafter, check_drafter
+from specdecode.drafters.mux import DrafterMux
 from specdecode.drafters.registry import (
     DrafterConfig,
     DrafterContext,
     build_drafter,
+    drafter_name,
     parse_speculative_config,
 )
 from specdecode.engine.draft_length import DraftLength
@@ -104,6 +106,47 @@ class LLM:
         )
         other._use_drafter(config, None)
         other._ids = itertools.count()
+        return other
+
+    def with_drafters(self, configs: Sequence[Mapping[str, Any]]) -> LLM:
+        """Another LLM on this one's target whose engine serves several drafters: each
+        request picks one with `SamplingParams.drafter` (default: the first). Each config is a
+        speculative_config plus an optional "name" (default: its method, and ":" and its
+        model for a draft model or head). With several, every config's draft_length must be
+        "fixed"."""
+        if not configs:
+            raise UserError("with_drafters needs at least one speculative_config")
+        named: dict[str, tuple[Drafter, int]] = {}
+        parsed = []
+        for raw in configs:
+            if not isinstance(raw, Mapping):
+                raise UserError(f"speculative_config must be a dict, got {type(raw).__name__}")
+            given = dict(raw)
+            name = given.pop("name", None)
+            config = parse_speculative_config(given)
+            name = name or drafter_name(config)
+            if not isinstance(name, str) or name in named:
+                raise UserError(
+                    f"drafter name {name!r} is taken or not a string; give each "
+                    'speculative_config its own "name"'
+                )
+            if len(configs) > 1 and config.draft_length != "fixed":
+                raise UserError(
+                    f"drafter {name!r}: draft_length {config.draft_length!r} needs the "
+                    'drafter alone; drafters served together use "fixed"'
+                )
+            named[name] = (
+                self.with_speculative_config(config).engine.drafter,
+                config.num_speculative_tokens,
+            )
+            parsed.append(config)
+        other = self.with_speculative_config(None)
+        most = max(k for _, k in named.values())
+        policy = parsed[0].draft_length if len(parsed) == 1 else "fixed"
+        other.drafter_config = parsed[0]
+        other.engine = Engine(
+            self.model, self.tokenizer, DrafterMux(named), DraftLength(policy, most)
+        )
         return other
 
     def _use_drafter(self, config: DrafterConfig | None, drafter: Drafter | None) -> None:

@@ -6,9 +6,12 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from specdecode.energy import joules
 from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
 from specdecode.tree.token_tree import TokenTree
+
+MAX_SPECULATIVE_TOKENS = 64  # the longest draft; the engine keeps this many spare cache slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +25,13 @@ class SamplingParams:
     seed: per-request random seed; the same seed gives the same output.
     stop: strings that end generation; the stop string itself is not part of the text.
     ignore_eos: keep generating past the end-of-sequence token.
+    num_speculative_tokens: draft at most this many tokens per step for this request (0 = no
+        speculation, plain decoding in the same batch); None = as many as the engine's drafter
+        and draft-length policy choose. The output is the same either way.
+    drafter: which of the engine's drafters drafts for this request, by name, when it serves
+        several (`specdecode.drafters.mux`); None = its first (or only) one.
+    step_events: record a `StepEvent` per step in the output (`CompletionOutput.steps`): what
+        was drafted, accepted, corrected, and when. Off by default; off costs nothing.
     """
 
     temperature: float = 1.0
@@ -31,6 +41,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    num_speculative_tokens: int | None = None
+    drafter: str | None = None
+    step_events: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +66,18 @@ class SamplingParams:
             raise UserError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise UserError(f"stop must be non-empty strings, got {self.stop!r}")
+        k = self.num_speculative_tokens
+        if k is not None and (
+            not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS
+        ):
+            raise UserError(
+                f"num_speculative_tokens must be None (the engine's choice) or an int in "
+                f"0..{MAX_SPECULATIVE_TOKENS} (0 = no speculation), got {k!r}"
+            )
+        if self.drafter is not None and (not isinstance(self.drafter, str) or not self.drafter):
+            raise UserError(f"drafter must be None or a drafter's name, got {self.drafter!r}")
+        if not isinstance(self.step_events, bool):
+            raise UserError(f"step_events must be true or false, got {self.step_events!r}")
 
     @property
     def greedy(self) -> bool:
@@ -104,6 +129,66 @@ class Verdict:
     path: tuple[int, ...] | None = None  # trees with a branch: accepted nodes, depth 1 first
 
 
+FINAL_KINDS = ("sampled", "bonus", "correction")  # values of `StepEvent.final`
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvent:
+    """One step of one request, recorded when its `SamplingParams.step_events` is set.
+
+    index: the request's step number (0 = its prefill, which drafts nothing).
+    drafted: the draft's tokens (a chain in order, or a tree's nodes); () when none.
+    parents: a tree draft's parent node of each node (-1 = the last committed token); None for
+        a chain.
+    num_accepted: draft tokens the target accepted (a tree's: along `path`).
+    path: a tree's accepted nodes, depth 1 first; None for a chain.
+    final: what the target's own token after the accepted ones is: "sampled" (nothing was
+        drafted), "bonus" (the whole draft, or a whole tree branch, was accepted) or
+        "correction" (it replaces the first rejected draft token).
+    tokens: the tokens this step committed: the accepted ones, then the target's own token;
+        fewer when the request ended inside the step (EOS, token limit, stop string).
+    pieces: the detokenizer's text for each of `tokens` ("" for a token that completes no
+        character yet, and for the EOS token); they join to the step's text before stop
+        strings are cut.
+    draft_s: seconds of drafting spent on this request in this step.
+    verify_s: seconds of the step's target pass and verification (one pass for the batch).
+    batch_size: requests in the step's batch.
+    elapsed_s: seconds from the request's arrival to this step's commit.
+    Example: drafted (5, 6, 7), num_accepted 1, final "correction", tokens (5, 9): 5 was
+    accepted, 6 rejected and replaced by the target's 9, 7 never checked.
+    """
+
+    index: int
+    drafted: tuple[int, ...]
+    parents: tuple[int, ...] | None
+    num_accepted: int
+    path: tuple[int, ...] | None
+    final: str
+    tokens: tuple[int, ...]
+    pieces: tuple[str, ...]
+    draft_s: float
+    verify_s: float
+    batch_size: int
+    elapsed_s: float
+
+    def as_dict(self) -> dict[str, object]:
+        """The event as JSON-ready values (lists for tuples)."""
+        return {
+            "index": self.index,
+            "drafted": list(self.drafted),
+            "parents": None if self.parents is None else list(self.parents),
+            "num_accepted": self.num_accepted,
+            "path": None if self.path is None else list(self.path),
+            "final": self.final,
+            "tokens": list(self.tokens),
+            "pieces": list(self.pieces),
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "batch_size": self.batch_size,
+            "elapsed_s": self.elapsed_s,
+        }
+
+
 @dataclass(frozen=True, slots=True)
 class RequestMetrics:
     """Counters and timings of one request; rates are derived on read."""
@@ -113,6 +198,12 @@ class RequestMetrics:
     elapsed_s: float  # from the start of the request to its last token
     time_to_first_token_s: float  # from the start of the request to its first generated token
     spec: SpecCounters = field(default_factory=SpecCounters)  # drafting / acceptance counters
+    cpu_s: float = 0.0  # CPU seconds of its prefill and its share of each batch step
+
+    @property
+    def energy_j(self) -> float:
+        """Estimated joules (`specdecode.energy`: CPU seconds x a per-core power figure)."""
+        return joules(self.cpu_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -127,6 +218,8 @@ class RequestMetrics:
             "time_to_first_token_s": self.time_to_first_token_s,
             "tokens_per_s": self.tokens_per_s,
             "spec": self.spec.as_dict(),
+            "cpu_s": self.cpu_s,
+            "energy_j_estimate": self.energy_j,
         }
 
 
@@ -139,6 +232,7 @@ class CompletionOutput:
     token_ids: tuple[int, ...]
     finish_reason: str | None  # "stop" (EOS or stop string), "length", or None while running
     stop_reason: str | int | None = None  # the stop string or EOS id that ended it
+    steps: tuple[StepEvent, ...] = ()  # with SamplingParams(step_events=True): every step so far
 
 
 @dataclass(frozen=True, slots=True)

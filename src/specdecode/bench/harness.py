@@ -21,6 +21,7 @@ from specdecode.bench.machine import QUIET_CORES, wait_until_quiet, with_foreign
 from specdecode.bench.prompts import BenchPrompt
 from specdecode.bench.records import Run
 from specdecode.bench.runners import Runner
+from specdecode.energy import cpu_seconds
 from specdecode.types import SamplingParams
 
 WARMUP_TOKENS = 16  # new tokens of each method's untimed warm-up run
@@ -73,7 +74,9 @@ def run_interleaved(
                     wait_until_quiet(config.quiet_wait_s)
                 group = []
                 for name in order:
+                    cpu = cpu_seconds()
                     timing, load = with_foreign_load(partial(by_name[name].run, ids, params))
+                    cpu = cpu_seconds() - cpu
                     run = Run.of(
                         timing,
                         method=name,
@@ -84,6 +87,7 @@ def run_interleaved(
                         num_prompt_tokens=len(ids),
                         foreign_cores=load,
                         disturbed=load >= QUIET_CORES,
+                        cpu_s=cpu,
                     )
                     if log is not None:
                         log(run)

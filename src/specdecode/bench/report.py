@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from specdecode import energy
 from specdecode.bench.costs import pass_ratios
 from specdecode.bench.roofline import roofline_text
 from specdecode.bench.stats import ALL
@@ -38,10 +39,12 @@ def speedup_table(summary: dict[str, Any]) -> list[str]:
 
 
 def detail_table(summary: dict[str, Any]) -> list[str]:
-    """Every method x category: tokens/s, speedup, acceptance, tau, TTFT, output length."""
+    """Every method x category: tokens/s, speedup, acceptance, tau, TTFT, output length, and
+    estimated joules per token (`specdecode.energy`)."""
     lines = [
-        "| method | category | tokens/s | speedup | acceptance | tau | TTFT ms | new tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | category | tokens/s | speedup | acceptance | tau | TTFT ms | new tokens "
+        "| J/token (est.) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, method in summary["methods"].items():
         for cat in [*summary["categories"], ALL]:
@@ -49,7 +52,7 @@ def detail_table(summary: dict[str, Any]) -> list[str]:
             lines.append(
                 f"| {name} | {cat} | {fmt(c['tokens_per_s'])} | {fmt(c['speedup'], unit='x')} "
                 f"| {_num(c['acceptance_rate'])} | {_num(c['tau'])} | {fmt(c['ttft_ms'], 0)} "
-                f"| {fmt(c['num_tokens'], 0)} |"
+                f"| {fmt(c['num_tokens'], 0)} | {fmt(c.get('joules_per_token'), 3)} |"
             )
     return lines
 
@@ -250,6 +253,7 @@ def markdown(report: dict[str, Any]) -> str:
         *token_table(summary),
     ]
     parts += ["", "Per method and category:", "", *detail_table(summary)]
+    parts += ["", f"J/token: {energy.method()}; the process's CPU seconds over each run."]
     exact = exactness_table(summary)
     if len(exact) > 2:
         parts += ["", "Greedy output vs our plain decoding (first repeat):", "", *exact]

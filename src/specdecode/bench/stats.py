@@ -29,6 +29,7 @@ from typing import Any
 from specdecode.bench.costs import predicted_from_counters
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.records import Run
+from specdecode.energy import joules
 from specdecode.metrics import SpecCounters
 
 BASELINE = "plain"
@@ -128,6 +129,14 @@ def _key(run: Run) -> tuple[str, int]:
     return run.prompt_id, run.repeat
 
 
+def joules_per_token(run: Run) -> float | None:
+    """The run's estimated energy per new token (`specdecode.energy`); None without its CPU
+    seconds (older reports) or tokens."""
+    if run.cpu_s is None or not run.num_tokens:
+        return None
+    return joules(run.cpu_s) / run.num_tokens
+
+
 def _values(runs: list[Run], value: Callable[[Run], float | None]) -> list[float]:
     """`value` of each run, the runs without one left out."""
     return [v for r in runs if (v := value(r)) is not None]
@@ -147,6 +156,7 @@ def _cell(runs: list[Run], base: dict[tuple[str, int], Run]) -> dict[str, Any]:
         "decode_speedup": spread(_ratios(runs, base, decode_tokens_per_s)),
         "ttft_ms": spread([r.ttft_s * 1e3 for r in runs]),
         "num_tokens": spread([float(r.num_tokens) for r in runs]),
+        "joules_per_token": spread(_values(runs, joules_per_token)),
         "acceptance_rate": counters.acceptance_rate if drafted else None,
         "tau": None if counters is None else counters.mean_acceptance_length,
         "accepted_per_position": per_position(counters) if drafted else None,

@@ -13,9 +13,14 @@ from specdecode.cache.kv_cache import KVCache
 from specdecode.errors import UserError
 from specdecode.model.quant import AUTO, parse_quantization
 from specdecode.tree.token_tree import TokenTree
-from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
+from specdecode.types import (
+    MAX_SPECULATIVE_TOKENS,
+    Draft,
+    SamplingParams,
+    TargetFeatures,
+    Verdict,
+)
 
-MAX_SPECULATIVE_TOKENS = 64  # the longest draft; the engine keeps this many spare cache slots
 DRAFT_LENGTH_POLICIES = ("fixed", "heuristic", "cost")  # see specdecode.engine.draft_length
 
 

@@ -229,6 +229,14 @@ def as_speculative_config(config: DrafterConfig) -> dict[str, Any]:
     return {"method": method_of(config).name, **{k: v for k, v in fields.items() if v is not None}}
 
 
+def drafter_name(config: DrafterConfig) -> str:
+    """A short name for a drafter: its method, and ":" and the model for one with a model,
+    e.g. "ngram" or "draft_model:qwen2.5-coder-0.5b"."""
+    method = method_of(config).name
+    model = getattr(config, "model", None)
+    return method if model is None else f"{method}:{model}"
+
+
 def build_drafter(config: DrafterConfig, context: DrafterContext) -> Drafter:
     """The drafter `config` describes, built by its method's factory."""
     return method_of(config).build(config, context)

@@ -11,6 +11,7 @@ projections are row-exact (the native CPU kernels; docs/quantization.md).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,7 +19,9 @@ import torch
 
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
+from specdecode.drafters.mux import DrafterMux
 from specdecode.drafters.plain import EMPTY_DRAFT, PlainDrafter
+from specdecode.energy import cpu_seconds
 from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.request import Request
@@ -86,9 +89,20 @@ class Engine:
         already in flight or a request that could never fit the KV cache."""
         if request.request_id in self._ids:
             raise UserError(f"request id {request.request_id!r} is already in flight")
+        self.check_drafter_name(request.params.drafter)
         self.scheduler.add(request)
         self.outputs.add(request)
         self._ids.add(request.request_id)
+
+    def check_drafter_name(self, name: str | None) -> None:
+        """Refuse a request's `drafter` name that this engine's drafter does not serve."""
+        if isinstance(self.drafter, DrafterMux):
+            self.drafter.check(name)
+        elif name is not None:
+            raise UserError(
+                f"drafter {name!r} was asked for, but this engine has one drafter and no names; "
+                "leave 'drafter' out (a server given several --speculative-config names them)"
+            )
 
     def abort(self, request_id: str) -> bool:
         """Cancel a waiting or running request (its row leaves at the next step); False when
@@ -127,10 +141,14 @@ class Engine:
         self._drop_finished()  # requests done at their first token
         running = self.scheduler.running
         if running:
+            cpu = cpu_seconds()
             st = SamplingTensors.from_params([r.params for r in running], self.model.device)
             texts = speculative_step(
                 self.model, self.cache, running, self.drafter, st, self.outputs, self.draft_length
             )
+            share = (cpu_seconds() - cpu) / len(running)
+            for req in running:
+                req.cpu_s += share
             events += [self._event(r, t) for r, t in zip(running, texts, strict=True)]
         return [e for e in events if e.text or e.output.finished]
 
@@ -162,6 +180,7 @@ class Engine:
     def _prefill(self, req: Request) -> Event:
         """Run one prompt alone into its cache row; sample and commit its first token."""
         assert self.cache is not None  # _new_rows made it
+        start, cpu = time.perf_counter(), cpu_seconds()
         device = self.model.device
         row = self.scheduler.running.index(req)
         view = self.cache.row(row)
@@ -184,7 +203,9 @@ class Engine:
             greedy=st.greedy,
         )
         verdict = verdicts(num_accepted, out)
-        (text,) = commit([req], [EMPTY_DRAFT], verdict, self.drafter, self.outputs)
+        seconds = time.perf_counter() - start
+        req.cpu_s += cpu_seconds() - cpu  # before commit: the output snapshot reads it
+        (text,) = commit([req], [EMPTY_DRAFT], verdict, self.drafter, self.outputs, 0.0, seconds)
         return self._event(req, text)
 
     def _event(self, req: Request, text: str) -> Event:

@@ -57,8 +57,11 @@ class OutputProcessor:
         """Forget a request's text (unknown ids are ignored)."""
         self._texts.pop(request_id, None)
 
-    def process(self, request: Request, new_tokens: Seq[int]) -> str:
-        """Detokenize tokens just appended to `request`; return the newly released text.
+    def process(
+        self, request: Request, new_tokens: Seq[int], pieces: list[str] | None = None
+    ) -> str:
+        """Detokenize tokens just appended to `request`; return the newly released text; with
+        `pieces`, append to it each token's own text (see `StepEvent.pieces`).
 
         A stop string completed by token i finishes the request there (later tokens are
         dropped); an EOS token that finished the request is not detokenized; at the end, text
@@ -71,8 +74,13 @@ class OutputProcessor:
         for token in new_tokens:
             kept += 1
             if request.stop_reason == token and kept == len(request.output_ids):
+                if pieces is not None:
+                    pieces.append("")
                 break  # the EOS token that ended the request
-            buf = state.pending + state.detok.push([token])
+            piece = state.detok.push([token])
+            if pieces is not None:
+                pieces.append(piece)
+            buf = state.pending + piece
             hits = [(buf.find(s), s) for s in stops if s in buf]
             if hits:
                 index, stop = min(hits)
@@ -85,7 +93,10 @@ class OutputProcessor:
             state.pending = buf[len(buf) - keep :]
             released += buf[: len(buf) - keep]
         if request.finished:
-            released += state.pending + state.detok.flush()
+            rest = state.detok.flush()
+            if pieces:
+                pieces[-1] += rest
+            released += state.pending + rest
             state.pending = ""
         state.text += released
         return released
@@ -100,6 +111,7 @@ class OutputProcessor:
             elapsed_s=end - request.t_start,
             time_to_first_token_s=first - request.t_start,
             spec=request.spec.copy(),
+            cpu_s=request.cpu_s,
         )
         completion = CompletionOutput(
             index=0,
@@ -107,6 +119,7 @@ class OutputProcessor:
             token_ids=tuple(request.output_ids),
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
+            steps=tuple(request.steps),
         )
         return RequestOutput(
             request_id=request.request_id,

@@ -30,7 +30,7 @@ from specdecode.sampling.rejection import verdicts, verify_chain
 from specdecode.sampling.tree import verify_tree
 from specdecode.tree.batch import kept_offsets, tree_metadata
 from specdecode.tree.token_tree import TokenTree
-from specdecode.types import Draft, TargetFeatures, Verdict
+from specdecode.types import Draft, StepEvent, TargetFeatures, Verdict
 
 
 def pad_drafts(
@@ -119,6 +119,48 @@ def verify(
     return verdicts(num_accepted, out, paths)
 
 
+def final_kind(draft: Draft, verdict: Verdict) -> str:
+    """What the target's own token of a verdict is (`StepEvent.final`): "sampled" after an
+    empty draft, "bonus" when nothing drafted below the last accepted token was rejected,
+    else "correction"."""
+    num_draft = int(draft.tokens.numel())
+    if num_draft == 0:
+        return "sampled"
+    if verdict.path is None or draft.tree is None:  # a chain, or a chain-shaped tree
+        return "bonus" if verdict.num_accepted == num_draft else "correction"
+    last = verdict.path[-1] if verdict.path else -1
+    return "correction" if last in draft.tree.parents else "bonus"
+
+
+def step_event(
+    req: Request,
+    draft: Draft,
+    verdict: Verdict,
+    first: int,
+    pieces: list[str],
+    seconds: tuple[float, float],
+    batch_size: int,
+) -> StepEvent:
+    """The `StepEvent` of `req`'s step that committed its tokens from index `first` (with
+    their detokenized `pieces`), after (drafting, verification) `seconds`."""
+    tokens = tuple(req.output_ids[first:])
+    tree = draft.tree if draft.is_tree else None
+    return StepEvent(
+        index=len(req.steps),
+        drafted=tuple(draft.tokens.tolist()),
+        parents=None if tree is None else tree.parents,
+        num_accepted=verdict.num_accepted,
+        path=verdict.path if tree is not None else None,
+        final=final_kind(draft, verdict),
+        tokens=tokens,
+        pieces=tuple(pieces[: len(tokens)]),
+        draft_s=seconds[0],
+        verify_s=seconds[1],
+        batch_size=batch_size,
+        elapsed_s=time.perf_counter() - req.t_start,
+    )
+
+
 def commit(
     reqs: Seq[Request],
     drafts: Seq[Draft],
@@ -126,18 +168,31 @@ def commit(
     drafter: Drafter,
     outputs: OutputProcessor,
     draft_s: float = 0.0,
+    verify_s: float = 0.0,
 ) -> list[str]:
     """Append each verdict to its request, count it (with `draft_s` seconds of drafting
-    each), sync the drafter; returns new texts."""
+    each), record its `StepEvent` when the request asked (with the batch's `verify_s`), sync
+    the drafter; returns new texts."""
     texts = []
     for req, draft, verdict in zip(reqs, drafts, verdicts, strict=True):
         before = len(req.output_ids)
-        texts.append(outputs.process(req, req.append(verdict.tokens.tolist())))
+        pieces: list[str] | None = [] if req.params.step_events else None
+        texts.append(outputs.process(req, req.append(verdict.tokens.tolist()), pieces))
         depth = draft.tree.depth if draft.tree is not None else None
         emitted = len(req.output_ids) - before
         req.spec.record(int(draft.tokens.numel()), verdict.num_accepted, emitted, depth, draft_s)
+        if pieces is not None:
+            seconds = (draft_s, verify_s)
+            req.steps.append(step_event(req, draft, verdict, before, pieces, seconds, len(reqs)))
         drafter.commit(req, verdict)
     return texts
+
+
+def draft_cap(req: Request) -> int:
+    """The most draft tokens `req` takes per step: its own `num_speculative_tokens`, else
+    MAX_SPECULATIVE_TOKENS."""
+    asked = req.params.num_speculative_tokens
+    return MAX_SPECULATIVE_TOKENS if asked is None else asked
 
 
 def speculative_step(
@@ -154,7 +209,7 @@ def speculative_step(
     ids = [r.request_id for r in reqs]
     chosen = draft_length.limits(ids)
     limits = [
-        min(k, MAX_SPECULATIVE_TOKENS, r.max_new - len(r.output_ids) - 1)
+        min(k, draft_cap(r), r.max_new - len(r.output_ids) - 1)
         for r, k in zip(reqs, chosen, strict=True)
     ]
     start = time.perf_counter()
@@ -163,6 +218,8 @@ def speculative_step(
     check_drafts(drafts, limits, model.config.vocab_size)
     keep_argmax = getattr(drafter, "wants_target_argmax", False)
     verdicts = verify(model, cache, reqs, drafts, st, drafter.hidden_layers or None, keep_argmax)
+    verify_s = time.perf_counter() - drafted
     per_token_s = drafted - start - getattr(drafter, "setup_s", 0.0)  # prompts' prefills aside
-    draft_length.observe(ids, drafts, verdicts, per_token_s, time.perf_counter() - drafted)
-    return commit(reqs, drafts, verdicts, drafter, outputs, (drafted - start) / len(reqs))
+    draft_length.observe(ids, drafts, verdicts, per_token_s, verify_s)
+    draft_s = (drafted - start) / len(reqs)
+    return commit(reqs, drafts, verdicts, drafter, outputs, draft_s, verify_s)

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from specdecode.bench.costs import pass_seconds
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
+from specdecode.drafters.mux import DrafterMux
 from specdecode.engine.async_engine import AsyncEngine
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import Request as EngineRequest
@@ -44,6 +46,7 @@ from specdecode.types import RequestOutput
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is there
+REPLICA_HEADER = "x-specdecode-replica"  # which replica answered (ServeConfig.replica_id)
 PASS_CONTEXT = 256  # cached tokens before the passes measured at start (`seed_pass_costs`)
 
 
@@ -54,11 +57,14 @@ class ServeConfig:
     served_model_name: the name clients pass as `model` (and /v1/models lists).
     api_key: when set, /v1 routes need `Authorization: Bearer <api_key>`.
     scheduler: the continuous batch's limits.
+    replica_id: when set (one replica of several, `server/ray_serve.py`), every response
+        carries it in the `x-specdecode-replica` header.
     """
 
     served_model_name: str
     api_key: str | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    replica_id: str | None = None
 
 
 def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
@@ -102,6 +108,14 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
         message = f"internal error: {type(error).__name__}: {error}"
         return APIError(500, message, "internal_server_error", None, "internal_error").response()
 
+    if config.replica_id is not None:
+
+        @app.middleware("http")
+        async def name_the_replica(request: Request, call_next: Any) -> Response:
+            response = await call_next(request)
+            response.headers[REPLICA_HEADER] = str(config.replica_id)
+            return response
+
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
         guarded = config.api_key is not None and request.url.path.startswith("/v1")
@@ -139,6 +153,22 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
                 }
             ],
         }
+
+    @app.get("/viz/config")
+    async def viz_config() -> dict[str, Any]:
+        return api.viz_config()
+
+    @app.get("/viz")
+    async def viz_page() -> Response:
+        return _static("viz.html", "text/html")
+
+    @app.get("/viz/viz.js")
+    async def viz_script() -> Response:
+        return _static("viz.js", "text/javascript")
+
+    @app.get("/viz/viz.css")
+    async def viz_style() -> Response:
+        return _static("viz.css", "text/css")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -184,6 +214,12 @@ def _validation_error(error: RequestValidationError) -> APIError:
     param = ".".join(where) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return bad_request(message, param)
+
+
+def _static(name: str, media_type: str) -> Response:
+    """A file of the visualizer (`specdecode/server/static/`)."""
+    text = resources.files("specdecode.server").joinpath("static", name).read_text("utf-8")
+    return Response(text, media_type=f"{media_type}; charset=utf-8")
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -261,6 +297,7 @@ class _Api:
         request_id = f"{kind}-{uuid.uuid4().hex}"
         try:
             params = body.sampling_params(max_tokens)
+            self.engine.check_drafter_name(params.drafter)
             request = self.llm.make_request({"prompt_token_ids": ids}, params, request_id)
             self.engine.scheduler.check_fits(request)
         except UserError as error:
@@ -268,6 +305,21 @@ class _Api:
         return request
 
     # -- routes -----------------------------------------------------------------------------
+
+    def viz_config(self) -> dict[str, Any]:
+        """What the visualizer page offers: the model's name, whether it has a chat template,
+        and the drafters served (name, K) in order, the default first."""
+        drafter = self.engine.drafter
+        drafters = (
+            [{"name": n, "num_speculative_tokens": k} for n, (_, k) in drafter.drafters.items()]
+            if isinstance(drafter, DrafterMux)
+            else []
+        )
+        return {
+            "model": self.config.served_model_name,
+            "chat": self.llm.tokenizer.chat_template is not None,
+            "drafters": drafters,
+        }
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
@@ -301,7 +353,9 @@ class _Api:
             "finish_reason": out.outputs[0].finish_reason,
             "logprobs": None,
         }
-        return JSONResponse({**head, "choices": [choice], "usage": usage(out)})
+        return JSONResponse(
+            {**head, "choices": [choice], "usage": usage(out), **self.steps(request, out)}
+        )
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         self.check_model(body.model)
@@ -324,7 +378,23 @@ class _Api:
             "logprobs": None,
         }
         head = envelope("chat.completion", request.request_id, body.model)
-        return JSONResponse({**head, "choices": [choice], "usage": usage(out)})
+        return JSONResponse(
+            {**head, "choices": [choice], "usage": usage(out), **self.steps(request, out)}
+        )
+
+    def steps(self, request: EngineRequest, out: RequestOutput, sent: int = 0) -> dict[str, Any]:
+        """`{"step_events": [...]}`: the output's step events from index `sent` on, each with
+        `drafted_pieces` (every drafted token's text alone); {} when the request did not ask
+        for them."""
+        if not request.params.step_events:
+            return {}
+        events = out.outputs[0].steps[sent:]
+        decode = self.llm.tokenizer.decode
+        return {
+            "step_events": [
+                {**e.as_dict(), "drafted_pieces": [decode([t]) for t in e.drafted]} for e in events
+            ]
+        }
 
     # -- running ----------------------------------------------------------------------------
 
@@ -375,12 +445,14 @@ class _Api:
             delta = {"role": "assistant", "content": ""}
             first = {"index": 0, "delta": delta, "finish_reason": None}
             yield _sse({**head, "choices": [first], **extra})
-        out = None
+        out, sent = None, 0
         async for text, out in self._events(request):
             body = {"delta": {"content": text} if text else {}} if chat else {"text": text}
             reason = out.outputs[0].finish_reason
             choice = {"index": 0, **body, "finish_reason": reason, "logprobs": None}
-            yield _sse({**head, "choices": [choice], **extra})
+            steps = self.steps(request, out, sent)
+            sent = len(out.outputs[0].steps)
+            yield _sse({**head, "choices": [choice], **extra, **steps})
         if include_usage and out is not None:
             yield _sse({**head, "choices": [], "usage": usage(out)})
         yield _sse("[DONE]")

@@ -1,5 +1,6 @@
 """The request bodies the server accepts (OpenAI's fields, plus vLLM's `top_k` and
-`ignore_eos`) and the response objects it sends. Unknown fields are ignored, as vLLM does;
+`ignore_eos`, and ours: `num_speculative_tokens`, `drafter` and `step_events`, see
+`SamplingParams`) and the response objects it sends. Unknown fields are ignored, as vLLM does;
 fields we cannot honour (n > 1, logprobs, echo, penalties) are refused with a 400 that names
 them."""
 
@@ -10,9 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specdecode import energy
 from specdecode.metrics import SpecCounters
 from specdecode.server.errors import bad_request
-from specdecode.types import RequestOutput, SamplingParams
+from specdecode.types import MAX_SPECULATIVE_TOKENS, RequestOutput, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -38,6 +40,9 @@ class _Sampling(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: Any = None
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    drafter: str | None = None
+    step_events: bool = False
 
     def refuse_unsupported(self) -> None:
         """400 for fields whose non-default values we cannot honour."""
@@ -63,6 +68,9 @@ class _Sampling(BaseModel):
             seed=self.seed,
             stop=tuple(stop),
             ignore_eos=self.ignore_eos,
+            num_speculative_tokens=self.num_speculative_tokens,
+            drafter=self.drafter,
+            step_events=self.step_events,
         )
 
     @property
@@ -144,7 +152,8 @@ class DetokenizeRequest(BaseModel):
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:
-    """OpenAI's usage object plus `speculative_decoding`: the request's drafting counters."""
+    """OpenAI's usage object plus `speculative_decoding` (the request's drafting counters) and
+    `energy` (its CPU seconds and the energy they are estimated at, `specdecode.energy`)."""
     assert out.metrics is not None
     spec: SpecCounters = out.metrics.spec
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
@@ -159,6 +168,12 @@ def usage(out: RequestOutput) -> dict[str, Any]:
             "acceptance_rate": spec.acceptance_rate,
             "mean_acceptance_length": spec.mean_acceptance_length,
             "accepted_per_position": list(spec.accepted_per_position),
+        },
+        "energy": {
+            "cpu_s": out.metrics.cpu_s,
+            "joules_estimate": out.metrics.energy_j,
+            "joules_per_token_estimate": out.metrics.energy_j / max(1, completion),
+            "method": energy.method(),
         },
     }
 

@@ -1,0 +1,74 @@
+"""Several drafters behind one: each request drafts with the one its `SamplingParams.drafter`
+names (the first when it names none), so one server offers, e.g., prompt lookup and a draft
+model side by side (`specdecode serve --speculative-config A --speculative-config B`).
+
+Every request of a step is still verified in the same target pass; only drafting is split by
+drafter. At most one of the drafters may read the target's hidden states (the pass keeps one
+set of layers for every row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from specdecode.drafters.base import Drafter, SeqView
+from specdecode.errors import UserError
+from specdecode.types import Draft, Verdict
+
+
+class DrafterMux:
+    """Routes each sequence to one of `drafters` (name -> (drafter, its K)); the first is the
+    default. A sequence drafts at most its drafter's K tokens per step."""
+
+    def __init__(self, drafters: Mapping[str, tuple[Drafter, int]]) -> None:
+        if not drafters:
+            raise UserError("a DrafterMux needs at least one drafter")
+        self.drafters = dict(drafters)
+        self.default = next(iter(self.drafters))
+        readers = {d.hidden_layers for d, _ in self.drafters.values() if d.hidden_layers}
+        if len(readers) > 1:
+            raise UserError(
+                "at most one of the drafters served together may read the target's hidden "
+                f"states (these ask for layers {sorted(readers)}); serve the others apart"
+            )
+        self.hidden_layers = next(iter(readers), None)
+        self.wants_target_argmax = any(
+            getattr(d, "wants_target_argmax", False) for d, _ in self.drafters.values()
+        )
+        self.setup_s = 0.0  # the latest propose's one-time work, all drafters together
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.drafters)
+
+    def check(self, name: str | None) -> None:
+        """Refuse a drafter name that is not served, saying which are."""
+        if name is not None and name not in self.drafters:
+            raise UserError(f"drafter {name!r} is not served here; choose one of {self.names}")
+
+    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+        """Each drafter drafts for its own sequences (in their order); the drafts come back
+        in the order of `seqs`."""
+        groups: dict[str, list[int]] = {}
+        for row, seq in enumerate(seqs):
+            groups.setdefault(self._name(seq), []).append(row)
+        drafts: dict[int, Draft] = {}
+        self.setup_s = 0.0
+        for name, rows in groups.items():
+            drafter, k = self.drafters[name]
+            limits = [min(max_tokens[row], k) for row in rows]
+            proposed = drafter.propose([seqs[row] for row in rows], limits)
+            drafts.update(zip(rows, proposed, strict=True))
+            self.setup_s += getattr(drafter, "setup_s", 0.0)
+        return [drafts[row] for row in range(len(seqs))]
+
+    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+        self.drafters[self._name(seq)][0].commit(seq, verdict)
+
+    def release(self, request_id: str) -> None:
+        """Every drafter forgets the request (those that never saw it ignore the call)."""
+        for drafter, _ in self.drafters.values():
+            drafter.release(request_id)
+
+    def _name(self, seq: SeqView) -> str:
+        return seq.params.drafter or self.default
