@@ -6,7 +6,7 @@ Starts, side by side on 127.0.0.1: `specdecode serve MODEL` (one engine, all cor
 proxy); for the latency, also `--replicas 1` (one engine with all cores, behind the proxy).
 Then it alternates between them, round by round (an idle server costs nothing): a burst of
 CONCURRENCY streamed chat requests (aggregate completion tokens / wall seconds of the burst),
-and single requests (seconds to the last token).
+and single requests, streamed and not (seconds to the last token).
 
     python benchmarks/ray_scaleout.py --model smollm2-135m --replicas 2 --concurrency 8
 """
@@ -92,10 +92,20 @@ def burst(base: str, model: str, concurrency: int, max_tokens: int) -> float:
     return sum(counts) / (time.perf_counter() - start)
 
 
-def lone(base: str, model: str, max_tokens: int) -> float:
-    """Seconds of one request alone."""
+def lone(base: str, model: str, max_tokens: int, stream: bool) -> float:
+    """Seconds of one request alone, streamed or not."""
     start = time.perf_counter()
-    request(base, model, PROMPTS[0], max_tokens)
+    if stream:
+        request(base, model, PROMPTS[0], max_tokens)
+    else:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": PROMPTS[0]}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        httpx.post(f"{base}/v1/chat/completions", json=body, timeout=600).raise_for_status()
     return time.perf_counter() - start
 
 
@@ -134,24 +144,30 @@ def main() -> None:
             bases[name] = base
         rates: dict[str, list[float]] = {name: [] for name in setups}
         latency: dict[str, list[float]] = {name: [] for name in setups}
+        whole: dict[str, list[float]] = {name: [] for name in setups}  # not streamed
         for round_ in range(args.rounds + 1):
             order = list(setups) if round_ % 2 else list(reversed(setups))
             for name in order:
                 rate = burst(bases[name], args.model, args.concurrency, args.max_tokens)
-                seconds = lone(bases[name], args.model, args.max_tokens)
+                seconds = lone(bases[name], args.model, args.max_tokens, stream=True)
+                unstreamed = lone(bases[name], args.model, args.max_tokens, stream=False)
                 if round_:  # round 0 warms every replica up
                     rates[name].append(rate)
                     latency[name].append(seconds)
+                    whole[name].append(unstreamed)
         one, many = "one server", f"ray x{args.replicas}"
         for name in setups:
             print(
                 f"{name:12s} {args.concurrency} streams: {summary(rates[name])} tok/s; "
-                f"one request alone: {summary(latency[name])} s"
+                f"one request alone: {summary(latency[name])} s streamed, "
+                f"{summary(whole[name])} s not streamed"
             )
         gain = [a / b for a, b in zip(rates[many], rates[one], strict=True)]
         added = [a / b - 1 for a, b in zip(latency["ray x1"], latency[one], strict=True)]
         print(f"{many} / one server, aggregate tokens/s: {summary(gain)}")
-        print(f"latency added by the proxy (ray x1 / one server - 1): {summary(added)}")
+        print(f"latency added by the proxy, streamed (ray x1 / one server - 1): {summary(added)}")
+        added = [a / b - 1 for a, b in zip(whole["ray x1"], whole[one], strict=True)]
+        print(f"latency added by the proxy, not streamed: {summary(added)}")
     finally:
         for server in servers:
             server.terminate()

@@ -24,7 +24,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 PROMPT = (
-    "Add type hints to this Python function. Reply with the whole function only.\n\n"
+    "Rewrite this Python function with a while loop instead of the for loop, and add a "
+    "docstring. Reply with the whole function only.\n\n"
     "def is_prime(n):\n    if n < 2:\n        return False\n"
     "    for d in range(2, int(n ** 0.5) + 1):\n        if n % d == 0:\n            return False\n"
     "    return True\n"
@@ -59,7 +60,7 @@ def serve(model: str, port: int) -> subprocess.Popen:
 def screenshot(base: str, out: Path, max_tokens: int) -> None:
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,1100"):
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,1350"):
         options.add_argument(flag)
     chrome = webdriver.Chrome(
         options=options, service=webdriver.ChromeService("/usr/bin/chromedriver")
@@ -116,6 +117,8 @@ def main() -> None:
     base = f"http://127.0.0.1:{args.port}"
     try:
         screenshot(base, args.out, args.max_tokens)
+        if not args.rounds:
+            return
         rates: dict[bool, list[float]] = {True: [], False: []}
         for round_ in range(args.rounds):
             for events in (True, False) if round_ % 2 else (False, True):
