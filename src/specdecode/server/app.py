@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from specdecode import energy
 from specdecode.bench.costs import pass_seconds
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.drafters.mux import DrafterMux
@@ -70,6 +71,7 @@ class ServeConfig:
 def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
     """The app serving `llm` (its target, tokenizer and drafter) as `config` says. The app's
     engine takes over `llm`'s drafter: do not generate with `llm` while the app serves."""
+    energy.watts_per_core()  # a bad SPECDECODE_WATTS_PER_CORE stops the start, not a request
     engine = Engine(
         llm.model, llm.tokenizer, llm.engine.drafter, llm.engine.draft_length, config.scheduler
     )
