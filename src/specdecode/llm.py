@@ -116,6 +116,7 @@ class LLM:
         "fixed"."""
         if not configs:
             raise UserError("with_drafters needs at least one speculative_config")
+        other = copy.copy(self)  # builds the drafters: loading leaves this LLM as it is
         named: dict[str, tuple[Drafter, int]] = {}
         parsed = []
         for raw in configs:
@@ -135,29 +136,31 @@ class LLM:
                     f"drafter {name!r}: draft_length {config.draft_length!r} needs the "
                     'drafter alone; drafters served together use "fixed"'
                 )
-            named[name] = (
-                self.with_speculative_config(config).engine.drafter,
-                config.num_speculative_tokens,
-            )
+            named[name] = (other._build_drafter(config), config.num_speculative_tokens)
             parsed.append(config)
-        other = self.with_speculative_config(None)
         most = max(k for _, k in named.values())
         policy = parsed[0].draft_length if len(parsed) == 1 else "fixed"
-        other.drafter_config = parsed[0]
-        other.engine = Engine(
-            self.model, self.tokenizer, DrafterMux(named), DraftLength(policy, most)
-        )
+        other._use_drafter(parsed[0], DrafterMux(named), DraftLength(policy, most))
+        other._ids = itertools.count()
         return other
 
-    def _use_drafter(self, config: DrafterConfig | None, drafter: Drafter | None) -> None:
-        """Build the engine around `drafter`, or the one `config` describes (neither: plain
-        decoding); metrics start from zero."""
+    def _build_drafter(self, config: DrafterConfig) -> Drafter:
+        """The drafter `config` describes, on this LLM's target (draft models shared)."""
+        context = DrafterContext(self.model, self.tokenizer, self._load_draft_model)
+        return build_drafter(config, context)
+
+    def _use_drafter(
+        self,
+        config: DrafterConfig | None,
+        drafter: Drafter | None,
+        draft_length: DraftLength | None = None,
+    ) -> None:
+        """Build the engine around `drafter` (with `draft_length`), or the one `config`
+        describes (neither: plain decoding); metrics start from zero."""
         self.drafter_config = config  # the validated speculative_config, or None
         self.draft_model: Transformer | None = None  # the draft model the drafter runs, if any
-        draft_length = None
-        if config is not None:
-            context = DrafterContext(self.model, self.tokenizer, self._load_draft_model)
-            drafter = build_drafter(config, context)
+        if config is not None and drafter is None:
+            drafter = self._build_drafter(config)
             draft_length = DraftLength(config.draft_length, config.num_speculative_tokens)
         self.engine = Engine(self.model, self.tokenizer, drafter, draft_length)
         self.spec_metrics = SpecCounters()  # all requests of this LLM added together

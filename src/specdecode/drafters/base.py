@@ -195,6 +195,9 @@ class Drafter(Protocol):
     setup_s (optional, default 0): seconds of the latest `propose` spent on one-time work,
     e.g. a draft model prefilling a new sequence's prompt; the draft-length policy leaves
     them out of its per-token drafting cost (they are paid once, not per draft token).
+
+    names (optional, default ()): the names a request may give as `SamplingParams.drafter`
+    (a `DrafterMux`'s drafters); the engine refuses any other name.
     """
 
     hidden_layers: tuple[int, ...] | None

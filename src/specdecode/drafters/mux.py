@@ -39,12 +39,8 @@ class DrafterMux:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The drafters' names, the default first (the engine checks requests against them)."""
         return tuple(self.drafters)
-
-    def check(self, name: str | None) -> None:
-        """Refuse a drafter name that is not served, saying which are."""
-        if name is not None and name not in self.drafters:
-            raise UserError(f"drafter {name!r} is not served here; choose one of {self.names}")
 
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
         """Each drafter drafts for its own sequences (in their order); the drafts come back

@@ -19,7 +19,6 @@ import torch
 
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
-from specdecode.drafters.mux import DrafterMux
 from specdecode.drafters.plain import EMPTY_DRAFT, PlainDrafter
 from specdecode.energy import cpu_seconds
 from specdecode.engine.draft_length import DraftLength
@@ -95,14 +94,17 @@ class Engine:
         self._ids.add(request.request_id)
 
     def check_drafter_name(self, name: str | None) -> None:
-        """Refuse a request's `drafter` name that this engine's drafter does not serve."""
-        if isinstance(self.drafter, DrafterMux):
-            self.drafter.check(name)
-        elif name is not None:
-            raise UserError(
-                f"drafter {name!r} was asked for, but this engine has one drafter and no names; "
-                "leave 'drafter' out (a server given several --speculative-config names them)"
-            )
+        """Refuse a request's `drafter` name that this engine's drafter does not answer to
+        (`Drafter.names`)."""
+        names = getattr(self.drafter, "names", ())
+        if name is None or name in names:
+            return
+        if names:
+            raise UserError(f"drafter {name!r} is not served here; choose one of {names}")
+        raise UserError(
+            f"drafter {name!r} was asked for, but this engine has one drafter and no names; "
+            "leave 'drafter' out (a server given several --speculative-config names them)"
+        )
 
     def abort(self, request_id: str) -> bool:
         """Cancel a waiting or running request (its row leaves at the next step); False when

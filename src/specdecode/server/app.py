@@ -15,7 +15,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,7 +25,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from specdecode import energy
 from specdecode.bench.costs import pass_seconds
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
-from specdecode.drafters.mux import DrafterMux
 from specdecode.engine.async_engine import AsyncEngine
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import Request as EngineRequest
@@ -43,6 +41,7 @@ from specdecode.server.protocol import (
     envelope,
     usage,
 )
+from specdecode.server.viz import add_viz_routes
 from specdecode.types import RequestOutput
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -156,21 +155,7 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
             ],
         }
 
-    @app.get("/viz/config")
-    async def viz_config() -> dict[str, Any]:
-        return api.viz_config()
-
-    @app.get("/viz")
-    async def viz_page() -> Response:
-        return _static("viz.html", "text/html")
-
-    @app.get("/viz/viz.js")
-    async def viz_script() -> Response:
-        return _static("viz.js", "text/javascript")
-
-    @app.get("/viz/viz.css")
-    async def viz_style() -> Response:
-        return _static("viz.css", "text/css")
+    add_viz_routes(app, llm, engine, config.served_model_name)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -216,12 +201,6 @@ def _validation_error(error: RequestValidationError) -> APIError:
     param = ".".join(where) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return bad_request(message, param)
-
-
-def _static(name: str, media_type: str) -> Response:
-    """A file of the visualizer (`specdecode/server/static/`)."""
-    text = resources.files("specdecode.server").joinpath("static", name).read_text("utf-8")
-    return Response(text, media_type=f"{media_type}; charset=utf-8")
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -307,21 +286,6 @@ class _Api:
         return request
 
     # -- routes -----------------------------------------------------------------------------
-
-    def viz_config(self) -> dict[str, Any]:
-        """What the visualizer page offers: the model's name, whether it has a chat template,
-        and the drafters served (name, K) in order, the default first."""
-        drafter = self.engine.drafter
-        drafters = (
-            [{"name": n, "num_speculative_tokens": k} for n, (_, k) in drafter.drafters.items()]
-            if isinstance(drafter, DrafterMux)
-            else []
-        )
-        return {
-            "model": self.config.served_model_name,
-            "chat": self.llm.tokenizer.chat_template is not None,
-            "drafters": drafters,
-        }
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
