@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from specdecode.types import RequestOutput, SamplingParams, TargetFeatures
 
@@ -55,3 +56,28 @@ def assert_fully_accepted(outs: list[RequestOutput], k: int) -> None:
         spec = out.metrics.spec
         assert spec.acceptance_rate >= 0.98
         assert 0.98 * (k + 1) * (1 - (k + 2) / 40) <= spec.mean_acceptance_length <= k + 1
+
+
+def chi2_pvalue(observed: Tensor, expected_probs: Tensor) -> float:
+    """Chi-square goodness-of-fit p-value; cells with expected count < 5 are pooled.
+
+    observed: [V, V] counts; expected_probs: [V, V] summing to 1. Cells of probability 0 must
+    be empty (asserted) and are left out. sf(x; df) = Q(df / 2, x / 2), the regularized upper
+    incomplete gamma function (no scipy needed).
+    """
+    obs, exp = observed.flatten().double(), expected_probs.flatten().double() * observed.sum()
+    assert obs[exp == 0].sum() == 0, "a (t0, t1) pair of target probability 0 was emitted"
+    big, small = exp >= 5, (exp > 0) & (exp < 5)
+    obs_cells, exp_cells = obs[big], exp[big]
+    if small.any():
+        pooled_obs, pooled_exp = obs[small].sum(), exp[small].sum()
+        if pooled_exp >= 5:
+            obs_cells = torch.cat([obs_cells, pooled_obs[None]])
+            exp_cells = torch.cat([exp_cells, pooled_exp[None]])
+        else:  # too small on its own: merge into the smallest big cell
+            i = exp_cells.argmin()
+            obs_cells[i] += pooled_obs
+            exp_cells[i] += pooled_exp
+    stat = ((obs_cells - exp_cells) ** 2 / exp_cells).sum()
+    df = torch.tensor((len(exp_cells) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, stat / 2))

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+from spec_cases import chi2_pvalue
 from torch import Tensor
 
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
@@ -311,31 +312,6 @@ def _joint_counts(
     return torch.bincount(t0 * V + t1, minlength=V * V).view(V, V)
 
 
-def _chi2_pvalue(observed: Tensor, expected_probs: Tensor) -> float:
-    """Chi-square goodness-of-fit p-value; cells with expected count < 5 are pooled.
-
-    observed: [V, V] counts; expected_probs: [V, V] summing to 1. Cells of probability 0 must
-    be empty (asserted) and are left out. sf(x; df) = Q(df / 2, x / 2), the regularized upper
-    incomplete gamma function (no scipy needed).
-    """
-    obs, exp = observed.flatten().double(), expected_probs.flatten().double() * observed.sum()
-    assert obs[exp == 0].sum() == 0, "a (t0, t1) pair of target probability 0 was emitted"
-    big, small = exp >= 5, (exp > 0) & (exp < 5)
-    obs_cells, exp_cells = obs[big], exp[big]
-    if small.any():
-        pooled_obs, pooled_exp = obs[small].sum(), exp[small].sum()
-        if pooled_exp >= 5:
-            obs_cells = torch.cat([obs_cells, pooled_obs[None]])
-            exp_cells = torch.cat([exp_cells, pooled_exp[None]])
-        else:  # too small on its own: merge into the smallest big cell
-            i = exp_cells.argmin()
-            obs_cells[i] += pooled_obs
-            exp_cells[i] += pooled_exp
-    stat = ((obs_cells - exp_cells) ** 2 / exp_cells).sum()
-    df = torch.tensor((len(exp_cells) - 1) / 2, dtype=torch.float64)
-    return float(torch.special.gammaincc(df, stat / 2))
-
-
 def _target_joint(tables: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
     p0, big_p, _, _ = tables
     return p0[:, None] * big_p  # [V, V]: p(t0, t1) = p_0(t0) P(t1 | t0)
@@ -384,7 +360,7 @@ def test_output_distribution_equals_target(fixed_draft: tuple[int, int] | None) 
     tables = _chain_tables()
     counts = _joint_counts(tables, verify_chain, seed=100, fixed_draft=fixed_draft)
     assert counts.sum() == NUM_TRIALS
-    pvalue = _chi2_pvalue(counts, _target_joint(tables))
+    pvalue = chi2_pvalue(counts, _target_joint(tables))
     print(f"correct verifier, {fixed_draft=}: p-value {pvalue:.4g}")
     assert pvalue > ALPHA
 
@@ -406,7 +382,7 @@ def test_distribution_test_catches_biased_verifier(
     """The harness above has the power to reject each biased rule."""
     tables = _chain_tables()
     counts = _joint_counts(tables, biased, seed=100, fixed_draft=fixed_draft)
-    pvalue = _chi2_pvalue(counts, _target_joint(tables))
+    pvalue = chi2_pvalue(counts, _target_joint(tables))
     print(f"biased {biased.__name__}, {fixed_draft=}: p-value {pvalue:.4g}")
     assert pvalue < ALPHA
 
@@ -427,7 +403,7 @@ def test_top_k_top_p_target_distribution_and_support(
     assert (expected == 0).sum() >= V * V // 3  # the warping really removes tokens
     counts = _joint_counts(tables, verify_chain, seed=200, fixed_draft=fixed_draft)
     assert counts[expected == 0].sum() == 0
-    pvalue = _chi2_pvalue(counts, expected)
+    pvalue = chi2_pvalue(counts, expected)
     print(f"correct verifier, {target}, {fixed_draft=}: p-value {pvalue:.4g}")
     assert pvalue > ALPHA
 

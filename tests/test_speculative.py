@@ -268,7 +268,7 @@ def test_a_drafter_must_be_a_drafter(tiny_model_dir: Path) -> None:
         LLM(str(tiny_model_dir), speculative_config=config, drafter=RandomDrafter(2, 300))
 
 
-def _example_config(method: str, model_dir: Path) -> dict[str, object]:
+def example_config(method: str, model_dir: Path) -> dict[str, object]:
     """A speculative_config of each registered method for the tiny models."""
     examples: dict[str, dict[str, object]] = {
         "ngram": {"num_speculative_tokens": 4, "prompt_lookup_min": 1},
@@ -305,7 +305,7 @@ def test_every_registered_drafter_is_lossless(
 ) -> None:
     """The contract test over the registry: greedy output equals plain decoding, batched and
     alone, and sampling with a seed is reproducible."""
-    config = _example_config(method, tiny_model_dir)
+    config = example_config(method, tiny_model_dir)
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
     assert [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert list(llm.generate(PROMPTS[1], GREEDY)[0].token_ids) == expected[1]

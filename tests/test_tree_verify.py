@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_rejection import _chi2_pvalue
+from spec_cases import chi2_pvalue
 from torch import Tensor
 
 from specdecode.sampling import tree as tree_module
@@ -125,7 +125,7 @@ def test_tree_sampling_is_exact(how: str, target: str) -> None:
     tables = _tables(TARGETS[target])
     counts = _first_two(tables, how, seed=1)
     expected = tables[0][:, None] * tables[1]  # p(t0) P(t1 | t0)
-    assert _chi2_pvalue(counts, expected) > ALPHA
+    assert chi2_pvalue(counts, expected) > ALPHA
 
 
 @pytest.mark.parametrize("how", ["iid", "top"])
@@ -133,7 +133,7 @@ def test_a_verifier_that_skips_the_residual_update_fails(how: str, monkeypatch) 
     monkeypatch.setattr(tree_module, "_residual", lambda r, x, q: r)
     tables = _tables(TARGETS["plain"])
     counts = _first_two(tables, how, seed=2)
-    assert _chi2_pvalue(counts, tables[0][:, None] * tables[1]) < 1e-6
+    assert chi2_pvalue(counts, tables[0][:, None] * tables[1]) < 1e-6
 
 
 def test_a_verifier_that_drops_only_the_rejected_token_fails(monkeypatch) -> None:
@@ -143,7 +143,7 @@ def test_a_verifier_that_drops_only_the_rejected_token_fails(monkeypatch) -> Non
     monkeypatch.setattr(tree_module, "_residual", lambda r, x, q: residual(r, x, None))
     tables = _tables(TARGETS["plain"])
     counts = _first_two(tables, "iid", seed=3)
-    assert _chi2_pvalue(counts, tables[0][:, None] * tables[1]) < 1e-6
+    assert chi2_pvalue(counts, tables[0][:, None] * tables[1]) < 1e-6
 
 
 def test_sampled_children_verified_as_deterministic_ones_stay_exact() -> None:
@@ -151,4 +151,4 @@ def test_sampled_children_verified_as_deterministic_ones_stay_exact() -> None:
     since the choice does not depend on the verifier's random numbers (it only accepts less)."""
     tables = _tables(TARGETS["plain"])
     counts = _first_two(tables, "iid", seed=3, verifier_probs="none")
-    assert _chi2_pvalue(counts, tables[0][:, None] * tables[1]) > ALPHA
+    assert chi2_pvalue(counts, tables[0][:, None] * tables[1]) > ALPHA

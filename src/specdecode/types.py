@@ -9,6 +9,7 @@ from torch import Tensor
 from specdecode.energy import joules
 from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
+from specdecode.structured.params import StructuredOutputsParams
 from specdecode.tree.token_tree import TokenTree
 
 MAX_SPECULATIVE_TOKENS = 64  # the longest draft; the engine keeps this many spare cache slots
@@ -32,6 +33,10 @@ class SamplingParams:
         several (`specdecode.drafters.mux`); None = its first (or only) one.
     step_events: record a `StepEvent` per step in the output (`CompletionOutput.steps`): what
         was drafted, accepted, corrected, and when. Off by default; off costs nothing.
+    structured_outputs: a constraint the whole output keeps (JSON schema, JSON object, regex,
+        choice or grammar; `StructuredOutputsParams`, or a dict of its fields); it ends with
+        the end-of-sequence token, so it cannot go with ignore_eos. Speculation stays exact
+        under it.
     """
 
     temperature: float = 1.0
@@ -44,6 +49,7 @@ class SamplingParams:
     num_speculative_tokens: int | None = None
     drafter: str | None = None
     step_events: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +84,20 @@ class SamplingParams:
             raise UserError(f"drafter must be None or a drafter's name, got {self.drafter!r}")
         if not isinstance(self.step_events, bool):
             raise UserError(f"step_events must be true or false, got {self.step_events!r}")
+        constraint = self.structured_outputs
+        if isinstance(constraint, dict):
+            constraint = StructuredOutputsParams.from_dict(constraint)
+            object.__setattr__(self, "structured_outputs", constraint)
+        elif constraint is not None and not isinstance(constraint, StructuredOutputsParams):
+            raise UserError(
+                "structured_outputs must be None, a StructuredOutputsParams or a dict of its "
+                f"fields, got {type(constraint).__name__}"
+            )
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise UserError(
+                "structured_outputs end with the end-of-sequence token; ignore_eos cannot be set "
+                "with them"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -32,6 +32,9 @@ from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import verdicts, verify_chain
+from specdecode.structured.drafts import mask_logits
+from specdecode.structured.grammars import Grammars
+from specdecode.structured.state import all_allowed
 from specdecode.types import RequestOutput
 
 
@@ -67,6 +70,7 @@ class Engine:
         most = MAX_SPECULATIVE_TOKENS if drafter is not None else 0
         self.draft_length = draft_length or DraftLength("fixed", most)
         self.outputs = OutputProcessor(tokenizer)
+        self.grammars = Grammars(tokenizer, model.config.vocab_size)
         self.scheduler = Scheduler(scheduler or SchedulerConfig())
         self.cache: KVCache | None = None  # rows = scheduler.running, in order
         self._ids: set[str] = set()  # requests added and not yet released
@@ -85,10 +89,14 @@ class Engine:
 
     def add(self, request: Request) -> None:
         """Queue a request; it joins the running batch at a later `step`. Refuses a request id
-        already in flight or a request that could never fit the KV cache."""
+        already in flight, a request that could never fit the KV cache, and a bad constraint
+        (its grammar is compiled here)."""
         if request.request_id in self._ids:
             raise UserError(f"request id {request.request_id!r} is already in flight")
         self.check_drafter_name(request.params.drafter)
+        constraint = request.params.structured_outputs
+        if constraint is not None:
+            request.grammar = self.grammars.start(constraint, request.eos_ids)
         self.scheduler.add(request)
         self.outputs.add(request)
         self._ids.add(request.request_id)
@@ -192,6 +200,10 @@ class Engine:
         layers = self.drafter.hidden_layers or None  # () asks for nothing too
         last = torch.tensor([[length - 1]], device=device)  # [1, 1]
         logits, hidden = self.model(tokens, meta, view, logits_index=last, hidden_layers=layers)
+        if req.grammar is not None:
+            mask = all_allowed(1, self.model.config.vocab_size)  # [1, W]
+            req.grammar.fill(mask, 0)
+            mask_logits(logits, [mask])
         self.cache.set_length(row, view.lengths[0])
         keep_features([req], meta.starts, [length], hidden if layers else None)
         st = SamplingTensors.from_params([req.params], device)

@@ -14,6 +14,7 @@ import torch
 
 from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
+from specdecode.structured.state import GrammarState
 from specdecode.types import SamplingParams, StepEvent, TargetFeatures
 
 
@@ -59,6 +60,7 @@ class Request:
         self.spec = SpecCounters()  # draft / accept counters of this request
         self.steps: list[StepEvent] = []  # with params.step_events: one per step
         self.cpu_s = 0.0  # CPU seconds of its prefill and its share of each batch step
+        self.grammar: GrammarState | None = None  # with params.structured_outputs (the engine's)
         self.features: TargetFeatures | None = None  # what the drafter asked to see
         self.target_argmax: list[int] | None = None  # likewise (Drafter.wants_target_argmax)
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"

@@ -28,6 +28,7 @@ from specdecode.model.transformer import Transformer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import verdicts, verify_chain
 from specdecode.sampling.tree import verify_tree
+from specdecode.structured.drafts import constrain_drafts, mask_logits
 from specdecode.tree.batch import kept_offsets, tree_metadata
 from specdecode.tree.token_tree import TokenTree
 from specdecode.types import Draft, StepEvent, TargetFeatures, Verdict
@@ -79,11 +80,12 @@ def verify(
     st: SamplingTensors,
     hidden_layers: tuple[int, ...] | None = None,
     keep_argmax: bool = False,
+    masks: Seq[Tensor | None] | None = None,
 ) -> list[Verdict]:
     """Run [last token, draft...] of every row through the target and verify the drafts
     (chains, or trees when any draft is one); with `hidden_layers`, keep the hidden states of
     the tokens kept (see `keep_features`); with `keep_argmax`, each request's
-    `target_argmax`."""
+    `target_argmax`; with `masks` (`constrain_drafts`), p is the grammar's masked one."""
     device = model.device
     draft_tokens, q, num_draft = pad_drafts(drafts, model.config.vocab_size, device)
     last = torch.tensor([r.output_ids[-1] for r in reqs], device=device)  # [B]
@@ -99,6 +101,8 @@ def verify(
             AttentionMode.DECODE, starts, sizes, device, tokens.shape[1], limit
         )
     logits, hidden = model(tokens, meta, cache, hidden_layers=hidden_layers)  # [B, K + 1, V]
+    if masks is not None:
+        mask_logits(logits, masks)
     p = probs_from_logits(logits, st)  # [B, K + 1, V]
     if keep_argmax:
         best = p.argmax(-1).tolist()  # [B][K + 1]
@@ -177,7 +181,10 @@ def commit(
     for req, draft, verdict in zip(reqs, drafts, verdicts, strict=True):
         before = len(req.output_ids)
         pieces: list[str] | None = [] if req.params.step_events else None
-        texts.append(outputs.process(req, req.append(verdict.tokens.tolist()), pieces))
+        taken = req.append(verdict.tokens.tolist())
+        if req.grammar is not None:
+            req.grammar.commit(taken)
+        texts.append(outputs.process(req, taken, pieces))
         depth = draft.tree.depth if draft.tree is not None else None
         emitted = len(req.output_ids) - before
         req.spec.record(int(draft.tokens.numel()), verdict.num_accepted, emitted, depth, draft_s)
@@ -204,8 +211,9 @@ def speculative_step(
     outputs: OutputProcessor,
     draft_length: DraftLength,
 ) -> list[str]:
-    """Draft (at most `draft_length`'s limit per request), verify and commit once for every
-    request; returns each one's new text."""
+    """Draft (at most `draft_length`'s limit per request), check the drafts of constrained
+    requests against their grammars, verify and commit once for every request; returns each
+    one's new text."""
     ids = [r.request_id for r in reqs]
     chosen = draft_length.limits(ids)
     limits = [
@@ -216,8 +224,13 @@ def speculative_step(
     drafts = drafter.propose(reqs, limits)
     drafted = time.perf_counter()
     check_drafts(drafts, limits, model.config.vocab_size)
+    masks = None
     keep_argmax = getattr(drafter, "wants_target_argmax", False)
-    verdicts = verify(model, cache, reqs, drafts, st, drafter.hidden_layers or None, keep_argmax)
+    if any(r.grammar is not None for r in reqs):
+        vocab = model.config.vocab_size
+        drafts, masks = constrain_drafts(reqs, drafts, limits, vocab, keep_shape=keep_argmax)
+    layers = drafter.hidden_layers or None
+    verdicts = verify(model, cache, reqs, drafts, st, layers, keep_argmax, masks)
     verify_s = time.perf_counter() - drafted
     per_token_s = drafted - start - getattr(drafter, "setup_s", 0.0)  # prompts' prefills aside
     draft_length.observe(ids, drafts, verdicts, per_token_s, verify_s)

@@ -181,6 +181,11 @@ class Tokenizer:
         token_ids = [self._check_id(i, "token id") for i in ids]
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The Hugging Face `tokenizers` object behind this one (read it; do not change it)."""
+        return self._backend
+
     def vocab(self) -> dict[str, int]:
         """Every token string with its id, added tokens included."""
         return self._backend.get_vocab(with_added_tokens=True)
