@@ -47,7 +47,17 @@ from specdecode.metrics import SpecCounters
 from specdecode.model.loading import load_model
 from specdecode.types import SamplingParams
 
-SHIPPED = ["chat", "translation", "summarize", "qa", "math", "rag", "edit", "multiturn"]
+SHIPPED = [
+    "chat",
+    "translation",
+    "summarize",
+    "qa",
+    "math",
+    "rag",
+    "edit",
+    "multiturn",
+    "extraction",
+]
 
 
 # --- method specs ---------------------------------------------------------------------------
@@ -110,11 +120,46 @@ def test_method_specs_parse_into_speculative_configs() -> None:
         ("hf-lookup:k=x", "bad option"),
         ("ngram:k=8:q=int3", "bad q='int3' in 'ngram:k=8:q=int3'; allowed: none, int8, int4"),
         ("llamacpp:q=int8", "takes no options"),
+        ("plain:schema=maybe", "bad schema='maybe' in 'plain:schema=maybe'; allowed: on, off"),
+        ("hf:schema=off", "takes no options"),
     ],
 )
 def test_bad_method_specs_say_what_is_allowed(text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         MethodSpec.parse(text)
+
+
+def test_prompts_with_a_schema_constrain_our_methods_unless_told_not_to() -> None:
+    """An extraction prompt's JSON schema constrains our methods' output; schema=off and the
+    peers run it free; a prompt without a schema is left alone."""
+    schema = json.dumps({"type": "object"})
+    with_schema = BenchPrompt("x-1", "extraction", ({"role": "user", "content": "x"},), schema)
+    without = BenchPrompt("c-1", "chat", ({"role": "user", "content": "x"},))
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    ngram, off = MethodSpec.parse("ngram:k=8"), MethodSpec.parse("ngram:k=8:schema=off")
+    constrained = harness.prompt_params(ngram, with_schema, params)
+    assert constrained.structured_outputs.json == schema
+    assert harness.prompt_params(off, with_schema, params) is params
+    assert harness.prompt_params(MethodSpec.parse("hf"), with_schema, params) is params
+    assert harness.prompt_params(ngram, without, params) is params
+    assert MethodSpec.parse("plain:schema=on").constrained and not off.constrained
+
+
+def test_extraction_prompts_carry_their_schema() -> None:
+    """Every extraction prompt has a valid JSON schema, the one its text shows."""
+    jsonschema = pytest.importorskip("jsonschema")
+    for prompt in load_prompts(["extraction"], per_set=1000):
+        schema = json.loads(prompt.schema)
+        jsonschema.Draft202012Validator.check_schema(schema)
+        assert json.dumps(schema, indent=2) in prompt.messages[-1]["content"], prompt.id
+
+
+def test_a_schema_that_is_not_an_object_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    row = {"id": "b-1", "category": "b", "messages": [{"role": "user", "content": "x"}]}
+    path.write_text(json.dumps({**row, "schema": "object"}) + "\n")
+    with pytest.raises(ValueError, match="'schema' must be a JSON schema object"):
+        load_prompts([str(path)], per_set=1)
 
 
 def test_our_methods_take_a_weight_format() -> None:

@@ -30,6 +30,18 @@ def test_generate_streams_text_then_a_summary(
     assert "tokens/s" in captured.err and "tokens in" in captured.err
 
 
+def test_generate_with_a_constraint(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--structured-outputs constrains the output; a bad one is a one-line error, exit 2."""
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--json"]
+    choice = '{"choice": ["left", "right"]}'
+    assert main([*args, "--max-tokens", "8", "--structured-outputs", choice]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] in ("left", "right")
+    assert main([*args, "--structured-outputs", '{"regex": "(("}']) == 2
+    assert "invalid regex constraint" in capsys.readouterr().err
+
+
 def test_models_lists_every_alias(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models"]) == 0
     out = capsys.readouterr().out

@@ -5,6 +5,7 @@ drafts break the grammar; bad constraints are clear errors."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -83,16 +84,16 @@ def test_every_drafter_keeps_every_schema_and_plain_greedy_output(
 @pytest.mark.parametrize(
     "constraint, check",
     [
-        *[({"regex": r}, lambda text, r=r: __import__("re").fullmatch(r, text)) for r in REGEXES],
+        *[({"regex": r}, lambda text, r=r: re.fullmatch(r, text)) for r in REGEXES],
         *[({"choice": c}, lambda text, c=c: text in c) for c in CHOICES],
-        ({"grammar": GRAMMARS[0]}, lambda text: __import__("re").fullmatch(r"\(\w(,\w)*\)", text)),
+        ({"grammar": GRAMMARS[0]}, lambda text: re.fullmatch(r"\([0-9x](,[0-9x])*\)", text)),
     ],
 )
-def test_regex_choice_grammar_and_json_object(
+def test_regex_choice_and_grammar(
     plain: LLM, tiny_model_dir: Path, constraint: dict, check
 ) -> None:
-    """Outputs match their regex, choice, grammar or JSON object, plain and speculative (the
-    greedy outputs equal)."""
+    """Outputs match their regex, choice or grammar, plain and speculative (the greedy outputs
+    equal)."""
     ngram = LLM(
         str(tiny_model_dir),
         dtype="float32",
@@ -364,3 +365,18 @@ def test_deterministic_drafts_that_break_the_grammar_keep_the_masked_distributio
     first = _first_tokens(grammars, draft, 6000)
     counts = torch.bincount(first, minlength=320)
     assert chi2_pvalue(counts[None], _expected_first(6000)[None]) > ALPHA
+
+
+def test_mask_logits_on_other_dtypes_matches_the_cpu_kernel() -> None:
+    """The torch path (bf16 here; any device) masks exactly what xgrammar's CPU kernel does."""
+    logits = torch.randn(2, 3, 70, generator=torch.Generator().manual_seed(0))  # [B, T, V]
+    mask = torch.randint(-(2**31), 2**31 - 1, (2, 3), dtype=torch.int32)  # [n, W]: n 2, W 3
+    masks = [None, mask]
+    fast, slow = logits.clone(), logits.to(torch.bfloat16)
+    mask_logits(fast, masks)
+    mask_logits(slow, masks)
+    bits = (mask[:, :, None].long() >> torch.arange(32)) & 1  # [n, W, 32]
+    refused = bits.flatten(1)[:, :70] == 0  # [n, V]
+    assert torch.equal(fast[1, :2].isinf(), refused) and refused.any()
+    assert torch.equal(fast.isinf(), slow.isinf())
+    assert not fast[0].isinf().any() and not fast[1, 2].isinf().any()  # unconstrained, beyond n

@@ -40,6 +40,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'',
     )
+    p.add_argument(
+        "--structured-outputs",
+        type=json_object,
+        default=None,
+        help='a constraint the output keeps, JSON: \'{"json": SCHEMA}\', \'{"json_object": '
+        'true}\', \'{"regex": "..."}\', \'{"choice": ["yes", "no"]}\' or \'{"grammar": '
+        '"root ::= ..."}\' (docs/structured.md)',
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
     p.add_argument(
         "--compare",
@@ -67,7 +75,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         ":dl=cost|heuristic (docs/drafters.md); peers: hf, hf-assisted:MODEL:k=4, "
         "hf-lookup:k=8[:max=2], llamacpp, llamacpp-lookup:k=10[:max=2] (a peer whose library is "
         "missing is skipped). Prompt sets: code (HumanEval), chat, translation, summarize, qa, "
-        "math, rag, edit, multiturn, or a .jsonl file. "
+        "math, rag, edit, multiturn, extraction (each prompt's JSON schema constrains our "
+        "methods' output; :schema=off runs one without it), or a .jsonl file. "
         f"Presets: {presets}.",
     )
     default = BENCH_DEFAULTS
@@ -227,6 +236,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
         stop=tuple(args.stop or ()),
+        structured_outputs=args.structured_outputs,
     )
     llm = _llm(args)
     prompt: object = args.prompt

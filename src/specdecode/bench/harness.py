@@ -18,6 +18,7 @@ from functools import partial
 from tqdm import tqdm
 
 from specdecode.bench.machine import QUIET_CORES, wait_until_quiet, with_foreign_load
+from specdecode.bench.methods import MethodSpec
 from specdecode.bench.prompts import BenchPrompt
 from specdecode.bench.records import Run
 from specdecode.bench.runners import Runner
@@ -49,6 +50,14 @@ def method_order(names: Sequence[str], shift: int) -> list[str]:
     return list(names[shift:]) + list(names[:shift])
 
 
+def prompt_params(spec: MethodSpec, prompt: BenchPrompt, params: SamplingParams) -> SamplingParams:
+    """`params` for one method on one prompt: constrained by the prompt's JSON schema when it
+    has one and the method is (`MethodSpec.constrained`)."""
+    if prompt.schema is None or not spec.constrained:
+        return params
+    return replace(params, structured_outputs={"json": prompt.schema})
+
+
 def run_interleaved(
     runners: Sequence[Runner],
     prompts: Sequence[tuple[BenchPrompt, list[int]]],
@@ -61,7 +70,7 @@ def run_interleaved(
     by_name = {r.spec.name: r for r in runners}
     warm = replace(params, max_tokens=min(params.max_tokens, WARMUP_TOKENS))
     for runner in runners:  # warm-up: first-call costs (allocations, lazy init) are not timed
-        runner.run(prompts[0][1], warm)
+        runner.run(prompts[0][1], prompt_params(runner.spec, prompts[0][0], warm))
     total = config.repeats * len(prompts) * len(runners)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not config.progress)
     kept: list[Run] = []
@@ -75,7 +84,9 @@ def run_interleaved(
                 group = []
                 for name in order:
                     cpu = cpu_seconds()
-                    timing, load = with_foreign_load(partial(by_name[name].run, ids, params))
+                    runner = by_name[name]
+                    asked = prompt_params(runner.spec, prompt, params)
+                    timing, load = with_foreign_load(partial(runner.run, ids, asked))
                     cpu = cpu_seconds() - cpu
                     run = Run.of(
                         timing,

@@ -18,6 +18,10 @@ Our methods take `q=none|int8|int4|gguf`: the target's weight format for this me
 the run's `--quantization`; e.g. `ngram:k=8:q=int4`. A draft model follows its target's format,
 or takes its own with `dq=`: `draft:qwen2.5-coder-0.5b:k=3:q=int8:dq=int4`.
 
+Prompts that carry a JSON schema (the "extraction" set) run our methods under it as a
+structured-output constraint; `schema=off` runs such prompts without it (e.g. `plain:schema=off`,
+the constraint's own overhead). Peers cannot constrain their output: they always run without.
+
 Example: `MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=4").speculative_config()` is
 `{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}`.
 """
@@ -69,6 +73,8 @@ class MethodSpec:
     quantization: our target's weight format for this method ("none", "int8", "int4", "gguf");
         None = the run's.
     config: our speculative method's validated drafter config (None for plain and peers).
+    constrained: whether a prompt's JSON schema constrains this method's output (`schema=off`
+        says no; peers never are).
     """
 
     name: str
@@ -77,6 +83,7 @@ class MethodSpec:
     options: dict[str, bool | int | float | str] = field(default_factory=dict)
     quantization: str | None = None
     config: DrafterConfig | None = None
+    constrained: bool = True
 
     @classmethod
     def parse(cls, text: str) -> MethodSpec:
@@ -98,6 +105,7 @@ class MethodSpec:
             model, *fields = fields
         options: dict[str, bool | int | float | str] = {}
         quantization = None
+        constrained = kind not in PEER_OF
         for item in fields:
             key, eq, value = item.partition("=")
             if key == "q" and kind not in PEER_OF:
@@ -105,19 +113,24 @@ class MethodSpec:
                     raise UserError(f"bad q={value!r} in {text!r}; allowed: {', '.join(FORMATS)}")
                 quantization = value
                 continue
+            if key == "schema" and kind not in PEER_OF:
+                if value not in ("on", "off"):
+                    raise UserError(f"bad schema={value!r} in {text!r}; allowed: on, off")
+                constrained = value == "on"
+                continue
             numeric = value.isdigit() and int(value) >= 1
             if not eq or key not in allowed or not (numeric or (ours and value)):
                 raise UserError(
                     f"bad option {item!r} in {text!r}; {kind!r} takes "
                     f"{', '.join(sorted(allowed)) or 'no options'} as key=positive integer"
-                    + ("" if kind in PEER_OF else ", and q=none|int8|int4|gguf")
+                    + ("" if kind in PEER_OF else ", and q=none|int8|int4|gguf, schema=on|off")
                 )
             options[key] = _number(value)
         missing = sorted(required - set(options))
         if missing:
             raise UserError(f"method {text!r} needs {', '.join(f'{m}=N' for m in missing)}")
         config = _drafter_config(kind, model, options, text) if ours else None
-        return cls(text.strip(), kind, model, options, quantization, config)
+        return cls(text.strip(), kind, model, options, quantization, config, constrained)
 
     @property
     def is_peer(self) -> bool:

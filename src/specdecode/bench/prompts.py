@@ -38,11 +38,14 @@ class BenchPrompt:
     id: unique within its set, e.g. "chat-03" or "HumanEval/7".
     category: the set it belongs to ("code", "chat", ...).
     messages: the conversation, rendered with the model's own chat template by the harness.
+    schema: a JSON schema (as JSON text) the reply must follow, or None; our methods run the
+        prompt under it as a structured-output constraint (the "extraction" set).
     """
 
     id: str
     category: str
     messages: tuple[dict[str, str], ...]
+    schema: str | None = None
 
 
 def available_sets() -> list[str]:
@@ -109,7 +112,11 @@ def _check_row(row: Any, where: str) -> BenchPrompt:
             f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} ending "
             "with a user message"
         )
-    return BenchPrompt(str(row["id"]), str(row["category"]), tuple(messages))
+    schema = row.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise UserError(f"{where}: 'schema' must be a JSON schema object, got {schema!r}")
+    text = None if schema is None else json.dumps(schema)
+    return BenchPrompt(str(row["id"]), str(row["category"]), tuple(messages), text)
 
 
 def load_jsonl(path: Path | Any) -> list[BenchPrompt]:

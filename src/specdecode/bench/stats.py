@@ -191,13 +191,19 @@ def exactness(runs: list[Run], method: str, base_method: str) -> dict[str, Any] 
 
 
 def _plain_of(spec: MethodSpec, specs: list[MethodSpec], default_format: str) -> str:
-    """Our plain decoding in `spec`'s weight format (what its greedy output must equal), else
-    BASELINE (for a peer, for plain decoding itself: how far the format moves it, and for a
-    format without plain decoding in the run)."""
+    """Our plain decoding in `spec`'s weight format and constraint (what its greedy output must
+    equal), else BASELINE (for a peer, for plain decoding itself: how far the format moves it,
+    and for a format without plain decoding in the run)."""
     if spec.is_peer or spec.kind == "plain":
         return BASELINE
     fmt = spec.weight_format(default_format)
-    same = [s.name for s in specs if s.kind == "plain" and s.weight_format(default_format) == fmt]
+    same = [
+        s.name
+        for s in specs
+        if s.kind == "plain"
+        and s.weight_format(default_format) == fmt
+        and s.constrained == spec.constrained
+    ]
     return same[0] if same else BASELINE
 
 

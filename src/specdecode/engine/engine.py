@@ -89,17 +89,23 @@ class Engine:
 
     def add(self, request: Request) -> None:
         """Queue a request; it joins the running batch at a later `step`. Refuses a request id
-        already in flight, a request that could never fit the KV cache, and a bad constraint
-        (its grammar is compiled here)."""
+        already in flight, a request that could never fit the KV cache, and what `prepare`
+        refuses."""
         if request.request_id in self._ids:
             raise UserError(f"request id {request.request_id!r} is already in flight")
-        self.check_drafter_name(request.params.drafter)
-        constraint = request.params.structured_outputs
-        if constraint is not None:
-            request.grammar = self.grammars.start(constraint, request.eos_ids)
+        self.prepare(request)
         self.scheduler.add(request)
         self.outputs.add(request)
         self._ids.add(request.request_id)
+
+    def prepare(self, request: Request) -> None:
+        """Check a request before it runs (`add` does; a server calls it first, to answer a
+        bad request at once): its drafter name, and its constraint, compiled into its grammar
+        here (once: a prepared request keeps it)."""
+        self.check_drafter_name(request.params.drafter)
+        constraint = request.params.structured_outputs
+        if constraint is not None and request.grammar is None:
+            request.grammar = self.grammars.start(constraint, request.eos_ids)
 
     def check_drafter_name(self, name: str | None) -> None:
         """Refuse a request's `drafter` name that this engine's drafter does not answer to

@@ -278,8 +278,8 @@ class _Api:
         request_id = f"{kind}-{uuid.uuid4().hex}"
         try:
             params = body.sampling_params(max_tokens)
-            self.engine.check_drafter_name(params.drafter)
             request = self.llm.make_request({"prompt_token_ids": ids}, params, request_id)
+            self.engine.prepare(request)  # a bad drafter name or constraint: 400 before a stream
             self.engine.scheduler.check_fits(request)
         except UserError as error:
             raise bad_request(str(error)) from error

@@ -1,8 +1,8 @@
-"""The request bodies the server accepts (OpenAI's fields, plus vLLM's `top_k` and
-`ignore_eos`, and ours: `num_speculative_tokens`, `drafter` and `step_events`, see
-`SamplingParams`) and the response objects it sends. Unknown fields are ignored, as vLLM does;
-fields we cannot honour (n > 1, logprobs, echo, penalties) are refused with a 400 that names
-them."""
+"""The request bodies the server accepts (OpenAI's fields, `response_format` included, plus
+vLLM's `top_k`, `ignore_eos`, `structured_outputs` and `guided_*`, and ours:
+`num_speculative_tokens`, `drafter` and `step_events`, see `SamplingParams`) and the response
+objects it sends. Unknown fields are ignored, as vLLM does; fields we cannot honour (n > 1,
+logprobs, echo, penalties) are refused with a 400 that names them."""
 
 from __future__ import annotations
 
@@ -12,13 +12,36 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdecode import energy
+from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
 from specdecode.server.errors import bad_request
+from specdecode.structured.params import StructuredOutputsParams
 from specdecode.types import MAX_SPECULATIVE_TOKENS, RequestOutput, SamplingParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's named schema."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" (JSON valid against `json_schema.schema`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(BaseModel):
@@ -43,6 +66,43 @@ class _Sampling(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     drafter: str | None = None
     step_events: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output's constraint, from whichever one of `response_format` (not "text"),
+        `structured_outputs` and the `guided_*` fields is given (400 for two, or a bad one)."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        form = self.response_format
+        if form is not None and form.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif form is not None and form.type == "json_schema":
+            if form.json_schema is None or form.json_schema.json_schema is None:
+                raise bad_request(
+                    'response_format of type "json_schema" needs json_schema.schema',
+                    "response_format",
+                )
+            found.append(("response_format", {"json": form.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append((f"guided_{kind}", {kind: value}))
+        if not found:
+            return None
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise bad_request(f"give one output constraint, got {names}", found[1][0])
+        name, fields = found[0]
+        try:
+            return StructuredOutputsParams.from_dict(fields)
+        except (UserError, TypeError) as error:
+            raise bad_request(str(error), name) from error
 
     def refuse_unsupported(self) -> None:
         """400 for fields whose non-default values we cannot honour."""
@@ -71,6 +131,7 @@ class _Sampling(BaseModel):
             num_speculative_tokens=self.num_speculative_tokens,
             drafter=self.drafter,
             step_events=self.step_events,
+            structured_outputs=self.constraint(),
         )
 
     @property

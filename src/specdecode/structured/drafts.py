@@ -135,8 +135,9 @@ def _constrain_tree(state: GrammarState, draft: Draft, vocab_size: int) -> tuple
 def mask_logits(logits: Tensor, masks: Sequence[Tensor | None]) -> None:
     """Set to -inf, in place, every logit its row's grammar does not allow.
 
-    logits: [B, T, V] float32, contiguous; masks: per row b, [n_b, W] int32 for its first n_b
-    positions (n_b <= T), or None (row b unconstrained). Positions beyond n_b are left alone.
+    logits: [B, T, V] contiguous (float32 on the CPU: xgrammar's kernel; else torch ops, any
+    device); masks: per row b, [n_b, W] int32 for its first n_b positions (n_b <= T), or None
+    (row b unconstrained). Positions beyond n_b are left alone.
     """
     batch, width, vocab = logits.shape
     full = all_allowed(batch * width, vocab)  # [B * T, W]
@@ -147,7 +148,14 @@ def mask_logits(logits: Tensor, masks: Sequence[Tensor | None]) -> None:
         start = row * width
         full[start : start + mask.shape[0]] = mask
         index.extend(range(start, start + mask.shape[0]))
-    if index:
-        flat = logits.view(batch * width, vocab)  # [B * T, V]
-        bitmask = full.to(logits.device)
-        _xgrammar().apply_token_bitmask_inplace(flat, bitmask, vocab_size=vocab, indices=index)
+    if not index:
+        return
+    flat = logits.view(batch * width, vocab)  # [B * T, V]
+    if flat.is_cpu and flat.dtype == torch.float32:  # xgrammar's CPU kernel
+        _xgrammar().apply_token_bitmask_inplace(flat, full, vocab_size=vocab, indices=index)
+        return
+    rows = torch.tensor(index, device=flat.device)  # [R]
+    words = full[index].to(flat.device)  # [R, W]
+    shifts = torch.arange(32, dtype=torch.int32, device=flat.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [R, V]
+    flat[rows] = flat[rows].masked_fill(~allowed, float("-inf"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Collection
 from functools import lru_cache
 from typing import Any
@@ -50,6 +51,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self._compile = lru_cache(maxsize=_COMPILED_CACHE)(self._compile_uncached)
         self._compiler: Any = None
+        self._lock = threading.Lock()  # a server prepares requests beside the engine thread
 
     def start(self, params: StructuredOutputsParams, stop_ids: Collection[int]) -> GrammarState:
         """A fresh `GrammarState` for one request under `params`, ending with any of
@@ -78,25 +80,30 @@ class Grammars:
             raise UserError(f"invalid {params.kind} constraint: {_message(err)}") from None
 
     def _compiler_for_tokenizer(self) -> Any:
-        if self._compiler is None:
-            xgr = _xgrammar()
-            backend = self.tokenizer.backend
-            encoded = [""] * self.tokenizer.vocab_size
-            for token, index in backend.get_vocab(with_added_tokens=True).items():
-                encoded[index] = token
-            for index, added in backend.get_added_tokens_decoder().items():
-                if added.special:  # control tokens: never text inside the output
-                    encoded[index] = ""
-            meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
-            info = xgr.TokenizerInfo(
-                encoded,
-                meta["vocab_type"],
-                vocab_size=self.vocab_size,
-                stop_token_ids=list(self.tokenizer.eos_token_ids) or None,
-                add_prefix_space=meta["add_prefix_space"],
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._new_compiler()
         return self._compiler
+
+    def _new_compiler(self) -> Any:
+        """xgrammar's compiler for this tokenizer (its vocabulary decoded once)."""
+        xgr = _xgrammar()
+        backend = self.tokenizer.backend
+        encoded = [""] * self.tokenizer.vocab_size
+        for token, index in backend.get_vocab(with_added_tokens=True).items():
+            encoded[index] = token
+        for index, added in backend.get_added_tokens_decoder().items():
+            if added.special:  # control tokens: never text inside the output
+                encoded[index] = ""
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+        info = xgr.TokenizerInfo(
+            encoded,
+            meta["vocab_type"],
+            vocab_size=self.vocab_size,
+            stop_token_ids=list(self.tokenizer.eos_token_ids) or None,
+            add_prefix_space=meta["add_prefix_space"],
+        )
+        return xgr.GrammarCompiler(info, max_threads=1)
 
 
 def json_grammar(schema: str, params: StructuredOutputsParams) -> str:
