@@ -210,6 +210,7 @@ def test_bad_constraints_are_clear_errors(plain: LLM, constraint: dict, message:
         ({"json": "[1]"}, "a JSON schema is an object or a bool"),
         ({"choice": []}, "choice must be a list of non-empty strings"),
         ({"choice": ["a", ""]}, "non-empty strings"),
+        ({"choice": "yes"}, "choice must be a list of non-empty strings, got 'yes'"),
         ({"regex": 5}, "regex must be a non-empty string"),
     ],
 )

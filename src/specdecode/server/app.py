@@ -274,13 +274,16 @@ class _Api:
             )
         return asked
 
-    def request(self, ids: list[int], body: Any, max_tokens: int, kind: str) -> EngineRequest:
+    async def request(self, ids: list[int], body: Any, max_tokens: int, kind: str) -> EngineRequest:
+        """The engine's request for a body, prepared (`Engine.prepare`: a bad drafter name or
+        constraint is a 400 before any stream starts). A constraint compiles on a worker
+        thread: a schema can take seconds, and the event loop serves other streams meanwhile."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
         try:
             params = body.sampling_params(max_tokens)
             request = self.llm.make_request({"prompt_token_ids": ids}, params, request_id)
-            self.engine.prepare(request)  # a bad drafter name or constraint: 400 before a stream
             self.engine.scheduler.check_fits(request)
+            await asyncio.to_thread(self.engine.prepare, request)
         except UserError as error:
             raise bad_request(str(error)) from error
         return request
@@ -307,7 +310,7 @@ class _Api:
         self.check_model(body.model)
         ids = self.prompt_ids(body.prompt_one(), "prompt")
         limit = self.max_tokens(body.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
-        request = self.request(ids, body, limit, "cmpl")
+        request = await self.request(ids, body, limit, "cmpl")
         head = envelope("text_completion", request.request_id, body.model)
         if body.stream:
             chunks = self._chunks(request, head, body.include_usage, chat=False)
@@ -331,7 +334,8 @@ class _Api:
             raise bad_request(str(error), "messages") from error
         ids = self.prompt_ids(ids, "messages")
         asked = body.max_completion_tokens or body.max_tokens
-        request = self.request(ids, body, self.max_tokens(asked, len(ids), None), "chatcmpl")
+        limit = self.max_tokens(asked, len(ids), None)
+        request = await self.request(ids, body, limit, "chatcmpl")
         if body.stream:
             head = envelope("chat.completion.chunk", request.request_id, body.model)
             chunks = self._chunks(request, head, body.include_usage, chat=True)

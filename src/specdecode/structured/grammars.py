@@ -4,8 +4,9 @@ Why xgrammar (measured on this CPU with Qwen2.5's 151,936-token vocabulary, a ne
 schema, a 51-token output; docs/structured.md): a token mask takes 2.8 us median (40 us p90)
 against llguidance's 27 / 86 us and outlines-core's 17 us, and speculation needs one mask per
 draft position; its tokenizer set-up takes 0.6-0.8 s (llguidance 1.8 s); a schema compiles in
-~20 ms (outlines-core ~1.1 s); its matcher rolls back any number of tokens; bad schemas,
-regexes and grammars raise a message that says what is wrong.
+20-40 ms (outlines-core ~1.1 s), but in seconds when a string has a long maxLength (4.8-8.3 s
+for 100-200: compiled grammars are cached); its matcher rolls back any number of tokens; bad
+schemas, regexes and grammars raise a message that says what is wrong.
 """
 
 from __future__ import annotations

@@ -66,7 +66,9 @@ class StructuredOutputsParams:
             if value is not None and (not isinstance(value, str) or not value):
                 raise UserError(f"{name} must be a non-empty string, got {value!r}")
         if self.choice is not None and (
-            not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
+            isinstance(self.choice, str)
+            or not self.choice
+            or any(not isinstance(c, str) or not c for c in self.choice)
         ):
             raise UserError(f"choice must be a list of non-empty strings, got {self.choice!r}")
         if not isinstance(self.json_object, bool) or not isinstance(

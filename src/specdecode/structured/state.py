@@ -8,6 +8,7 @@ t // 32 set = token t allowed. The matcher moves forward by accepted tokens and 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -88,9 +89,10 @@ def forced_token(mask: Tensor) -> int | None:
     return index * 32 + word.bit_length() - 1
 
 
+@lru_cache(maxsize=8)
 def _tail_words(vocab_size: int, usable: int) -> tuple[int, Tensor] | None:
     """(first word, [W - first] int32 words) clearing every token id in usable..vocab_size - 1;
-    None when there is none to clear."""
+    None when there is none to clear. Built once per vocabulary (read only)."""
     if usable >= vocab_size:
         return None
     first = usable // 32
