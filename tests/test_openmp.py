@@ -11,8 +11,10 @@ import torch
 from specdecode.engine.openmp import release_idle_workers
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _threads() -> set[str]:
+    """The process's thread ids (other libraries' threads may start or end at any time: the
+    test compares which ids leave and come, not only how many there are)."""
+    return set(os.listdir("/proc/self/task"))
 
 
 @pytest.mark.skipif(
@@ -26,6 +28,7 @@ def test_the_calling_threads_workers_are_freed() -> None:
     (x * 2).sum()  # parallel regions: this thread now has its pool of workers
     before = _threads()
     assert release_idle_workers()
-    assert _threads() < before
+    freed = before - _threads()
+    assert len(freed) >= torch.get_num_threads() - 1  # this thread's workers are gone
     (x * 2).sum()  # a new region starts new workers
-    assert _threads() == before
+    assert len(_threads() - (before - freed)) >= torch.get_num_threads() - 1
