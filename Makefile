@@ -37,10 +37,12 @@ browser:
 
 test: install browser
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
 # Our plain decoding vs HF transformers' generate() on the same weights, per model.

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from specdecode.bench.prompts import load_prompts
+from specdecode.cache.attention_metadata import AttentionMetadata
+from specdecode.corpus.prompts import load_prompts
 from specdecode.llm import LLM
-from specdecode.model.attention_metadata import AttentionMetadata
 
 
 def divergences(report: dict) -> dict[tuple[str, int], list[str]]:

@@ -19,7 +19,7 @@ import argparse
 from specdecode import LLM
 from specdecode.bench.llamacpp import gguf_of
 from specdecode.bench.parity import argmax_agreement, exact_model, llamacpp_logits, our_logits
-from specdecode.bench.prompts import load_prompts
+from specdecode.corpus.prompts import load_prompts
 
 
 def _share(ours: list, theirs: list) -> float:

@@ -20,8 +20,8 @@ import time
 import torch
 
 from specdecode.bench.machine import machine_facts, wait_until_quiet
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.llm import LLM
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 
 
 def main() -> None:

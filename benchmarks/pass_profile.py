@@ -30,10 +30,10 @@ from torch import nn
 
 from specdecode import kernels
 from specdecode.bench.machine import machine_facts, wait_until_quiet
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
 from specdecode.llm import LLM
 from specdecode.model import transformer as tf
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 

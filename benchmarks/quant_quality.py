@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from specdecode.bench.prompts import available_sets, load_prompts
 from specdecode.bench.stats import first_divergence
+from specdecode.cache.attention_metadata import AttentionMetadata
+from specdecode.corpus.prompts import available_sets, load_prompts
 from specdecode.llm import LLM
-from specdecode.model.attention_metadata import AttentionMetadata
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 FORMATS = [("float32", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")]
 

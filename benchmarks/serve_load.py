@@ -32,9 +32,9 @@ from pathlib import Path
 
 import httpx
 
-from specdecode.bench.prompts import load_prompts
+from specdecode.corpus.prompts import load_prompts
 from specdecode.llm import LLM
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 START_TIMEOUT_S = 600.0
 

@@ -13,10 +13,10 @@ from spec_cases import PROMPTS
 from train_cases import chat_prompts, examples
 
 from specdecode.certify import CertifyConfig, certify
-from specdecode.engine import step
 from specdecode.llm import LLM
+from specdecode.sampling import decide as verifier
 from specdecode.sampling.rejection import verify_chain
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 
 def record_drafts(llm: LLM) -> list:
@@ -60,7 +60,7 @@ def check_certify(llm: LLM, model_dir: Path, monkeypatch: pytest.MonkeyPatch, bi
                 draft_probs = draft_probs.scatter(-1, draft_tokens[..., None], 1.0)
             return verify_chain(target_probs, draft_tokens, draft_probs, *args, **kwargs)
 
-        monkeypatch.setattr(step, "verify_chain", one_hot_q)
+        monkeypatch.setattr(verifier, "verify_chain", one_hot_q)
     prompt = tuple(chat_prompts(model_dir, examples(1, 5000))[0]["prompt_token_ids"])
     result = certify(llm, CertifyConfig(prompt, top_k=4, num_samples=3000, seed=1))
     print(result.as_dict())

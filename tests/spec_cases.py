@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specdecode.types import RequestOutput, SamplingParams, TargetFeatures
+from specdecode.sampling_params import SamplingParams
+from specdecode.types import RequestOutput
 
 # Token-id prompts of different lengths, some repetitive (so prompt lookup finds matches).
 PROMPTS = [
@@ -28,8 +29,6 @@ class FakeSeq:
     num_prompt_tokens: int = 0
     params: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None
-    features: TargetFeatures | None = None
-    target_argmax: list[int] | None = None
 
 
 class PassCounter:

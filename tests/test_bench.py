@@ -18,7 +18,6 @@ import pytest
 from specdecode.bench import harness, machine
 from specdecode.bench.costs import (
     PASS_TABLE_WIDTH,
-    expected_tokens_per_step,
     forward_seconds,
     predicted_from_counters,
     predicted_speedup,
@@ -29,7 +28,6 @@ from specdecode.bench.methods import MethodSpec, parse_methods
 from specdecode.bench.plan import PlanConfig, plan_text, run_plan
 from specdecode.bench.plots import plot_all
 from specdecode.bench.presets import BENCH_PRESETS, bench_options
-from specdecode.bench.prompts import BenchPrompt, available_sets, load_prompts
 from specdecode.bench.records import Run, Timing
 from specdecode.bench.report import best_table, markdown, token_table
 from specdecode.bench.run import BenchConfig, as_json, resummarize, run_bench, save
@@ -43,9 +41,11 @@ from specdecode.bench.stats import (
     summarize,
 )
 from specdecode.cli import build_parser, main
+from specdecode.corpus.prompts import BenchPrompt, available_sets, load_prompts
+from specdecode.engine.costs import expected_tokens
 from specdecode.metrics import SpecCounters
 from specdecode.model.loading import load_model
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 SHIPPED = [
     "chat",
@@ -745,13 +745,13 @@ def test_save_writes_both_files(tmp_path: Path) -> None:
 # --- cost model -----------------------------------------------------------------------------
 
 
-def test_expected_tokens_per_step_is_the_geometric_series() -> None:
-    assert expected_tokens_per_step(0.0, 4) == 1.0  # only the recovered token
-    assert expected_tokens_per_step(1.0, 4) == 5.0  # every draft token plus the bonus
-    assert expected_tokens_per_step(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-    assert expected_tokens_per_step(0.8, 0) == 1.0
+def test_expected_tokens_is_the_geometric_series() -> None:
+    assert expected_tokens(0.0, 4) == 1.0  # only the recovered token
+    assert expected_tokens(1.0, 4) == 5.0  # every draft token plus the bonus
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.8, 0) == 1.0
     with pytest.raises(ValueError, match="0 <= acceptance <= 1"):
-        expected_tokens_per_step(1.5, 2)
+        expected_tokens(1.5, 2)
 
 
 def test_predicted_speedup_matches_the_worked_example() -> None:

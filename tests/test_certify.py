@@ -13,18 +13,19 @@ import torch
 from conftest import TINY_VOCAB, build_tiny_model
 
 from specdecode import certify as certify_module
+from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.certify import CertifyConfig, certify
 from specdecode.cli import main
-from specdecode.drafters.base import SeqView
-from specdecode.engine import step
+from specdecode.drafters.base import DrafterBase, SeqView
 from specdecode.errors import UserError
 from specdecode.llm import LLM
-from specdecode.model.attention_metadata import AttentionMetadata
+from specdecode.sampling import decide as verifier
 from specdecode.sampling import tree as tree_verifier
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import verify_chain
+from specdecode.sampling_params import SamplingParams
 from specdecode.tree.token_tree import ROOT, TokenTree
-from specdecode.types import Draft, SamplingParams, Verdict
+from specdecode.types import Draft
 
 SAMPLES = 20_000  # runs of the pass / fail tests: enough power for the biases below
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
@@ -56,11 +57,9 @@ def prompt(target: LLM) -> tuple[int, ...]:
     return (*start, *out.token_ids)
 
 
-class UnigramDrafter:
+class UnigramDrafter(DrafterBase):
     """A sampling drafter (q != p): K tokens drawn independently, with the sequence's own
     generator, from the frequencies of the sequence's tokens so far."""
-
-    hidden_layers = None
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -74,12 +73,6 @@ class UnigramDrafter:
             tokens = torch.multinomial(q, k, replacement=True, generator=seq.generator) if k else []
             drafts.append(Draft(torch.as_tensor(tokens, dtype=torch.long), q.expand(k, -1)))
         return drafts
-
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
-        pass
-
-    def release(self, request_id: str) -> None:
-        pass
 
 
 class UnigramTreeDrafter(UnigramDrafter):
@@ -124,7 +117,7 @@ def test_biased_verifier_fails(
             draft_probs = draft_probs.scatter(-1, draft_tokens[..., None], 1.0)
         return verify_chain(target_probs, draft_tokens, draft_probs, *args, **kwargs)
 
-    monkeypatch.setattr(step, "verify_chain", biased)
+    monkeypatch.setattr(verifier, "verify_chain", biased)
     config = CertifyConfig(prompt, top_k=4, num_samples=SAMPLES, seed=1)
     result = certify(_unigram_llm(model_dir), config)
     print(f"biased: {result.as_dict()}")
@@ -161,7 +154,7 @@ def test_a_sequence_the_target_cannot_produce_fails_at_once(
     target: LLM, prompt: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A verifier that keeps every draft token emits ngram drafts outside the top-k."""
-    monkeypatch.setattr(step, "verify_chain", always_accept)
+    monkeypatch.setattr(verifier, "verify_chain", always_accept)
     llm = target.with_speculative_config(NGRAM)
     result = certify(llm, CertifyConfig(prompt, top_k=4, num_samples=500))
     assert result.num_impossible > 0 and result.p_value == 0.0 and not result.passed
@@ -262,7 +255,7 @@ def test_cli_exit_codes(
     assert "alpha must be in (0, 1)" in capsys.readouterr().err
     assert main([*args, "--speculative-config", draft, "--samples", "300"]) == 0
     assert "PASS" in capsys.readouterr().out
-    monkeypatch.setattr(step, "verify_chain", always_accept)
+    monkeypatch.setattr(verifier, "verify_chain", always_accept)
     far = json.dumps({"model": str(other_dir), "num_speculative_tokens": 2})
     assert main([*args, "--speculative-config", far, "--samples", "200"]) == 1
     out = capsys.readouterr().out

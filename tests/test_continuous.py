@@ -12,7 +12,7 @@ from specdecode.engine.request import Request
 from specdecode.engine.scheduler import SchedulerConfig, kv_need
 from specdecode.errors import UserError
 from specdecode.llm import LLM
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 # Prompts of different lengths, some repetitive (so prompt lookup drafts).
 PROMPTS = [

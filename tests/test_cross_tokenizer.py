@@ -26,7 +26,8 @@ from specdecode.llm import LLM
 from specdecode.model.loading import load_model
 from specdecode.model.registry import is_pulled
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.types import SamplingParams, TargetFeatures
+from specdecode.sampling_params import SamplingParams
+from specdecode.types import TargetFeatures
 
 # Byte-level merges of the draft tokenizer (its tokens differ from the target's, not only ids).
 MERGES = ("Ġ t", "h e", "i n", "e r", "Ġ a", "o n", "r e", "a t", "Ġt he")

@@ -12,17 +12,13 @@ from spec_cases import GREEDY, PROMPTS, FakeSeq
 
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.registry import parse_speculative_config
-from specdecode.engine.draft_length import (
-    PROBE_EVERY,
-    DraftLength,
-    PassCosts,
-    expected_tokens,
-    nondecreasing,
-)
+from specdecode.engine.costs import PassCosts, expected_tokens, nondecreasing
+from specdecode.engine.draft_length import PROBE_EVERY, DraftLength
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.loading import load_model
-from specdecode.types import Draft, SamplingParams, Verdict
+from specdecode.sampling_params import SamplingParams
+from specdecode.types import NO_TARGET_OUTPUTS, Draft, Verdict
 
 
 def _costs(policy: str, k: int, seconds: dict[int, float], draft_s: float) -> DraftLength:
@@ -150,14 +146,14 @@ class LimitSpy:
 
     def __init__(self, inner: object) -> None:
         self.inner, self.seen = inner, []
-        self.hidden_layers = inner.hidden_layers
+        self.needs, self.names, self.setup_s = inner.needs, inner.names, inner.setup_s
 
     def propose(self, seqs, max_tokens):
         self.seen += list(max_tokens)
         return self.inner.propose(seqs, max_tokens)
 
-    def commit(self, seq, verdict) -> None:
-        self.inner.commit(seq, verdict)
+    def commit(self, seq, verdict, target) -> None:
+        self.inner.commit(seq, verdict, target)
 
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
@@ -272,6 +268,6 @@ def test_a_draft_model_reports_its_prompt_prefill_as_setup(other_draft_dir: Path
     (first,) = drafter.propose([seq], [3])
     assert drafter.setup_s > 0  # the prompt was prefilled alone
     seq.token_ids += [*first.tokens.tolist(), 7]
-    drafter.commit(seq, Verdict(3, torch.tensor([*first.tokens.tolist(), 7])))
+    drafter.commit(seq, Verdict(3, torch.tensor([*first.tokens.tolist(), 7])), NO_TARGET_OUTPUTS)
     drafter.propose([seq], [3])
     assert drafter.setup_s == 0  # caught up in the batched passes

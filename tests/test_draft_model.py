@@ -11,7 +11,8 @@ from spec_cases import GREEDY, PROMPTS, FakeSeq, PassCounter, assert_fully_accep
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.llm import LLM
 from specdecode.model.loading import load_model
-from specdecode.types import SamplingParams, Verdict
+from specdecode.sampling_params import SamplingParams
+from specdecode.types import NO_TARGET_OUTPUTS, Verdict
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,7 @@ def test_chains_of_many_sequences_share_each_draft_pass(other_draft_dir: Path) -
     assert counter.passes == 3 + 3  # three prompts of > 1 token prefilled alone, then K passes
     for seq, d in zip(seqs, drafts, strict=True):  # accept the first token, then the target's 7
         seq.token_ids += [int(d.tokens[0]), 7]
-        drafter.commit(seq, Verdict(1, torch.tensor([int(d.tokens[0]), 7])))
+        drafter.commit(seq, Verdict(1, torch.tensor([int(d.tokens[0]), 7])), NO_TARGET_OUTPUTS)
     counter.passes = 0
     expected = alone([3, 0, 1, 2])
     drafts = drafter.propose(seqs, [3, 0, 1, 2])

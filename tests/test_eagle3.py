@@ -13,6 +13,8 @@ from head_cases import check_certify, check_reduced_vocabulary, edited_head, sam
 from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples, train_config
 
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.corpus.examples import Example
 from specdecode.drafters.eagle3 import Eagle3Drafter
 from specdecode.errors import UserError
 from specdecode.heads.eagle3 import (
@@ -23,12 +25,10 @@ from specdecode.heads.eagle3 import (
 )
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
 from specdecode.llm import LLM
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.loading import load_model
-from specdecode.train.data import Example
+from specdecode.sampling_params import SamplingParams
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.trainer import TrainConfig, train
-from specdecode.types import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -256,8 +256,8 @@ def test_bad_training_configs_and_bench_prompts_are_refused(tmp_path: Path) -> N
 
 
 def test_a_bench_prompt_in_the_training_data_is_refused(tmp_path: Path) -> None:
-    from specdecode.bench.prompts import load_prompts
-    from specdecode.train.data import BenchFilter, bench_texts
+    from specdecode.corpus.examples import BenchFilter, bench_texts
+    from specdecode.corpus.prompts import load_prompts
 
     bench = BenchFilter(bench_texts())
     chat = load_prompts(["chat"], 1)[0].messages[-1]["content"]

@@ -112,6 +112,6 @@ def test_cli_keeps_the_traceback_of_a_bug(
     def broken(*args: object, **kwargs: object) -> None:
         raise TypeError("a bug deep inside")
 
-    monkeypatch.setattr("specdecode.cli.LLM", broken)
+    monkeypatch.setattr("specdecode.cli_args.LLM", broken)
     with pytest.raises(TypeError, match="a bug deep inside"):
         main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi"])

@@ -14,6 +14,7 @@ from head_cases import check_certify, check_reduced_vocabulary, edited_head, sam
 from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples, train_config
 
+from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.layer_skip import EarlyExit
 from specdecode.drafters.medusa import MedusaDrafter
@@ -21,12 +22,11 @@ from specdecode.errors import UserError
 from specdecode.heads.exit_head import ExitHead, ExitHeadConfig, load_exit_head, save_exit_head
 from specdecode.heads.files import read_head_tensors
 from specdecode.llm import LLM
-from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.loading import load_model
+from specdecode.sampling_params import SamplingParams
 from specdecode.train.exit_model import TrainableExitHead
 from specdecode.train.init import initial_exit_weights
 from specdecode.train.trainer import train
-from specdecode.types import SamplingParams
 
 KINDS = ("medusa", "layer_skip")
 

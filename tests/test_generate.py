@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from specdecode.engine.output import OutputProcessor, held_back
 from specdecode.engine.request import Request
 from specdecode.llm import LLM
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

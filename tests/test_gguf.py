@@ -17,9 +17,9 @@ from spec_cases import GREEDY, PROMPTS
 
 from specdecode import kernels
 from specdecode.bench.parity import exact_model
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.drafters.medusa import MedusaConfig
 from specdecode.llm import LLM
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.config import ModelConfig
 from specdecode.model.gguf_blocks import LAYOUTS, decode, pack, unpack
 from specdecode.model.gguf_linear import GgufLinear, GgufSegment, GgufWeight

@@ -13,12 +13,12 @@ from test_certify import always_accept
 
 from specdecode.certify import CertifyConfig, certify
 from specdecode.drafters.lookahead import LookaheadConfig, LookaheadDrafter
-from specdecode.engine import step
 from specdecode.errors import UserError
 from specdecode.llm import LLM
+from specdecode.sampling import decide as verifier
 from specdecode.sampling import tree as tree_verifier
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import Verdict
+from specdecode.types import TargetOutputs, Verdict
 
 EOS = 99
 
@@ -40,9 +40,8 @@ def test_the_docstring_example() -> None:
     assert draft.tokens.tolist() == [11, 12, 21, 22]
     assert draft.tree is not None and draft.tree.parents == (ROOT, 0, 0, 1)  # b2 < a1, b3 < a2
     # the target predicts c3 = 31 after b2 (node 2) and c4 = 32 after b3 (node 3); rejects a1
-    seq.target_argmax = [5, 6, 7, 31, 32]
     seq.token_ids.append(5)
-    drafter.commit(seq, Verdict(0, torch.tensor([5])))
+    drafter.commit(seq, Verdict(0, torch.tensor([5])), TargetOutputs(argmax=(5, 6, 7, 31, 32)))
     assert window.levels == [[21, 22], [31, 32]]
     assert (21, 31) in window.pool[11] and (22, 32) in window.pool[12]
 
@@ -97,9 +96,9 @@ def test_other_drafters_get_no_target_argmax(tiny_model_dir: Path) -> None:
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
     seen = []
     inner = llm.engine.drafter.commit
-    llm.engine.drafter.commit = lambda seq, verdict: (
-        seen.append(seq.target_argmax),
-        inner(seq, verdict),
+    llm.engine.drafter.commit = lambda seq, verdict, target: (
+        seen.append(target.argmax),
+        inner(seq, verdict, target),
     )
     llm.generate(PROMPTS[0], GREEDY)
     assert seen and all(a is None for a in seen)
@@ -110,7 +109,7 @@ def test_certify_passes_and_a_biased_verifier_fails(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, biased: bool
 ) -> None:
     if biased:  # a chain keeps every draft token; a tree forgets the rejected siblings
-        monkeypatch.setattr(step, "verify_chain", always_accept)
+        monkeypatch.setattr(verifier, "verify_chain", always_accept)
         monkeypatch.setattr(tree_verifier, "_residual", lambda r, x, q: r)
     config = {"method": "lookahead", "window_size": 2, "ngram_size": 2, "guess_set_size": 3}
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model import transformer
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.loading import load_model
 from specdecode.model.transformer import Transformer, _grouped_attention
 

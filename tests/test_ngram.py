@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specdecode.drafters.ngram import NgramConfig, NgramDrafter
-from specdecode.types import SamplingParams, Verdict
+from specdecode.sampling_params import SamplingParams
+from specdecode.types import NO_TARGET_OUTPUTS, Verdict
 
 EOS = 99
 
@@ -118,7 +119,7 @@ def test_incremental_commits_match_fresh_drafter_and_reference() -> None:
             assert got == _reference(seq.token_ids, min(k, max_tokens), lo, hi, {0})
             new = [rng.randrange(4) for _ in range(rng.randint(1, k + 1))]
             seq.token_ids.extend(new)
-            drafter.commit(seq, Verdict(len(new) - 1, torch.tensor(new)))
+            drafter.commit(seq, Verdict(len(new) - 1, torch.tensor(new)), NO_TARGET_OUTPUTS)
 
 
 def test_release_forgets_the_sequence() -> None:

@@ -10,17 +10,16 @@ import pytest
 import torch
 from spec_cases import GREEDY, PROMPTS, FakeSeq
 
-from specdecode.drafters.base import SeqView
+from specdecode.drafters.base import DrafterBase, SeqView
 from specdecode.drafters.overlap import OverlapDrafter
 from specdecode.errors import UserError
 from specdecode.llm import LLM
-from specdecode.types import Draft, SamplingParams, Verdict
+from specdecode.sampling_params import SamplingParams
+from specdecode.types import NO_TARGET_OUTPUTS, Draft, Verdict
 
 
-class Counter:
+class Counter(DrafterBase):
     """Drafts last + 1, last + 2, ...; records the contexts it drafted after."""
-
-    hidden_layers = None
 
     def __init__(self) -> None:
         self.contexts: list[list[int]] = []
@@ -33,12 +32,6 @@ class Counter:
             drafts.append(Draft(torch.arange(last + 1, last + 1 + min(limit, 4))))
         return drafts
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
-        pass
-
-    def release(self, request_id: str) -> None:
-        pass
-
 
 def test_a_prepared_draft_is_used_only_when_the_hypothesis_comes_true() -> None:
     inner = Counter()
@@ -46,12 +39,12 @@ def test_a_prepared_draft_is_used_only_when_the_hypothesis_comes_true() -> None:
     seq = FakeSeq("r", [1, 2], 1, SamplingParams(temperature=0.0))
     assert drafter.propose([seq], [3])[0].tokens.tolist() == [3, 4, 5]
     seq.token_ids += [3, 4, 5, 6]  # all accepted + the bonus the drafter predicted (6)
-    drafter.commit(seq, Verdict(3, torch.tensor([3, 4, 5, 6])))
+    drafter.commit(seq, Verdict(3, torch.tensor([3, 4, 5, 6])), NO_TARGET_OUTPUTS)
     assert inner.contexts == [[1, 2], [1, 2, 3, 4, 5]]  # the real draft, then the prepared one
     assert drafter.propose([seq], [2])[0].tokens.tolist() == [7, 8]  # prepared, cut to 2
     assert drafter.num_hits == 1
     seq.token_ids += [7, 0]  # the bonus differs from the prediction
-    drafter.commit(seq, Verdict(1, torch.tensor([7, 0])))
+    drafter.commit(seq, Verdict(1, torch.tensor([7, 0])), NO_TARGET_OUTPUTS)
     assert drafter.propose([seq], [3])[0].tokens.tolist() == [1, 2, 3]  # drafted afresh
     drafter._wait()  # (the next step's preparation drafted after the fresh draft)
     assert drafter.num_hits == 1 and inner.contexts[-2] == seq.token_ids
@@ -64,7 +57,7 @@ def test_sampled_sequences_are_not_prepared() -> None:
     drafter = OverlapDrafter(inner, 3)
     seq = FakeSeq("r", [1, 2], 1, SamplingParams(temperature=0.8))
     drafter.propose([seq], [3])
-    drafter.commit(seq, Verdict(0, torch.tensor([9])))
+    drafter.commit(seq, Verdict(0, torch.tensor([9])), NO_TARGET_OUTPUTS)
     assert inner.contexts == [[1, 2]] and drafter.num_prepared == 0
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]]))  # probs 0.1 0.4 0.2 0.3
 

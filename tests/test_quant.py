@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from spec_cases import GREEDY, PROMPTS
 
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.llm import LLM
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.linear import Bf16Linear, make_linear
 from specdecode.model.loading import load_model
 from specdecode.model.quant import (

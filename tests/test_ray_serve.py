@@ -16,10 +16,10 @@ from conftest import build_tiny_model
 
 from specdecode.errors import UserError
 from specdecode.llm import LLM
+from specdecode.sampling_params import SamplingParams
 from specdecode.server.app import REPLICA_HEADER
-from specdecode.server.cli import ServeSpec
 from specdecode.server.ray_serve import APP_NAME, DEPLOYMENT_NAME, check_replicas, start
-from specdecode.types import SamplingParams
+from specdecode.server.spec import ServeSpec
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'ray[serve]'")
 serve = pytest.importorskip("ray.serve")

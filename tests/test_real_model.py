@@ -9,11 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdecode.bench.parity import argmax_agreement, llamacpp_logits, our_logits
-from specdecode.bench.prompts import load_prompts
+from specdecode.cache.attention_metadata import AttentionMetadata
+from specdecode.corpus.prompts import load_prompts
 from specdecode.llm import LLM
-from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.loading import load_model
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.real_model
 
@@ -128,11 +128,13 @@ def test_ngram_and_tree_speculation_greedy_equals_plain_on_real_model(llm32: LLM
 
 
 # Teacher-forced top-1 agreement with fp32 that each format must keep on this text (measured:
-# 0.88 for int8, 0.74 for int4 over its 50 positions; docs/quantization.md has the figures on
-# the bench prompts, where the model is more certain).
+# 0.88 for int8, 0.74 for int4 over its 50 positions;
+# docs/history/formats-and-kernels-issues-5-17.md has the figures on the bench prompts,
+# where the model is more certain).
 # Share of positions where quantization="gguf" (fp32 activations) and llama.cpp agree on the
 # next token over the test's bench prompts (the goal was 0.99; measured 0.967, int8 0.878;
-# llama.cpp and we each agree with the exact fp32 model on ~0.977: docs/quantization.md).
+# llama.cpp and we each agree with the exact fp32 model on ~0.977:
+# docs/history/formats-and-kernels-issues-5-17.md).
 PARITY = 0.95
 TOP1_AGREEMENT = {"int8": 0.8, "int4": 0.65, "gguf": 0.9}
 
@@ -159,7 +161,8 @@ def test_quantized_real_model_tracks_fp32_and_speculates_exactly(
 
 def test_gguf_agrees_with_llamacpp_on_the_same_file(smollm2_gguf: Path) -> None:
     """Teacher-forced next-token argmax of quantization="gguf" vs llama.cpp reading the same
-    blocks (docs/quantization.md has the figures on the bench prompts and the 1.5B)."""
+    blocks (docs/history/formats-and-kernels-issues-5-17.md has the figures on the bench
+    prompts and the 1.5B)."""
     pytest.importorskip("llama_cpp", reason="needs llama-cpp-python==0.3.36 (not in make test)")
     llm = LLM(model="smollm2-135m", dtype="float32", quantization="gguf")
     prompts = load_prompts(["code", "chat", "summarize", "qa"], 2)  # ~1,500 positions

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import PAD, verdicts, verify_chain
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 Verifier = Callable[
     [Tensor, Tensor, Tensor | None, Tensor, Sequence[torch.Generator | None]],

@@ -8,8 +8,9 @@ import torch
 
 from specdecode.bench.replay import accepted_path, replay
 from specdecode.llm import LLM
+from specdecode.sampling_params import SamplingParams
 from specdecode.tree.token_tree import TokenTree
-from specdecode.types import Draft, SamplingParams
+from specdecode.types import Draft
 
 
 def test_replay_walks_drafts_as_a_greedy_run_would(tiny_model_dir: Path) -> None:

@@ -8,13 +8,13 @@ import itertools
 import pytest
 import torch
 
+from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.engine.request import Request
 from specdecode.engine.scheduler import Scheduler, SchedulerConfig, kv_need
 from specdecode.errors import UserError
-from specdecode.model.attention_metadata import AttentionMetadata
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

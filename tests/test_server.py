@@ -22,8 +22,8 @@ from specdecode.engine.async_engine import AsyncEngine
 from specdecode.engine.engine import Engine
 from specdecode.engine.scheduler import SchedulerConfig
 from specdecode.llm import LLM
+from specdecode.sampling_params import SamplingParams
 from specdecode.server.app import ServeConfig, seed_pass_costs
-from specdecode.types import SamplingParams
 
 NAME = "tiny"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -256,9 +256,9 @@ def test_load_nothing_lost_aborts_free_slots_metrics_add_up(plain: LLM, model_di
             jobs.append((ABORT_PROMPT, ABORT_TOKENS, True))
         else:
             jobs.append((prompt, rng.randint(4, 24), False))
-    llm = LLM(model=str(model_dir), dtype="float32", speculative_config=NGRAM)
-    config = ServeConfig(NAME, scheduler=SchedulerConfig(max_num_seqs=16, kv_cache_tokens=4000))
-    with running_server(llm, config) as base:
+    limits = SchedulerConfig(max_num_seqs=16, kv_cache_tokens=4000)
+    llm = LLM(model=str(model_dir), dtype="float32", speculative_config=NGRAM, scheduler=limits)
+    with running_server(llm, ServeConfig(NAME)) as base:
         results = asyncio.run(_load(base, jobs))
         deadline = time.monotonic() + 30
         while True:

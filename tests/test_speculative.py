@@ -12,11 +12,12 @@ from conftest import build_tiny_eagle3_head, build_tiny_exit_head
 from spec_cases import GREEDY, PROMPTS, assert_fully_accepted
 from test_cross_tokenizer import build_tiny_cross_draft
 
-from specdecode.drafters.base import SeqView
+from specdecode.cache.attention_metadata import AttentionMetadata
+from specdecode.drafters.base import DrafterBase, DrafterNeeds, SeqView
 from specdecode.drafters.registry import DRAFTERS
 from specdecode.llm import LLM
-from specdecode.model.attention_metadata import AttentionMetadata
-from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
+from specdecode.sampling_params import SamplingParams
+from specdecode.types import Draft, TargetFeatures, TargetOutputs, Verdict
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +30,8 @@ def expected(plain: LLM) -> list[list[int]]:
     return [list(o.token_ids) for o in plain.generate(PROMPTS, GREEDY)]
 
 
-class OracleDrafter:
+class OracleDrafter(DrafterBase):
     """Proposes the target's own greedy continuation (draft = target)."""
-
-    hidden_layers = None
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], k: int) -> None:
         self.continuations, self.k = continuations, k
@@ -48,17 +47,9 @@ class OracleDrafter:
                     drafts.append(Draft(torch.tensor(nxt, dtype=torch.long)))
         return drafts
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
-        pass
 
-    def release(self, request_id: str) -> None:
-        pass
-
-
-class RandomDrafter:
+class RandomDrafter(DrafterBase):
     """Proposes random tokens (deterministic drafter: q one-hot)."""
-
-    hidden_layers = None
 
     def __init__(self, k: int, vocab: int) -> None:
         self.k, self.vocab, self.gen = k, vocab, torch.Generator().manual_seed(0)
@@ -68,12 +59,6 @@ class RandomDrafter:
             Draft(torch.randint(0, self.vocab, (min(self.k, m),), generator=self.gen))
             for m in max_tokens
         ]
-
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
-        pass
-
-    def release(self, request_id: str) -> None:
-        pass
 
 
 def _with_drafter(model_dir: Path, drafter) -> LLM:
@@ -224,12 +209,12 @@ class FeatureRecorder(OracleDrafter):
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], k: int, layers) -> None:
         super().__init__(continuations, k)
-        self.hidden_layers = layers
+        self.needs = DrafterNeeds(hidden_layers=layers)
         self.seen: list[tuple[list[int], TargetFeatures]] = []
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
-        assert seq.features is not None
-        self.seen.append((seq.token_ids, seq.features))
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
+        assert target.hidden is not None and target.argmax is None
+        self.seen.append((seq.token_ids, target.hidden))
 
 
 def test_drafter_sees_the_hidden_states_it_asks_for(
@@ -261,7 +246,7 @@ def test_drafter_sees_the_hidden_states_it_asks_for(
 
 
 def test_a_drafter_must_be_a_drafter(tiny_model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="lacks propose, commit, release, hidden_layers"):
+    with pytest.raises(ValueError, match="lacks propose, commit, release, needs, setup_s, names"):
         LLM(model=str(tiny_model_dir), dtype="float32", drafter=object())
     config = {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="either speculative_config or drafter"):
@@ -359,6 +344,6 @@ def test_drafts_that_break_the_contract_are_refused(tiny_model_dir: Path) -> Non
     with pytest.raises(ValueError, match=r"draft 0 must be a 1-D int64 tensor of at most"):
         llm.generate(PROMPTS[0], GREEDY)
     bad = RandomDrafter(2, 300)
-    bad.hidden_layers = (99,)
-    with pytest.raises(ValueError, match=r"hidden_layers must be None or a tuple of block"):
+    bad.needs = DrafterNeeds(hidden_layers=(99,))
+    with pytest.raises(ValueError, match=r"needs must be a DrafterNeeds whose hidden_layers"):
         _with_drafter(tiny_model_dir, bad)

@@ -14,7 +14,7 @@ from specdecode.certify import CertifyConfig, certify
 from specdecode.drafters import staged
 from specdecode.errors import UserError
 from specdecode.llm import LLM
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 REPEATING = {"prompt_token_ids": [5, 17, 42, 8, 5, 17, 42, 8, 5, 17, 42, 8, 5]}
 

@@ -15,7 +15,8 @@ from test_tree_engine import TreeOracle
 
 from specdecode.errors import UserError
 from specdecode.llm import LLM
-from specdecode.types import CompletionOutput, SamplingParams, StepEvent
+from specdecode.sampling_params import SamplingParams
+from specdecode.types import CompletionOutput, StepEvent
 
 SPEC_CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2},

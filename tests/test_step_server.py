@@ -14,8 +14,8 @@ from server_cases import running_server
 
 from specdecode.errors import UserError
 from specdecode.llm import LLM
+from specdecode.sampling_params import SamplingParams
 from specdecode.server.app import ServeConfig
-from specdecode.types import SamplingParams
 
 NAME = "tiny"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}

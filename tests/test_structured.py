@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -265,7 +264,7 @@ def test_trees_keep_their_shape_and_get_masks_along_valid_paths(grammars) -> Non
     # root -> a (0) -> b (2) -> x (4); root -> x (1) -> a (3)
     tree = TokenTree((-1, -1, 0, 1, 2))
     draft = Draft(torch.tensor([a, x, b, a, x]), None, tree)
-    (out,), (masks,) = constrain_drafts([SimpleNamespace(grammar=state)], [draft], [5], 300)
+    (out,), (masks,) = constrain_drafts([state], [draft], [5], 300)
     assert out is draft and masks.shape[0] == 6
     assert allows(masks[0], a) and not allows(masks[0], x)  # at the root
     assert allows(masks[3], b) and not allows(masks[3], x)  # after a, b: one more of [ab]
@@ -278,11 +277,10 @@ def test_chains_are_cut_or_kept_whole_for_drafters_that_read_the_target(grammars
     with keep_shape it stays whole."""
     state = grammars.start(StructuredOutputsParams(regex="[ab]{3}"), [258])
     a, x = ord("a"), ord("x")
-    req = SimpleNamespace(grammar=state)
     tokens = torch.tensor([a, x, a])
-    (det,), _ = constrain_drafts([req], [Draft(tokens)], [3], 300)
-    (sam,), _ = constrain_drafts([req], [Draft(tokens, torch.full((3, 300), 1 / 300))], [3], 300)
-    (whole,), (masks,) = constrain_drafts([req], [Draft(tokens)], [3], 300, keep_shape=True)
+    (det,), _ = constrain_drafts([state], [Draft(tokens)], [3], 300)
+    (sam,), _ = constrain_drafts([state], [Draft(tokens, torch.full((3, 300), 1 / 300))], [3], 300)
+    (whole,), (masks,) = constrain_drafts([state], [Draft(tokens)], [3], 300, keep_shape=True)
     assert det.tokens.tolist() == [a] and sam.tokens.tolist() == [a, x]
     assert sam.probs.shape == (2, 300) and whole.tokens.tolist() == [a, x, a]
     assert masks.shape[0] == 4 and not allows(masks[1], x) and allows(masks[2], x)
@@ -296,8 +294,8 @@ def _first_tokens(grammars: Grammars, draft_for, trials: int) -> torch.Tensor:
     logits = torch.randn(2, 320, generator=torch.Generator().manual_seed(0))  # [2, V]
     logits[0, [97, 98, 99]] = torch.tensor([0.0, 0.4, 0.9])  # p0 over a, b, c after the mask
     gen = torch.Generator().manual_seed(1)
-    reqs = [SimpleNamespace(grammar=state)] * trials
-    drafts, masks = constrain_drafts(reqs, [draft_for(gen) for _ in reqs], [1] * trials, 320)
+    states = [state] * trials
+    drafts, masks = constrain_drafts(states, [draft_for(gen) for _ in states], [1] * trials, 320)
     width = 1 + max(int(d.tokens.numel()) for d in drafts)
     table = logits[:width].expand(trials, width, 320).contiguous()  # [N, width, V]
     mask_logits(table, masks)

@@ -15,8 +15,8 @@ from conftest import build_tiny_model
 from server_cases import running_server
 
 from specdecode.llm import LLM
+from specdecode.sampling_params import SamplingParams
 from specdecode.server.app import ServeConfig
-from specdecode.types import SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 PERSON = {

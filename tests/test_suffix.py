@@ -15,11 +15,11 @@ from test_certify import always_accept
 from specdecode.certify import CertifyConfig, certify
 from specdecode.drafters.suffix import SuffixConfig, SuffixDrafter
 from specdecode.drafters.suffix_tree import Cursor, Node, SuffixTree, best_candidate, grow, match
-from specdecode.engine import step
 from specdecode.errors import UserError
 from specdecode.llm import LLM
+from specdecode.sampling import decide as verifier
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import Verdict
+from specdecode.types import NO_TARGET_OUTPUTS, Verdict
 
 EOS = 99
 
@@ -137,7 +137,7 @@ def test_drafts_the_continuation_of_the_request_itself() -> None:
     seq = FakeSeq("a", [1, 2, 3, 4, 5, 6, 7, 0, 2, 3], num_prompt_tokens=10)
     assert _propose(drafter, seq) == [4, 5, 6, 7]  # match "2 3" (2 tokens) x factor 2
     seq.token_ids += [4, 5, 6]
-    drafter.commit(seq, Verdict(2, torch.tensor([4, 5, 6])))
+    drafter.commit(seq, Verdict(2, torch.tensor([4, 5, 6])), NO_TARGET_OUTPUTS)
     # "2 3 4 5 6" leaves 3 tokens under depth 8; the best score is "4 5 6" + 5 tokens
     assert _propose(drafter, seq) == [7, 0, 2, 3, 4]
     assert _propose(drafter, seq, limit=2) == [7, 0]
@@ -223,7 +223,7 @@ def test_certify_passes_and_a_biased_verifier_fails(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, biased: bool
 ) -> None:
     if biased:
-        monkeypatch.setattr(step, "verify_chain", always_accept)
+        monkeypatch.setattr(verifier, "verify_chain", always_accept)
     config = {"method": "suffix", "suffix_decoding_min_token_prob": 0.0}
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
     prompt = (5, 17, 42, 5, 17, 42, 5, 17)

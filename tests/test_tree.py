@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.loading import load_model
 from specdecode.model.transformer import Transformer
 from specdecode.tree.batch import kept_offsets, tree_metadata

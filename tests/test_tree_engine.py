@@ -13,11 +13,12 @@ from conftest import build_tiny_eagle3_head, build_tiny_exit_head
 from spec_cases import GREEDY, PROMPTS
 from test_speculative import FeatureRecorder, OracleDrafter
 
-from specdecode.drafters.base import SeqView
+from specdecode.cache.attention_metadata import AttentionMetadata
+from specdecode.drafters.base import DrafterNeeds, SeqView
 from specdecode.llm import LLM
-from specdecode.model.attention_metadata import AttentionMetadata
+from specdecode.sampling_params import SamplingParams
 from specdecode.tree.token_tree import ROOT, TokenTree
-from specdecode.types import Draft, SamplingParams, Verdict
+from specdecode.types import Draft
 
 TREE_CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1,
@@ -138,7 +139,7 @@ def test_hidden_states_follow_the_kept_path(
     class TreeRecorder(TreeOracle):
         def __init__(self, continuations, k: int, layers) -> None:
             super().__init__(continuations, k)
-            self.hidden_layers, self.seen = layers, []
+            self.needs, self.seen = DrafterNeeds(hidden_layers=layers), []
 
         commit = FeatureRecorder.commit
 
@@ -173,9 +174,6 @@ def test_a_tree_that_does_not_fit_its_tokens_is_refused(tiny_model_dir: Path) ->
     class Misfit(OracleDrafter):
         def propose(self, seqs, max_tokens):
             return [Draft(torch.tensor([1, 2]), tree=TokenTree((-1,))) for _ in seqs]
-
-        def commit(self, seq: SeqView, verdict: Verdict) -> None:
-            pass
 
     llm = LLM(str(tiny_model_dir), dtype="float32", drafter=Misfit({}, 2))
     with pytest.raises(ValueError, match="tree must be a TokenTree of 2 nodes"):

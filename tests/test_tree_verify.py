@@ -12,8 +12,8 @@ from torch import Tensor
 from specdecode.sampling import tree as tree_module
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.tree import verify_tree
+from specdecode.sampling_params import SamplingParams
 from specdecode.tree.token_tree import TokenTree
-from specdecode.types import SamplingParams
 
 V = 8
 NUM_SAMPLES = 20_000

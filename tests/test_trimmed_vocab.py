@@ -14,6 +14,9 @@ from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples
 
 from specdecode.bench.methods import MethodSpec
+from specdecode.cache.attention_metadata import AttentionMetadata
+from specdecode.corpus.examples import BenchFilter, Example, bench_texts
+from specdecode.corpus.vocab import draft_vocabulary
 from specdecode.drafters import trimmed_head
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.registry import parse_speculative_config
@@ -24,12 +27,9 @@ from specdecode.drafters.trimmed_head import (
 )
 from specdecode.errors import UserError
 from specdecode.llm import LLM
-from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.loading import load_model
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.train.data import BenchFilter, Example, bench_texts
-from specdecode.train.vocab import draft_vocabulary
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 KEPT = torch.randperm(TINY_VOCAB, generator=torch.Generator().manual_seed(5))[:64].sort().values
 
@@ -208,7 +208,7 @@ def test_the_frequency_text_leaves_out_the_bench_prompts(monkeypatch: pytest.Mon
     texts = list(frequency_texts())
     assert sum(map(len, texts)) >= trimmed_head.FREQUENCY_CHARS
     assert not any(bench.touches(Example("t", "", text)) for text in texts)
-    from specdecode.bench.prompts import load_prompts
+    from specdecode.corpus.prompts import load_prompts
 
     leaked = load_prompts(["chat"], 1)[0].messages[-1]["content"]
     fake = [Example("leak", "hi", "Sure: " + leaked), Example("ok", "hi", "a fine answer")]

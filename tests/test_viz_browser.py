@@ -15,8 +15,8 @@ from conftest import build_tiny_model
 from server_cases import running_server
 
 from specdecode.llm import LLM
+from specdecode.sampling_params import SamplingParams
 from specdecode.server.app import ServeConfig
-from specdecode.types import SamplingParams
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
 from selenium.webdriver.common.by import By  # noqa: E402

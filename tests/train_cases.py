@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specdecode.corpus.examples import Example
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.train.data import Example, encode_example
+from specdecode.train.data import encode_example
 from specdecode.train.trainer import TrainConfig
 
 WORDS = [

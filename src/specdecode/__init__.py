@@ -1,8 +1,8 @@
 """specdecode: lossless speculative decoding for causal language models."""
 
 from specdecode.llm import LLM
-from specdecode.structured.params import StructuredOutputsParams
-from specdecode.types import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from specdecode.sampling_params import SamplingParams, StructuredOutputsParams
+from specdecode.types import CompletionOutput, RequestMetrics, RequestOutput
 
 __all__ = [
     "LLM",

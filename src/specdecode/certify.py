@@ -39,17 +39,18 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import is_positive_int
 from specdecode.drafters.plain import PlainDrafter
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.metrics import SpecCounters
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.transformer import Transformer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 DEFAULT_PROMPT = "The weather today is"
 MIN_EXPECTED = 5.0  # every chi-square bin expects at least this many runs (smaller: merged)
@@ -147,8 +148,9 @@ class CertifyResult:
         return {**asdict(self), "passed": self.passed}
 
 
-def certify(llm: LLM, config: CertifyConfig) -> CertifyResult:
-    """Sample `config.num_samples` runs with `llm`'s drafter and test them against the target.
+def certify(llm: LLM, config: CertifyConfig, progress: bool = False) -> CertifyResult:
+    """Sample `config.num_samples` runs with `llm`'s drafter and test them against the target;
+    with `progress`, a bar on stderr counts the runs drawn (and the drafter's acceptance).
 
     Raises UserError for a plain LLM, a prompt that leaves no room for the runs, or a drafter
     that proposed nothing (nothing speculative would be checked).
@@ -159,7 +161,7 @@ def certify(llm: LLM, config: CertifyConfig) -> CertifyResult:
             "decoding is the reference it is checked against"
         )
     ids = _prompt_ids(llm, config)
-    observed, spec = _sample(llm, ids, config, config.seed)
+    observed, spec = _sample(llm, ids, config, config.seed, progress)
     if spec.num_draft_tokens == 0:
         raise UserError(
             f"the drafter proposed no token in {config.num_samples} runs of {config.num_tokens} "
@@ -173,7 +175,7 @@ def certify(llm: LLM, config: CertifyConfig) -> CertifyResult:
         statistic = _pearson(table[0], table[1] / table[1].sum() * table[0].sum())
     else:
         plain = llm.with_speculative_config(None)
-        reference, _ = _sample(plain, ids, config, config.seed + config.num_samples)
+        reference, _ = _sample(plain, ids, config, config.seed + config.num_samples, progress)
         both = {s: (observed[s], reference[s]) for s in observed.keys() | reference.keys()}
         table = _table(both, lambda cell: (cell[0] + cell[1]) / 2, config.num_tokens)  # [2, C]
         statistic = _pearson(table, table.sum(1, keepdim=True) * table.sum(0) / table.sum())
@@ -206,20 +208,31 @@ def _prompt_ids(llm: LLM, config: CertifyConfig) -> list[int]:
 
 
 def _sample(
-    llm: LLM, prompt_ids: list[int], config: CertifyConfig, first_seed: int
+    llm: LLM,
+    prompt_ids: list[int],
+    config: CertifyConfig,
+    first_seed: int,
+    progress: bool = False,
 ) -> tuple[Counter[Outcome], SpecCounters]:
     """Run the prompt num_samples times (run i with seed first_seed + i, batch_size runs per
-    batch); returns how often each sequence came out and the runs' counters added up."""
+    batch); returns how often each sequence came out and the runs' counters added up. With
+    `progress`, a bar on stderr counts the runs (and shows the acceptance so far)."""
     prompt = {"prompt_token_ids": prompt_ids}
     counts: Counter[Outcome] = Counter()
     spec = SpecCounters()
+    what = "plain runs" if isinstance(llm.engine.drafter, PlainDrafter) else "speculative runs"
+    bar = tqdm(total=config.num_samples, desc=f"certify: {what}", unit="run", disable=not progress)
     for start in range(0, config.num_samples, config.batch_size):
         end = min(start + config.batch_size, config.num_samples)
         params = [config.params(first_seed + i) for i in range(start, end)]
-        for out in llm.generate([prompt] * len(params), params):
+        for out in llm.generate_as_finished([prompt] * len(params), params):
             counts[out.token_ids] += 1
             assert out.metrics is not None
             spec += out.metrics.spec
+            bar.update()
+        if spec.num_draft_tokens:
+            bar.set_postfix(drafted=spec.num_draft_tokens, acceptance=f"{spec.acceptance_rate:.2f}")
+    bar.close()
     return counts, spec
 
 

@@ -1,23 +1,65 @@
-"""Argument types and flags shared by the `specdecode` subcommands."""
+"""What the `specdecode` subcommands share: the parser that reports bad input in one line,
+argument types, the weight flags, the LLM they describe, and whether to show progress."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
+from typing import NoReturn
 
+from specdecode.errors import UserError
+from specdecode.llm import LLM
 from specdecode.model.loading import DTYPES
 from specdecode.model.quant import AUTO, QUANTIZATIONS
 
+BAD_INPUT = 2  # the exit code of every bad input
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr and exit code 2, like every other
+    bad input (`specdecode: error: argument --max-tokens: invalid int value: 'x' (see
+    `specdecode generate --help`)`), instead of the usage text first. Its subcommands' parsers
+    are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(BAD_INPUT, f"specdecode: error: {message} (see `{self.prog} --help`)\n")
+
 
 def json_object(text: str) -> dict[str, object]:
-    """argparse type: a JSON object."""
+    """argparse type: a JSON object; a bad one names the position of the JSON error."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from err
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno} (char "
+            f"{err.pos}) of {text!r}"
+        ) from err
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
+
+
+def csv(text: str) -> tuple[str, ...]:
+    """argparse type: a comma-separated list of names."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def require_file(path: str | Path) -> Path:
+    """`path` as a Path; UserError "no such file: PATH" where nothing is there."""
+    found = Path(path).expanduser()
+    if not found.exists():
+        raise UserError(f"no such file: {path}")
+    return found
+
+
+def require_prompt_files(sets: tuple[str, ...]) -> None:
+    """Refuse a prompt set given as a path (a .jsonl name or one with a folder) that does not
+    exist: "no such file: PATH" (a set's name, e.g. "chat", is checked where it is loaded)."""
+    for name in sets:
+        if name.endswith(".jsonl") or "/" in name:
+            require_file(name)
 
 
 def add_quantization(p: argparse.ArgumentParser) -> None:
@@ -38,3 +80,20 @@ def add_weight_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     add_quantization(p)
+
+
+def llm_from_args(args: argparse.Namespace) -> LLM:
+    """The LLM that --model, --dtype, --device, --speculative-config and --quantization say."""
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        speculative_config=args.speculative_config,
+        quantization=args.quantization,
+    )
+
+
+def show_progress(quiet: bool = False) -> bool:
+    """Whether a command shows progress bars: not when told to be `quiet` (--json,
+    --no-progress), nor when stderr is not a terminal (a log file, a pipe)."""
+    return not quiet and sys.stderr.isatty()

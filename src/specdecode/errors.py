@@ -16,3 +16,13 @@ class ModelNotFoundError(UserError, FileNotFoundError):
 
 class MissingDependencyError(UserError, ImportError):
     """An optional library a feature needs is not installed; the message says what to install."""
+
+
+def context_overflow(context: int, num_prompt: int, max_tokens: int) -> UserError:
+    """The error for a request whose prompt + max_tokens exceed the model's context: the
+    server's 400 and `specdecode generate` say the same."""
+    return UserError(
+        f"this model's maximum context length is {context} tokens, but "
+        f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, {max_tokens} in "
+        "the completion); reduce the prompt or max_tokens"
+    )

@@ -23,6 +23,7 @@ from specdecode.drafters.registry import (
 from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import Request
+from specdecode.engine.scheduler import SchedulerConfig
 from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
 from specdecode.model.loading import load_model
@@ -30,7 +31,8 @@ from specdecode.model.quant import parse_quantization
 from specdecode.model.registry import resolve_model
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
-from specdecode.types import RequestOutput, SamplingParams
+from specdecode.sampling_params import SamplingParams
+from specdecode.types import RequestOutput
 
 # A prompt: text, or vLLM's tokens form {"prompt_token_ids": [...]}.
 Prompt = str | Mapping[str, Any]
@@ -56,6 +58,9 @@ class LLM:
         "quantization" says otherwise. Speculation is
         exact relative to the quantized target: the target is the model you run.
     drafter: your own `Drafter` instead of a speculative_config (not both).
+    scheduler: the continuous batch's limits (`SchedulerConfig`; default: no KV limit, 256
+        requests running at once). `LLM` builds the one `Engine` that `generate`, `stream`
+        and a server (`specdecode.server.app.build_app`) all run.
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class LLM:
         device: str = "cpu",
         quantization: str | None = "auto",
         drafter: Drafter | None = None,
+        scheduler: SchedulerConfig | None = None,
     ) -> None:
         if speculative_config is not None and drafter is not None:
             raise UserError("give either speculative_config or drafter, not both")
@@ -77,6 +83,7 @@ class LLM:
         self.model_path = path
         self.model = load_model(path, dtype=dtype, device=device, quantization=quantization)
         self.quantization = quantization  # as asked: draft models follow it ("auto" included)
+        self.scheduler = scheduler or SchedulerConfig()  # derived LLMs keep it
         self.tokenizer = Tokenizer.from_folder(path)
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise UserError(
@@ -97,7 +104,7 @@ class LLM:
 
         Nothing is loaded twice: the target's weights are shared, and so is every draft model
         that this LLM or one derived from it has loaded. Metrics start from zero. Used to compare
-        methods on one set of weights (`specdecode bench`). `speculative_config` may also be an
+        methods on one set of weights (the bench). `speculative_config` may also be an
         already validated config of the registry (`DrafterConfig`).
         """
         other = copy.copy(self)
@@ -162,8 +169,14 @@ class LLM:
         if config is not None and drafter is None:
             drafter = self._build_drafter(config)
             draft_length = DraftLength(config.draft_length, config.num_speculative_tokens)
-        self.engine = Engine(self.model, self.tokenizer, drafter, draft_length)
+        self.engine = Engine(self.model, self.tokenizer, drafter, draft_length, self.scheduler)
         self.spec_metrics = SpecCounters()  # all requests of this LLM added together
+
+    def set_scheduler(self, scheduler: SchedulerConfig) -> None:
+        """Set the continuous batch's limits of this LLM's engine (e.g. a KV budget computed
+        from the loaded model); refused while a request is in flight."""
+        self.engine.configure(scheduler)
+        self.scheduler = scheduler
 
     def _load_draft_model(
         self, name: str, quantization: str | None
@@ -232,12 +245,25 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate a completion for each prompt, as one batch; outputs keep the prompts' order."""
         reqs = self._requests(prompts, sampling_params)
-        finals = {}
+        finals = {out.request_id: out for out in self._finished(reqs)}
+        return [finals[r.request_id] for r in reqs]
+
+    def generate_as_finished(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """As `generate`, one batch, but each output is yielded when its request finishes
+        (finish order; e.g. to count progress)."""
+        return self._finished(self._requests(prompts, sampling_params))
+
+    def _finished(self, reqs: list[Request]) -> Iterator[RequestOutput]:
+        """Run `reqs` to the end; yield each one's final output once, adding its counters to
+        `spec_metrics`."""
         for event in self.engine.stream(reqs):
             if event.output.finished:
-                finals[event.request.request_id] = event.output
                 self.spec_metrics += event.request.spec
-        return [finals[r.request_id] for r in reqs]
+                yield event.output
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None

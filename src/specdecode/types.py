@@ -1,4 +1,5 @@
-"""Frozen dataclasses at stage boundaries: sampling parameters, drafts, verdicts, outputs."""
+"""Frozen dataclasses at stage boundaries: drafts, verdicts, what the target hands a drafter,
+step events and outputs (the request's parameters: `specdecode.sampling_params`)."""
 
 from __future__ import annotations
 
@@ -7,101 +8,8 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from specdecode.energy import joules
-from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
-from specdecode.structured.params import StructuredOutputsParams
 from specdecode.tree.token_tree import TokenTree
-
-MAX_SPECULATIVE_TOKENS = 64  # the longest draft; the engine keeps this many spare cache slots
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick tokens; shaped like vLLM's `SamplingParams`.
-
-    temperature: 0 means greedy (argmax); > 0 scales the logits before softmax.
-    top_k: keep the k most likely tokens; -1 or 0 disables.
-    top_p: keep the smallest set of most likely tokens whose probability reaches top_p; 1 disables.
-    max_tokens: generate at most this many tokens.
-    seed: per-request random seed; the same seed gives the same output.
-    stop: strings that end generation; the stop string itself is not part of the text.
-    ignore_eos: keep generating past the end-of-sequence token.
-    num_speculative_tokens: draft at most this many tokens per step for this request (0 = no
-        speculation, plain decoding in the same batch); None = as many as the engine's drafter
-        and draft-length policy choose. The output is the same either way.
-    drafter: which of the engine's drafters drafts for this request, by name, when it serves
-        several (`specdecode.drafters.mux`); None = its first (or only) one.
-    step_events: record a `StepEvent` per step in the output (`CompletionOutput.steps`): what
-        was drafted, accepted, corrected, and when. Off by default; off costs nothing.
-    structured_outputs: a constraint the whole output keeps (JSON schema, JSON object, regex,
-        choice or grammar; `StructuredOutputsParams`, or a dict of its fields); it ends with
-        the end-of-sequence token, so it cannot go with ignore_eos. Speculation stays exact
-        under it.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    num_speculative_tokens: int | None = None
-    drafter: str | None = None
-    step_events: bool = False
-    structured_outputs: StructuredOutputsParams | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if not self.temperature >= 0.0:
-            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise UserError(f"top_k must be -1 or 0 (disabled) or a positive int, got {self.top_k}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise UserError(f"max_tokens must be a positive int, got {self.max_tokens}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
-        ):
-            raise UserError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise UserError(f"stop must be non-empty strings, got {self.stop!r}")
-        k = self.num_speculative_tokens
-        if k is not None and (
-            not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS
-        ):
-            raise UserError(
-                f"num_speculative_tokens must be None (the engine's choice) or an int in "
-                f"0..{MAX_SPECULATIVE_TOKENS} (0 = no speculation), got {k!r}"
-            )
-        if self.drafter is not None and (not isinstance(self.drafter, str) or not self.drafter):
-            raise UserError(f"drafter must be None or a drafter's name, got {self.drafter!r}")
-        if not isinstance(self.step_events, bool):
-            raise UserError(f"step_events must be true or false, got {self.step_events!r}")
-        constraint = self.structured_outputs
-        if isinstance(constraint, dict):
-            constraint = StructuredOutputsParams.from_dict(constraint)
-            object.__setattr__(self, "structured_outputs", constraint)
-        elif constraint is not None and not isinstance(constraint, StructuredOutputsParams):
-            raise UserError(
-                "structured_outputs must be None, a StructuredOutputsParams or a dict of its "
-                f"fields, got {type(constraint).__name__}"
-            )
-        if self.structured_outputs is not None and self.ignore_eos:
-            raise UserError(
-                "structured_outputs end with the end-of-sequence token; ignore_eos cannot be set "
-                "with them"
-            )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +46,25 @@ class TargetFeatures:
 
     start: int
     hidden: Tensor  # [n, F]
+
+
+@dataclass(frozen=True, slots=True)
+class TargetOutputs:
+    """What the target's pass over one sequence hands its drafter with the verdict, and only
+    what the drafter's `DrafterNeeds` asked for (None otherwise).
+
+    hidden: the hidden states of the tokens the step kept (the last committed token before the
+        pass and the accepted ones; after a prefill, every prompt token).
+    argmax: the target's most likely token after each token of the pass, kept or not: [0]
+        after the last committed token, [n + 1] after draft node n (n + 1 entries for n
+        draft tokens).
+    """
+
+    hidden: TargetFeatures | None = None
+    argmax: tuple[int, ...] | None = None
+
+
+NO_TARGET_OUTPUTS = TargetOutputs()  # what a drafter that needs nothing receives
 
 
 @dataclass(frozen=True, slots=True)

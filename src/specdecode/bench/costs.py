@@ -20,30 +20,17 @@ whole, then lookups miss and steps decode one token), which a single rate a does
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from specdecode import kernels
+from specdecode.engine.costs import expected_tokens, pass_seconds
 from specdecode.metrics import SpecCounters
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.transformer import Transformer
 
 # Pass costs are measured for T = 1 .. at least this many new tokens: the pass table that shows
 # how a verification pass grows with its width (t(T) / t(1)), whatever K is planned.
 PASS_TABLE_WIDTH = 16
-
-
-def expected_tokens_per_step(acceptance: float, k: int) -> float:
-    """E[tokens per step] = (1 - a^(K+1)) / (1 - a) for acceptance a in [0, 1] and K >= 0."""
-    if not 0.0 <= acceptance <= 1.0 or k < 0:
-        raise ValueError(f"need 0 <= acceptance <= 1 and K >= 0, got {acceptance} and {k}")
-    if acceptance == 1.0:
-        return float(k + 1)
-    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
 def predicted_speedup(
@@ -52,7 +39,7 @@ def predicted_speedup(
     """The module docstring's speedup; `target_s[T]` = seconds of a target pass over T tokens
     (needs T = 1 and T = K + 1), `draft_s` = seconds of one draft token (0 for lookup drafters)."""
     step = k * draft_s + target_s[k + 1]
-    return expected_tokens_per_step(acceptance, k) * target_s[1] / step
+    return expected_tokens(acceptance, k) * target_s[1] / step
 
 
 def forward_seconds(
@@ -62,55 +49,6 @@ def forward_seconds(
     (one row; `pass_seconds`)."""
     shapes = pass_seconds(model, context, [(1, w) for w in widths], repeats, seed)
     return {w: shapes[(1, w)] for w in widths}
-
-
-@torch.inference_mode()
-def pass_seconds(
-    model: Transformer,
-    context: int,
-    shapes: Sequence[tuple[int, int]],
-    repeats: int = 5,
-    seed: int = 0,
-    fastest: bool = False,
-) -> dict[tuple[int, int], float]:
-    """Median seconds (with `fastest`, the least: noise only adds time) of one forward pass
-    of `rows` rows of `width` new tokens each (DECODE, as a verification pass), every row
-    after the same `context` cached tokens, per shape (rows, width).
-
-    One row is filled once with `context` random tokens and copied to every row; each timed
-    pass appends its tokens and is rolled back, so every pass sees the same context. One
-    untimed pass per shape comes first.
-    """
-    if context < 1 or repeats < 1 or not shapes or min(min(s) for s in shapes) < 1:
-        raise ValueError("need context >= 1, repeats >= 1 and shapes of rows, widths >= 1")
-    device = model.device
-    gen = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    capacity = context + max(w for _, w in shapes)
-    first = model.new_cache(1, capacity)
-    prompt = torch.randint(vocab, (1, context), generator=gen)
-    model(prompt.to(device), AttentionMetadata.prefill([context], device), first)
-    caches = {1: first}
-    out = {}
-    for rows, width in shapes:
-        if rows not in caches:
-            caches[rows] = model.new_cache(rows, capacity)
-            caches[rows].load_prefix(first, context)
-        cache = caches[rows]
-        tokens = torch.randint(vocab, (rows, width), generator=gen).to(device)
-        meta = AttentionMetadata.contiguous(
-            AttentionMode.DECODE, [context] * rows, [width] * rows, device
-        )
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            model(tokens, meta, cache)  # logits for every token, as verification needs
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-            cache.truncate(context)
-        out[(rows, width)] = min(times[1:]) if fastest else statistics.median(times[1:])
-    return out
 
 
 def bench_costs(

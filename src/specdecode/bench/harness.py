@@ -19,11 +19,11 @@ from tqdm import tqdm
 
 from specdecode.bench.machine import QUIET_CORES, wait_until_quiet, with_foreign_load
 from specdecode.bench.methods import MethodSpec
-from specdecode.bench.prompts import BenchPrompt
 from specdecode.bench.records import Run
 from specdecode.bench.runners import Runner
+from specdecode.corpus.prompts import BenchPrompt
 from specdecode.energy import cpu_seconds
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 WARMUP_TOKENS = 16  # new tokens of each method's untimed warm-up run
 

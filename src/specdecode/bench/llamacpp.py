@@ -15,7 +15,7 @@ import torch
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.records import Timing
 from specdecode.errors import MissingDependencyError, ModelNotFoundError
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 LLAMACPP_REQUIREMENT = "llama-cpp-python==0.3.36"
 
@@ -57,7 +57,7 @@ class LlamaCppRunner:
         draft = None
         if spec.kind == "llamacpp-lookup":
             draft = LlamaPromptLookupDecoding(
-                num_pred_tokens=spec.options["k"], max_ngram_size=spec.options.get("max", 2)
+                num_pred_tokens=spec.options["k"], max_ngram_size=spec.option("max")
             )
         threads = torch.get_num_threads()  # the same threads as ours
         self.spec = spec

@@ -1,33 +1,23 @@
-"""Method specs of `specdecode bench`: what to run, written as short strings.
+"""Method specs of `specdecode bench`: what to run, written as short strings, e.g. `plain`,
+`ngram:k=8`, `draft:qwen2.5-coder-0.5b:k=3:dq=int8`, `hf-lookup:k=8`.
 
-    plain[:q=int8]                 our plain decoding
-    ngram:k=8[:max=4][:min=2]      our prompt lookup (speculative_config method "ngram")
-    draft:MODEL:k=4[:dq=int4]      our draft-model speculation with MODEL (alias, folder, .gguf)
-    eagle3:HEAD:k=3[:hq=int8]      a trained head (folder HEAD); also medusa:HEAD, layer_skip:HEAD
-    ...:w=3:d=4                    a token tree: tree_width 3, tree_depth 4 (k = its nodes)
-    hf                             Hugging Face transformers `generate()` on the same weights
-    hf-assisted:MODEL:k=4          HF assisted generation (`assistant_model=`, K draft tokens)
-    hf-lookup:k=8[:max=4]          HF prompt lookup (`prompt_lookup_num_tokens=`)
-    llamacpp                       llama.cpp (llama-cpp-python) on the model's GGUF file
-    llamacpp-lookup:k=10[:max=2]   llama.cpp with its prompt-lookup drafting
-
-Our speculative methods come from the drafter registry (`specdecode.drafters.registry`): a
-method's bench name, its short options (`k` = num_speculative_tokens for all) and its MODEL
-field are the registry's, and its config is validated by the same dataclass the API uses.
-Our methods take `q=none|int8|int4|gguf`: the target's weight format for this method, instead of
-the run's `--quantization`; e.g. `ngram:k=8:q=int4`. A draft model follows its target's format,
-or takes its own with `dq=`: `draft:qwen2.5-coder-0.5b:k=3:q=int8:dq=int4`.
-
-Prompts that carry a JSON schema (the "extraction" set) run our methods under it as a
-structured-output constraint; `schema=off` runs such prompts without it (e.g. `plain:schema=off`,
-the constraint's own overhead). Peers cannot constrain their output: they always run without.
+The grammar has one source: our speculative methods are the drafter registry's
+(`specdecode.drafters.registry`: each entry's `bench_name`, its `bench_options`, short key ->
+config field, `k` = num_speculative_tokens for all, and its `model_field`, which a positional
+MODEL fills), and their config is validated by the same dataclass the API uses; plain decoding
+and the peers are `KINDS` below, and `OUR_OPTIONS` are the options every method of ours takes
+besides its drafter's (`q=`: the target's weight format for this method; `schema=off`: run a
+prompt's JSON schema unconstrained). `specdecode bench --help` and the table in
+docs/drafters.md are generated from these tables (`bench/method_help.py`).
 
 Example: `MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=4").speculative_config()` is
-`{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}`.
+`{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4, ...}`
+(every field of the config, defaults included).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,24 +32,71 @@ from specdecode.model.quant import QUANTIZATIONS
 
 # Our speculative methods, by their bench name (the drafter registry's `bench_name`).
 OURS = {method.bench_name: method for method in DRAFTERS.values()}
-# Plain decoding and the peers: kind -> (takes a MODEL field, allowed options, required options)
-KINDS: dict[str, tuple[bool, frozenset[str], frozenset[str]]] = {
-    "plain": (False, frozenset(), frozenset()),
-    "hf": (False, frozenset(), frozenset()),
-    "hf-assisted": (True, frozenset({"k"}), frozenset({"k"})),
-    "hf-lookup": (False, frozenset({"k", "max"}), frozenset({"k"})),
-    "llamacpp": (False, frozenset(), frozenset()),
-    "llamacpp-lookup": (False, frozenset({"k", "max"}), frozenset({"k"})),
-}
 FORMATS = ("none", *QUANTIZATIONS)  # values of our methods' q= option
-# Our method that a peer's method corresponds to (for "ours / peer" ratios).
-PEER_OF = {
-    "hf": "plain",
-    "hf-assisted": "draft",
-    "hf-lookup": "ngram",
-    "llamacpp": "plain",
-    "llamacpp-lookup": "ngram",
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """Plain decoding or a peer library's method: what its spec takes.
+
+    about: what it runs (its line in `bench --help`).
+    takes_model: whether a positional MODEL follows its name (`hf-assisted:MODEL:k=4`).
+    options: its options (positive integers) -> default, None = required.
+    peer_of: for a peer, the bench name of our corresponding method ("ours / peer" ratios).
+    """
+
+    about: str
+    takes_model: bool = False
+    options: Mapping[str, int | None] = field(default_factory=dict)
+    peer_of: str | None = None
+
+
+KINDS: dict[str, Kind] = {
+    "plain": Kind("our plain decoding"),
+    "hf": Kind("Hugging Face transformers' generate() on the same weights", peer_of="plain"),
+    "hf-assisted": Kind(
+        "HF assisted generation with a draft MODEL (assistant_model=, K draft tokens)",
+        takes_model=True,
+        options={"k": None},
+        peer_of="draft",
+    ),
+    "hf-lookup": Kind(
+        "HF prompt lookup (prompt_lookup_num_tokens=K, max_matching_ngram_size=max)",
+        options={"k": None, "max": 2},
+        peer_of="ngram",
+    ),
+    "llamacpp": Kind("llama.cpp (llama-cpp-python) on the model's GGUF file", peer_of="plain"),
+    "llamacpp-lookup": Kind(
+        "llama.cpp with its prompt lookup (num_pred_tokens=K, max_ngram_size=max)",
+        options={"k": None, "max": 2},
+        peer_of="ngram",
+    ),
 }
+# Our method that a peer's method corresponds to (for "ours / peer" ratios).
+PEER_OF = {name: kind.peer_of for name, kind in KINDS.items() if kind.peer_of is not None}
+# Options every method of ours takes (plain included) besides its drafter's: key -> (values,
+# what it does). Peers take neither.
+OUR_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "q": (FORMATS, "the target's weight format for this method, instead of the run's"),
+    "schema": (("on", "off"), "off: a prompt's JSON schema does not constrain this method"),
+}
+# Specs the help shows as examples (each one parses: tests/test_method_specs.py).
+EXAMPLES = (
+    "plain:q=none",
+    "ngram:k=8",
+    "ngram:k=8:q=int8:dl=cost",
+    "suffix:k=24:cached=0",
+    "lookahead:k=16:W=4:N=3:G=4",
+    "draft:qwen2.5-coder-0.5b:k=3:dq=int8",
+    "draft:qwen2.5-coder-0.5b:k=4:st=suffix",
+    "draft:qwen2.5-coder-0.5b:k=3:conf=0.4",
+    "draft:qwen2.5-coder-0.5b:k=6:w=3:d=2",
+    "cross:smollm2-135m:k=4",
+    "eagle3:heads/qwen-eagle3:k=3",
+    "plain:schema=off",
+    "hf-lookup:k=8",
+    "llamacpp-lookup:k=8:max=2",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +134,9 @@ class MethodSpec:
             takes_model = OURS[kind].model_field is not None
             allowed, required = frozenset(OURS[kind].bench_options), frozenset({"k"})
         else:
-            takes_model, allowed, required = KINDS[kind]
+            takes_model = KINDS[kind].takes_model
+            allowed = frozenset(KINDS[kind].options)
+            required = frozenset(k for k, v in KINDS[kind].options.items() if v is None)
         model = None
         if takes_model:
             if not fields or "=" in fields[0] or not fields[0]:
@@ -108,22 +147,22 @@ class MethodSpec:
         constrained = kind not in PEER_OF
         for item in fields:
             key, eq, value = item.partition("=")
-            if key == "q" and kind not in PEER_OF:
-                if value not in FORMATS:
-                    raise UserError(f"bad q={value!r} in {text!r}; allowed: {', '.join(FORMATS)}")
-                quantization = value
-                continue
-            if key == "schema" and kind not in PEER_OF:
-                if value not in ("on", "off"):
-                    raise UserError(f"bad schema={value!r} in {text!r}; allowed: on, off")
-                constrained = value == "on"
+            if key in OUR_OPTIONS and kind not in PEER_OF:
+                values = OUR_OPTIONS[key][0]
+                if value not in values:
+                    allowed_values = ", ".join(values)
+                    raise UserError(f"bad {key}={value!r} in {text!r}; allowed: {allowed_values}")
+                if key == "q":
+                    quantization = value
+                else:
+                    constrained = value == "on"
                 continue
             numeric = value.isdigit() and int(value) >= 1
             if not eq or key not in allowed or not (numeric or (ours and value)):
                 raise UserError(
                     f"bad option {item!r} in {text!r}; {kind!r} takes "
                     f"{', '.join(sorted(allowed)) or 'no options'} as key=positive integer"
-                    + ("" if kind in PEER_OF else ", and q=none|int8|int4|gguf, schema=on|off")
+                    + ("" if kind in PEER_OF else f", and {_our_options()}")
                 )
             options[key] = _number(value)
         missing = sorted(required - set(options))
@@ -149,6 +188,11 @@ class MethodSpec:
             return self.config.num_speculative_tokens
         return int(self.options.get("k", 0))
 
+    def option(self, key: str) -> int | None:
+        """A peer's option as given, else its default (`KINDS`); None if it has neither."""
+        value = self.options.get(key, KINDS[self.kind].options.get(key))
+        return None if value is None else int(value)
+
     def weight_format(self, default: str) -> str:
         """Our target's format for this method: its q= or the run's `default` ("none" ...)."""
         return self.quantization or default
@@ -172,6 +216,11 @@ class MethodSpec:
             and m.num_speculative_tokens == self.num_speculative_tokens
         ]
         return matches[0] if matches else None
+
+
+def _our_options() -> str:
+    """ "q=none|int8|int4|gguf, schema=on|off": OUR_OPTIONS as the error messages show them."""
+    return ", ".join(f"{key}={'|'.join(values)}" for key, (values, _) in OUR_OPTIONS.items())
 
 
 def _number(value: str) -> bool | int | float | str:

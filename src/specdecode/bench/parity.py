@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.errors import MissingDependencyError
-from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.config import ModelConfig
 from specdecode.model.gguf_linear import GgufWeight, read_gguf_weights
 from specdecode.model.transformer import Transformer

@@ -20,29 +20,32 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tqdm import tqdm
+
 from specdecode.bench.costs import (
     PASS_TABLE_WIDTH,
     bench_costs,
-    expected_tokens_per_step,
     pass_table_text,
     predicted_from_costs,
 )
-from specdecode.bench.prompts import load_prompts
 from specdecode.bench.replay import ReplayStats, replay
 from specdecode.bench.roofline import measure_bandwidth, roofline, roofline_text
+from specdecode.corpus.prompts import load_prompts
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.drafters.registry import (
     DrafterConfig,
     as_speculative_config,
     parse_speculative_config,
 )
+from specdecode.engine.costs import expected_tokens
 from specdecode.errors import UserError
 from specdecode.llm import LLM
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,7 @@ class PlanConfig:
     context: cached tokens before each timed pass (step costs grow with the context).
     max_k: plan for K = 1..max_k.
     quantization: the target's weight format (`LLM`'s quantization).
+    progress: say on stderr what is being measured, with a bar over the replayed shapes.
     """
 
     model: str
@@ -71,6 +75,7 @@ class PlanConfig:
     per_set: int = 8
     max_tokens: int = 64
     repeats: int = 5
+    progress: bool = False
 
 
 def candidates(config: DrafterConfig, max_k: int) -> list[DrafterConfig]:
@@ -115,10 +120,12 @@ def replayed_speedup(stats: ReplayStats, target_ms: Sequence[float]) -> float:
 
 def _shape_rows(llm: LLM, config: PlanConfig, target_ms: Sequence[float]) -> list[dict[str, Any]]:
     """Replay every candidate shape of `config`'s drafter; one row per shape."""
+    _stage(config, "generating the target's greedy text to replay the shapes on")
     texts = greedy_texts(llm, config)
     base = parse_speculative_config(config.speculative_config)
     rows = []
-    for shape in candidates(base, config.max_k):
+    shapes = candidates(base, config.max_k)
+    for shape in tqdm(shapes, desc="plan: replays", unit="shape", disable=not config.progress):
         drafter = llm.with_speculative_config(shape).engine.drafter
         stats = replay(drafter, texts, config.max_tokens)
         rows.append(
@@ -146,7 +153,7 @@ def _acceptance_rows(
             "k": k,
             "tree_width": 1,
             "tree_depth": None,
-            "expected_tokens_per_step": expected_tokens_per_step(acceptance, k),
+            "expected_tokens_per_step": expected_tokens(acceptance, k),
             "mean_draft_size": float(k),
             "draft_ms_per_step": k * draft_ms,
             "predicted_speedup": predicted_from_costs(acceptance, k, costs, name),
@@ -175,6 +182,7 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
     llm = target.with_speculative_config(config.speculative_config)
     draft = llm.draft_model
     drafts = {} if draft is None else {"draft": draft}
+    _stage(config, f"measuring the pass table at {config.context} cached tokens")
     costs = bench_costs(target.model, drafts, config.max_k, config.context, config.repeats)
     if config.acceptance is None:
         rows = _shape_rows(llm, config, costs["target_ms"])
@@ -193,6 +201,12 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
             target.model, config.context, measure_bandwidth(), costs["target_ms"][0]
         ),
     }
+
+
+def _stage(config: PlanConfig, what: str) -> None:
+    """With `config.progress`, say on stderr what the plan does now."""
+    if config.progress:
+        tqdm.write(f"plan: {what}", file=sys.stderr)
 
 
 def _shape(row: Mapping[str, Any]) -> str:

@@ -18,10 +18,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.costs import expected_tokens_per_step
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.report import weight_format
 from specdecode.bench.stats import ALL
+from specdecode.engine.costs import expected_tokens
 from specdecode.errors import MissingDependencyError
 
 MATPLOTLIB_REQUIREMENT = "matplotlib>=3.8"
@@ -126,7 +126,7 @@ def speedup_vs_k_plot(report: dict[str, Any], path: Path) -> Path:
         accept = [c["acceptance_rate"] or 0.0 for c in cells]
         ax.plot(
             ks,
-            [expected_tokens_per_step(a, k) for a, k in zip(accept, ks, strict=True)],
+            [expected_tokens(a, k) for a, k in zip(accept, ks, strict=True)],
             linestyle=":",
             color=color,
             label=f"{label}: E[tokens/step]",

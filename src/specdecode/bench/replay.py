@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
+from specdecode.sampling_params import SamplingParams
 from specdecode.tree.token_tree import ROOT, TokenTree
-from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
+from specdecode.types import NO_TARGET_OUTPUTS, Draft, Verdict
 
 
 @dataclass
@@ -31,7 +32,6 @@ class _Seq:
     token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
-    features: TargetFeatures | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +101,7 @@ def replay(
             emitted = continuation[done : done + len(path) + 1]
             seq.token_ids.extend(emitted)
             kept = path if draft.is_tree else None  # as the engine: chains have no path
-            drafter.commit(seq, Verdict(len(path), torch.tensor(emitted), kept))
+            drafter.commit(seq, Verdict(len(path), torch.tensor(emitted), kept), NO_TARGET_OUTPUTS)
             tokens, done = tokens + len(emitted), done + len(emitted)
             sizes.append(int(draft.tokens.numel()))
         drafter.release(seq.request_id)

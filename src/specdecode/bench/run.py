@@ -9,18 +9,20 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from specdecode.bench.costs import bench_costs
 from specdecode.bench.harness import WARMUP_TOKENS, LoopConfig, run_interleaved
 from specdecode.bench.machine import machine_facts, wait_until_quiet
 from specdecode.bench.methods import parse_methods
-from specdecode.bench.prompts import load_prompts
 from specdecode.bench.records import Run
 from specdecode.bench.report import markdown
 from specdecode.bench.roofline import measure_bandwidth, roofline
 from specdecode.bench.runners import OursRunner, Runner, build_runners
 from specdecode.bench.stats import summarize
+from specdecode.corpus.prompts import load_prompts
 from specdecode.llm import LLM
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +60,10 @@ def _log(run: Run) -> None:
         if spec is not None and spec["num_drafts"] > 0
         else ""
     )
-    print(
+    tqdm.write(  # above the progress bar, if one is shown
         f"  r{run.repeat} {run.prompt_id:<13} {run.method:<28} {run.num_tokens:4d} tok "
         f"{run.num_tokens / run.wall_s:6.2f} tok/s{accept} load {run.foreign_cores:.2f}",
         file=sys.stderr,
-        flush=True,
     )
 
 

@@ -20,7 +20,7 @@ from specdecode.errors import MissingDependencyError
 from specdecode.llm import LLM
 from specdecode.model.quant import parse_quantization
 from specdecode.model.registry import resolve_model
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 HF_REQUIREMENT = "transformers>=4.45 accelerate>=0.34"
 
@@ -96,7 +96,7 @@ class HFRunner:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if self.spec.kind == "hf-lookup":
             kwargs["prompt_lookup_num_tokens"] = self.spec.options["k"]
-            kwargs["max_matching_ngram_size"] = self.spec.options.get("max", 2)
+            kwargs["max_matching_ngram_size"] = self.spec.option("max")
         if self.spec.kind == "hf-assisted":
             config = self.assistant.generation_config
             config.num_assistant_tokens = self.spec.options["k"]

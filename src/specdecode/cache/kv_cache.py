@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specdecode.model.attention_metadata import AttentionMetadata
+from specdecode.cache.attention_metadata import AttentionMetadata
 
 
 class KVCache:

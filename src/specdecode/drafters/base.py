@@ -1,7 +1,11 @@
-"""The Drafter protocol: propose a draft per sequence, then stay in sync with each verdict."""
+"""The drafter's contract: what it may read of a sequence (`SeqView`), what it needs from the
+target (`DrafterNeeds`), the `Drafter` protocol and its typed defaults (`DrafterBase`), the
+config protocol and build context every method shares, and the checks of its inputs and
+outputs."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -12,14 +16,11 @@ from torch import Tensor
 from specdecode.cache.kv_cache import KVCache
 from specdecode.errors import UserError
 from specdecode.model.quant import AUTO, parse_quantization
+from specdecode.model.tokenizer import Tokenizer
+from specdecode.model.transformer import Transformer
+from specdecode.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from specdecode.tree.token_tree import TokenTree
-from specdecode.types import (
-    MAX_SPECULATIVE_TOKENS,
-    Draft,
-    SamplingParams,
-    TargetFeatures,
-    Verdict,
-)
+from specdecode.types import Draft, TargetOutputs, Verdict
 
 DRAFT_LENGTH_POLICIES = ("fixed", "heuristic", "cost")  # see specdecode.engine.draft_length
 
@@ -46,19 +47,6 @@ class SeqView(Protocol):
     @property
     def generator(self) -> torch.Generator | None:
         """The sequence's random generator (None = torch's default)."""
-        ...
-
-    @property
-    def target_argmax(self) -> list[int] | None:
-        """The target's most likely next token after each token of its last pass over the
-        sequence: [0] after the last committed token, [n + 1] after draft node n; None unless
-        the drafter asked (`Drafter.wants_target_argmax`)."""
-        ...
-
-    @property
-    def features(self) -> TargetFeatures | None:
-        """The target's hidden states from its last pass over the sequence, of the layers the
-        drafter asked for (`Drafter.hidden_layers`); None when it asked for none."""
         ...
 
 
@@ -179,28 +167,39 @@ def check_draft_limits(seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> No
             raise ValueError(f"max_tokens must be >= 0, got {limit} for {seq.request_id!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class DrafterNeeds:
+    """What a drafter needs from each target pass besides the verdict (`TargetOutputs`).
+
+    hidden_layers: the target's hidden states to hand over, as `Transformer.forward`'s
+        `hidden_layers` (the inputs of those blocks; the number of layers means the
+        final-normed output); () = none, and the pass keeps nothing and costs nothing more.
+    target_argmax: hand over the target's most likely token after each token of the pass
+        (lookahead's Jacobi window advances on it).
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+    target_argmax: bool = False
+
+
 class Drafter(Protocol):
     """Proposes tokens; the engine never asks which kind of drafter it holds.
 
-    hidden_layers: which of the target's hidden states the drafter wants to see, as
-    `Transformer.forward`'s `hidden_layers` (the inputs of those blocks; the number of layers
-    means the final-normed output), or None for none. When set, every target pass leaves the
-    sequence's `features` (see `SeqView`) for `commit` and the next `propose` to read; when
-    None, nothing is kept and the pass costs nothing more.
+    needs: what the drafter needs from each target pass (`DrafterNeeds`); the engine hands it
+        over as `commit`'s `target`.
+    setup_s: seconds of the latest `propose` spent on one-time work, e.g. a draft model
+        prefilling a new sequence's prompt; the draft-length policy leaves them out of its
+        per-token drafting cost (they are paid once, not per draft token).
+    names: the names a request may give as `SamplingParams.drafter` (a `DrafterMux`'s
+        drafters); the engine refuses any other name.
 
-    wants_target_argmax (optional, default False): when True, every verification pass leaves
-    the sequence's `target_argmax` (the target's most likely token after each draft node,
-    kept or not) for `commit` to read (lookahead's Jacobi window advances on it).
-
-    setup_s (optional, default 0): seconds of the latest `propose` spent on one-time work,
-    e.g. a draft model prefilling a new sequence's prompt; the draft-length policy leaves
-    them out of its per-token drafting cost (they are paid once, not per draft token).
-
-    names (optional, default ()): the names a request may give as `SamplingParams.drafter`
-    (a `DrafterMux`'s drafters); the engine refuses any other name.
+    Subclass `DrafterBase` for the defaults (no needs, 0 s, no names, nothing to commit or
+    release); a wrapper forwards all of them from the drafter it wraps.
     """
 
-    hidden_layers: tuple[int, ...] | None
+    needs: DrafterNeeds
+    setup_s: float
+    names: tuple[str, ...]
 
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
         """One draft per sequence, of at most `max_tokens[i]` tokens (0 allowed: no draft).
@@ -211,8 +210,10 @@ class Drafter(Protocol):
         """
         ...
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
-        """Sync own state (cache, index) after `verdict`; `seq.token_ids` already includes it."""
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
+        """Sync own state (cache, index) after `verdict` (`seq.token_ids` already includes
+        it), with what the target's pass handed over (`target`: what `needs` asked for). Also
+        called after a prompt's prefill, with an empty draft's verdict (the first token)."""
         ...
 
     def release(self, request_id: str) -> None:
@@ -222,24 +223,77 @@ class Drafter(Protocol):
         ...
 
 
+class DrafterBase(ABC):
+    """The `Drafter` protocol's typed defaults: a subclass writes `propose` and overrides
+    what it uses (`needs`, `setup_s`, `names`, `commit`, `release`)."""
+
+    needs: DrafterNeeds = DrafterNeeds()
+    setup_s: float = 0.0
+    names: tuple[str, ...] = ()
+
+    @abstractmethod
+    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+        """See `Drafter.propose`."""
+
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:  # noqa: B027
+        """Nothing to sync (see `Drafter.commit`)."""
+
+    def release(self, request_id: str) -> None:  # noqa: B027
+        """Nothing to forget (see `Drafter.release`)."""
+
+
+class DrafterConfig(Protocol):
+    """What every method's config has (each is a frozen dataclass that validates itself and
+    names its registry entry in `method`)."""
+
+    method: ClassVar[str]
+
+    @property
+    def num_speculative_tokens(self) -> int: ...
+
+    @property
+    def draft_length(self) -> str:
+        """The draft length policy ("fixed", "heuristic", "cost")."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterContext:
+    """What a factory may use to build a drafter for one target.
+
+    target: the target model (its config: vocabulary size, layers, hidden size).
+    tokenizer: the target's tokenizer (EOS ids, the vocabulary a draft model must share).
+    load_model: (name, weight format or None for the target's) -> a loaded model and its
+        tokenizer; the caller shares loaded models between drafters.
+    """
+
+    target: Transformer
+    tokenizer: Tokenizer
+    load_model: Callable[[str, str | None], tuple[Transformer, Tokenizer]]
+
+
 def check_drafter(drafter: object, num_layers: int) -> None:
-    """Refuse an object that lacks the `Drafter` protocol's members (naming them), or asks for
-    hidden states of layers the target (of `num_layers` blocks) does not have."""
-    members = ("propose", "commit", "release", "hidden_layers")
+    """Refuse an object that lacks the `Drafter` protocol's members (naming them), or whose
+    `needs` asks for hidden states of layers the target (of `num_layers` blocks) does not
+    have."""
+    members = ("propose", "commit", "release", "needs", "setup_s", "names")
     missing = [name for name in members if not hasattr(drafter, name)]
     if missing:
         raise UserError(
             f"{type(drafter).__name__} is not a Drafter: it lacks {', '.join(missing)} "
-            f"(a Drafter has {', '.join(members)}; see specdecode.drafters.base)"
+            f"(a Drafter has {', '.join(members)}; subclass "
+            "specdecode.drafters.base.DrafterBase for the defaults)"
         )
-    layers = drafter.hidden_layers  # type: ignore[attr-defined]
-    if layers is not None and not (
+    needs = drafter.needs  # type: ignore[attr-defined]
+    layers = needs.hidden_layers if isinstance(needs, DrafterNeeds) else None
+    if not (
         isinstance(layers, tuple)
         and all(isinstance(i, int) and 0 <= i <= num_layers for i in layers)
     ):
         raise UserError(
-            f"{type(drafter).__name__}.hidden_layers must be None or a tuple of block indices "
-            f"in 0..{num_layers} ({num_layers} = the final-normed output), got {layers!r}"
+            f"{type(drafter).__name__}.needs must be a DrafterNeeds whose hidden_layers are "
+            f"block indices in 0..{num_layers} ({num_layers} = the final-normed output), got "
+            f"{needs!r}"
         )
 
 

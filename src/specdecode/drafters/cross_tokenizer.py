@@ -44,12 +44,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import (
+    DrafterBase,
+    DrafterContext,
     ModelDrafterConfig,
     SeqView,
     cache_with_room,
@@ -59,10 +61,7 @@ from specdecode.drafters.base import (
 from specdecode.drafters.draft_model import DraftLM, feed
 from specdecode.errors import UserError
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.types import Draft, Verdict
-
-if TYPE_CHECKING:
-    from specdecode.drafters.registry import DrafterContext
+from specdecode.types import Draft, TargetOutputs, Verdict
 
 LOOKBACK = 4  # committed target tokens re-encoded with the draft text (the token boundary)
 STEPS_PER_TOKEN = 2  # draft-model tokens per step at most: this many per proposed target token
@@ -84,6 +83,7 @@ class CrossTokenizerConfig(ModelDrafterConfig):
         `specdecode.engine.draft_length`).
     """
 
+    method: ClassVar[str] = "cross_tokenizer"
     WHAT: ClassVar[str] = "a cross_tokenizer draft model"
 
     def __post_init__(self) -> None:
@@ -114,7 +114,7 @@ class _DraftState:
     fed: list[int] = field(default_factory=list)
 
 
-class CrossTokenizerDrafter:
+class CrossTokenizerDrafter(DrafterBase):
     """Proposes up to K target tokens per sequence from a draft model with another vocabulary,
     bridged through text (module docstring); deterministic drafts (`probs=None`).
 
@@ -132,8 +132,6 @@ class CrossTokenizerDrafter:
         UserError: K is out of range, the draft tokenizer has more tokens than the draft model,
             or the two vocabularies are the same.
     """
-
-    hidden_layers = None  # needs no hidden states of the target
 
     def __init__(
         self,
@@ -180,7 +178,7 @@ class CrossTokenizerDrafter:
                 for seq, m in zip(seqs, max_tokens, strict=True)
             ]
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """Nothing to do: the next `propose` realigns the cache with the committed text."""
 
     def release(self, request_id: str) -> None:

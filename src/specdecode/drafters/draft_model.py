@@ -44,9 +44,11 @@ from typing import ClassVar, Protocol
 import torch
 from torch import Tensor
 
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import (
     MAX_SPECULATIVE_TOKENS,
+    DrafterBase,
     ModelDrafterConfig,
     SeqView,
     check_draft_length,
@@ -57,12 +59,11 @@ from specdecode.drafters.base import (
 from specdecode.drafters.draft_rows import DraftRows
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, log_confidence
 from specdecode.errors import UserError
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.config import ModelConfig
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import Draft, Verdict
+from specdecode.types import Draft, TargetOutputs, Verdict
 
 STAGERS = (None, "ngram", "suffix")  # the model-free drafters that can stage a draft model
 
@@ -123,6 +124,7 @@ class DraftModelConfig(ModelDrafterConfig):
         this (0..1; HF's assistant_confidence_threshold); None = always K tokens.
     """
 
+    method: ClassVar[str] = "draft_model"
     WHAT: ClassVar[str] = "a draft_model"
 
     draft_vocab_size: int | None = None
@@ -189,7 +191,7 @@ def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) 
     )
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(DrafterBase):
     """Proposes up to K tokens per sequence by running a small draft model autoregressively.
 
     Chains are drafted for every sequence at once: each of the K draft passes feeds each
@@ -212,8 +214,6 @@ class DraftModelDrafter:
     Raises:
         UserError: K or the tree's shape is out of range, or the vocabulary sizes differ.
     """
-
-    hidden_layers = None  # needs no hidden states of the target
 
     def __init__(
         self,
@@ -257,7 +257,7 @@ class DraftModelDrafter:
                 return [self._propose_tree(s, m) for s, m in zip(seqs, max_tokens, strict=True)]
             return self._propose_chains(seqs, max_tokens)
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """Roll the cache back to the committed tokens but the last one.
 
         Draft tokens that were fed and then accepted stay cached (they are committed now);

@@ -3,9 +3,7 @@ staged by a model-free drafter, the next draft prepared during verification (SSD
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, DrafterContext
 from specdecode.drafters.draft_model import (
     DraftModelConfig,
     DraftModelDrafter,
@@ -16,9 +14,6 @@ from specdecode.drafters.overlap import OverlapDrafter
 from specdecode.drafters.staged import StagedDrafter, Stager
 from specdecode.drafters.suffix import SuffixConfig, SuffixDrafter
 from specdecode.drafters.trimmed_head import trimmed_draft_model
-
-if TYPE_CHECKING:
-    from specdecode.drafters.registry import DrafterContext
 
 
 def build_draft_model_drafter(config: DraftModelConfig, context: DrafterContext) -> Drafter:

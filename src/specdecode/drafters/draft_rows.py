@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 
 
 class DraftRows:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.tree.token_tree import ROOT, TokenTree
 
 

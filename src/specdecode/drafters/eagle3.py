@@ -2,8 +2,9 @@
 
 The head (`specdecode.heads.eagle3`) keeps, per sequence, a one-layer cache of entries: entry t
 reads (token t + 1, the target's fused state after token t) at position t. The target's
-states arrive after every target pass as `seq.features` (this drafter asks for the inputs of
-the head's `aux_layers`), for the tokens the pass kept: every committed token but the last.
+states arrive after every target pass with `commit` (`target.hidden`: this drafter asks for the
+inputs of the head's `aux_layers`), for the tokens the pass kept: every committed token but
+the last.
 
 Worked example, K = 3, committed t0..t5, entries 0..3 fed before, the last target pass kept
 s4 (its state after t4):
@@ -26,14 +27,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import (
     Drafter,
+    DrafterBase,
+    DrafterContext,
+    DrafterNeeds,
     ModelDrafterConfig,
     SeqView,
     cache_with_room,
@@ -43,13 +48,9 @@ from specdecode.drafters.base import (
 )
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, reduced_log_confidence
 from specdecode.heads.eagle3 import Eagle3Head, load_eagle3_head
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import Draft, Verdict
-
-if TYPE_CHECKING:
-    from specdecode.drafters.registry import DrafterContext
+from specdecode.types import Draft, TargetOutputs, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +58,14 @@ class Eagle3Config(ModelDrafterConfig):
     """speculative_config of an EAGLE-3 head, method "eagle3" (vLLM's keys).
 
     model: the head's folder (config.json + model.safetensors, speculators' format;
-        `specdecode train --method eagle3` writes one).
+        the `train` command's `--method eagle3` writes one).
     num_speculative_tokens: draft at most this many tokens per step (K, 1..64; a tree's nodes).
     quantization: the head's weight format ("none", "int8", "int4", "gguf"); None = the target's.
     tree_width: children per expanded node of a dynamic tree (1 = a chain).
     tree_depth: levels of the tree, one head pass each (default: K).
     """
 
+    method: ClassVar[str] = "eagle3"
     WHAT: ClassVar[str] = "an eagle3 config"
 
 
@@ -79,9 +81,10 @@ def build_eagle3_drafter(config: Eagle3Config, context: DrafterContext) -> Draft
 
 @dataclass
 class _Row:
-    """One sequence's head state: its cache and the target states not fed yet."""
+    """One sequence's head state: its cache (made at its first draft) and the target states
+    not fed yet."""
 
-    cache: KVCache
+    cache: KVCache | None = None
     fed: int = 0  # entries fed with the target's states (the cache's committed part)
     pending: list[Tensor] = field(default_factory=list)  # [n, F] states for entries fed..
 
@@ -91,7 +94,7 @@ class _Row:
         return self.fed + sum(len(p) for p in self.pending)
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(DrafterBase):
     """Proposes up to K tokens per sequence with an EAGLE-3 head (module docstring).
 
     Args:
@@ -111,7 +114,7 @@ class Eagle3Drafter:
         check_draft_length(num_speculative_tokens)
         check_tree_shape(tree_width, tree_depth, num_speculative_tokens)
         self.head = head
-        self.hidden_layers: tuple[int, ...] = head.config.aux_layers
+        self.needs = DrafterNeeds(hidden_layers=head.config.aux_layers)
         self.num_speculative_tokens = num_speculative_tokens
         self.tree_width = tree_width
         self.tree_depth = tree_depth or num_speculative_tokens
@@ -123,7 +126,7 @@ class Eagle3Drafter:
         """One draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
 
         Args:
-            seqs: the sequences to draft for (their `features` hold the newest target states).
+            seqs: the sequences to draft for (their target states came with `commit`).
             max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
 
         Returns:
@@ -135,9 +138,20 @@ class Eagle3Drafter:
         with torch.inference_mode():
             return [propose(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
-        """Nothing to do: the next `propose` drops the drafted entries and feeds the target's
-        states of the committed tokens."""
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
+        """Queue the target's states of the tokens the step kept; the next `propose` drops the
+        drafted entries and feeds them."""
+        features = target.hidden
+        if features is None:
+            return
+        row = self._rows.setdefault(seq.request_id, _Row())
+        if features.start + len(features.hidden) > row.known:
+            if features.start > row.known:
+                raise ValueError(
+                    f"eagle3: target states for tokens {row.known}..{features.start - 1} of "
+                    f"request {seq.request_id} never arrived"
+                )
+            row.pending.append(features.hidden[row.known - features.start :])
 
     def release(self, request_id: str) -> None:
         """Drop a finished sequence's head cache (unknown ids are ignored)."""
@@ -186,21 +200,13 @@ class Eagle3Drafter:
         return Draft(torch.tensor(tokens, dtype=torch.long), tree=shape)
 
     def _prepare(self, seq: SeqView, max_tokens: int) -> tuple[int, _Row]:
-        """The draft size for `seq` and its row, its drafted entries dropped and the newest
-        target states queued."""
+        """The draft size for `seq` and its row, its cache grown to fit and its drafted
+        entries dropped."""
         ids = seq.token_ids
         room = self.head.rotary.cos.shape[0] - len(ids) + 1  # entry d_j sits at len - 2 + j
         k = min(max_tokens, self.num_speculative_tokens, max(room, 0)) if ids else 0
         row = self._row_for(seq, len(ids) + max(k, self.tree_width * self.tree_depth))
         row.cache.truncate(row.fed)
-        features = seq.features
-        if features is not None and features.start + len(features.hidden) > row.known:
-            if features.start > row.known:
-                raise ValueError(
-                    f"eagle3: target states for tokens {row.known}..{features.start - 1} of "
-                    f"request {seq.request_id} never arrived"
-                )
-            row.pending.append(features.hidden[row.known - features.start :])
         return k, row
 
     def _catch_up(self, seq: SeqView, row: _Row) -> tuple[Tensor, Tensor]:
@@ -233,15 +239,12 @@ class Eagle3Drafter:
 
     def _row_for(self, seq: SeqView, needed: int) -> _Row:
         """The sequence's row, its cache allocated or grown to at least `needed` entries."""
-        row = self._rows.get(seq.request_id)
-        cache = cache_with_room(
-            None if row is None else row.cache,
+        row = self._rows.setdefault(seq.request_id, _Row())
+        row.cache = cache_with_room(
+            row.cache,
             seq,
             needed,
             self.num_speculative_tokens + self.tree_width * self.tree_depth + 1,
             lambda capacity: self.head.new_cache(1, capacity),
         )
-        if row is None:
-            row = self._rows[seq.request_id] = _Row(cache)
-        row.cache = cache
         return row

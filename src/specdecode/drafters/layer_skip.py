@@ -16,28 +16,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.cache.kv_cache import KVCache
-from specdecode.drafters.base import Drafter, ModelDrafterConfig, spread_logits
+from specdecode.drafters.base import Drafter, DrafterContext, ModelDrafterConfig, spread_logits
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.heads.exit_head import ExitHead, load_exit_head
-from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.config import ModelConfig
 from specdecode.model.transformer import Transformer, at_positions
-
-if TYPE_CHECKING:
-    from specdecode.drafters.registry import DrafterContext
 
 
 @dataclass(frozen=True, slots=True)
 class LayerSkipConfig(ModelDrafterConfig):
     """speculative_config of early-exit self-speculation, method "layer_skip".
 
-    model: the exit head's folder (`specdecode train --method layer_skip` writes one; the
+    model: the exit head's folder (the `train` command's `--method layer_skip` writes one; the
         exit layer E is the head's).
     num_speculative_tokens: draft at most this many tokens per step (K, 1..64; a tree's nodes).
     quantization: the head's weight format ("none", "int8", "int4", "gguf"); None = the target's
@@ -46,6 +43,7 @@ class LayerSkipConfig(ModelDrafterConfig):
     tree_depth: levels of the tree, one pass of the first E blocks each (default: K).
     """
 
+    method: ClassVar[str] = "layer_skip"
     WHAT: ClassVar[str] = "a layer_skip config"
 
 

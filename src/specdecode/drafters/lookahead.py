@@ -23,7 +23,7 @@ Worked example, W = 2, N = 3 (levels 0 and 1), last committed token t:
     n-grams: (a1, b2, c3), (a2, b3, c4) join the pool under a1 and a2
     next window: level 0 = b2 b3, level 1 = c3 c4 (shifted by the tokens committed)
 
-The drafter reads the target's argmax at its window nodes (`Drafter.wants_target_argmax`).
+The drafter reads the target's argmax at its window nodes (`DrafterNeeds.target_argmax`).
 Every draft is deterministic (`probs=None`), so sampled requests stay exact too (the window
 follows the argmax whatever the sampling parameters). Committed tokens' n-grams also join the
 pool (what prompt lookup would find).
@@ -35,12 +35,15 @@ import random
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
 import torch
 
 from specdecode.drafters.base import (
     MAX_SPECULATIVE_TOKENS,
+    DrafterBase,
+    DrafterContext,
+    DrafterNeeds,
     SeqView,
     check_draft_length_policy,
     check_draft_limits,
@@ -48,10 +51,7 @@ from specdecode.drafters.base import (
 )
 from specdecode.errors import UserError
 from specdecode.tree.token_tree import ROOT, TokenTree
-from specdecode.types import Draft, Verdict
-
-if TYPE_CHECKING:
-    from specdecode.drafters.registry import DrafterContext
+from specdecode.types import Draft, TargetOutputs, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +67,8 @@ class LookaheadConfig:
     draft_length: how many nodes a step may draft ("fixed", "heuristic", "cost"; see
         `specdecode.engine.draft_length`).
     """
+
+    method: ClassVar[str] = "lookahead"
 
     window_size: int = 4
     ngram_size: int = 3
@@ -131,7 +133,7 @@ class _Window:
         self.seen = 0  # committed tokens whose n-grams are in the pool
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(DrafterBase):
     """Lookahead decoding (module docstring); one window per request until `release`.
 
     Args:
@@ -139,8 +141,7 @@ class LookaheadDrafter:
         eos_token_ids: end-of-sequence ids; a guess never contains one.
     """
 
-    hidden_layers = None  # needs no hidden states of the target
-    wants_target_argmax = True  # the window advances on the target's argmax at its nodes
+    needs = DrafterNeeds(target_argmax=True)  # the window advances on the target's argmax
 
     def __init__(self, config: LookaheadConfig, eos_token_ids: Collection[int]) -> None:
         self.config = config
@@ -174,11 +175,11 @@ class LookaheadDrafter:
             drafts.append(Draft(tokens, tree=TokenTree(tuple(trie.parents))))
         return drafts
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """Advance the window by the target's argmax at its newest level (harvesting the
         columns' n-grams), shift it past the committed tokens, pool the committed n-grams."""
         window = self._windows.get(seq.request_id)
-        argmax = seq.target_argmax
+        argmax = target.argmax
         if window is None:
             return
         moved = window.nodes is not None and argmax is not None

@@ -2,12 +2,12 @@
 
 Cai et al. 2024, "Medusa". The heads (`specdecode.heads.exit_head`, kind "medusa") read the
 target's final-normed state after token t; head k (1-based) predicts token t + k + 1. After
-every target pass the engine leaves the states of the committed tokens but the last
-(`seq.features`, this drafter asks for block L's input = the final-normed output), so the
-newest state s is the one after token n - 2 of n committed tokens: the target's own head read
-it to commit token n - 1, and head k drafts token n - 2 + k + 1, i.e. d_k follows the last
-committed token at distance k. One head pass drafts all K tokens; no cache, nothing to roll
-back.
+every target pass the engine hands over the states of the committed tokens but the last
+(`commit`'s `target.hidden`; this drafter asks for block L's input = the final-normed
+output), so the newest state s is the one after token n - 2 of n committed tokens: the
+target's own head read it to commit token n - 1, and head k drafts token n - 2 + k + 1, i.e.
+d_k follows the last committed token at distance k. One head pass drafts all K tokens; no
+cache, nothing to roll back.
 
 Chains: d_k is head k's argmax (greedy) or a sample from q_k, head k's distribution after the
 request's sampling parameters, zero outside the reduced draft vocabulary (verification uses
@@ -22,13 +22,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from specdecode.drafters.base import (
     Drafter,
+    DrafterBase,
+    DrafterContext,
+    DrafterNeeds,
     ModelDrafterConfig,
     SeqView,
     check_draft_length,
@@ -40,17 +43,14 @@ from specdecode.errors import UserError
 from specdecode.heads.exit_head import ExitHead, load_exit_head
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import Draft, Verdict
-
-if TYPE_CHECKING:
-    from specdecode.drafters.registry import DrafterContext
+from specdecode.types import Draft, TargetOutputs, Verdict
 
 
 @dataclass(frozen=True, slots=True)
 class MedusaConfig(ModelDrafterConfig):
     """speculative_config of Medusa heads, method "medusa" (vLLM's method name).
 
-    model: the heads' folder (`specdecode train --method medusa` writes one).
+    model: the heads' folder (the `train` command's `--method medusa` writes one).
     num_speculative_tokens: draft at most this many tokens per step (K; a tree's nodes; a
         chain is at most as long as the heads are many).
     quantization: the heads' weight format ("none", "int8", "int4", "gguf"); None = the target's.
@@ -58,6 +58,7 @@ class MedusaConfig(ModelDrafterConfig):
     tree_depth: levels of the tree (default: min(K, heads)); at most the number of heads.
     """
 
+    method: ClassVar[str] = "medusa"
     WHAT: ClassVar[str] = "a medusa config"
 
 
@@ -72,7 +73,7 @@ def build_medusa_drafter(config: MedusaConfig, context: DrafterContext) -> Draft
     return MedusaDrafter(head, config.num_speculative_tokens, config.tree_width, config.tree_depth)
 
 
-class MedusaDrafter:
+class MedusaDrafter(DrafterBase):
     """Proposes up to K tokens per sequence from one pass of Medusa heads (module docstring).
 
     Args:
@@ -106,7 +107,7 @@ class MedusaDrafter:
                 )
             )
         self.head = head
-        self.hidden_layers: tuple[int, ...] = (head.config.feature_layer,)
+        self.needs = DrafterNeeds(hidden_layers=(head.config.feature_layer,))
         self.num_speculative_tokens = num_speculative_tokens
         self.tree_width = tree_width
         self.tree_depth = min(tree_depth or num_speculative_tokens, heads)
@@ -118,7 +119,7 @@ class MedusaDrafter:
         """One draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
 
         Args:
-            seqs: the sequences to draft for (their `features` hold the newest target states).
+            seqs: the sequences to draft for (their newest target states came with `commit`).
             max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
 
         Returns:
@@ -139,8 +140,13 @@ class MedusaDrafter:
                 drafts.append(draft(seq, logits, k))
         return drafts
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
-        """Nothing to do: the next `propose` reads the state the verification pass left."""
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
+        """Keep the target's state of the newest token the step kept (the next `propose`
+        drafts from it)."""
+        features = target.hidden
+        if features is not None and len(features.hidden):
+            index = features.start + len(features.hidden) - 1
+            self._states[seq.request_id] = (index, features.hidden[-1].to(self.head.device))
 
     def release(self, request_id: str) -> None:
         """Forget a finished sequence's newest state (unknown ids are ignored)."""
@@ -152,16 +158,9 @@ class MedusaDrafter:
         return Draft(torch.zeros(0, dtype=torch.long))
 
     def _newest_state(self, seq: SeqView) -> Tensor:
-        """The target's state after token n - 2 ([h]) of the n committed tokens, from the
-        sequence's newest features (kept until a later pass replaces it)."""
+        """The target's state after token n - 2 ([h]) of the n committed tokens (kept by
+        `commit` until a later pass replaces it)."""
         wanted = len(seq.token_ids) - 2
-        features = seq.features
-        if features is not None and features.start <= wanted < features.start + len(
-            features.hidden
-        ):
-            state = features.hidden[wanted - features.start].to(self.head.device)
-            self._states[seq.request_id] = (wanted, state)
-            return state
         index, state = self._states.get(seq.request_id, (None, None))
         if index != wanted or state is None:
             raise ValueError(

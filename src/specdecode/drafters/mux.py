@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from specdecode.drafters.base import Drafter, SeqView
+from specdecode.drafters.base import Drafter, DrafterBase, DrafterNeeds, SeqView
 from specdecode.errors import UserError
-from specdecode.types import Draft, Verdict
+from specdecode.types import Draft, TargetOutputs, Verdict
 
 
-class DrafterMux:
+class DrafterMux(DrafterBase):
     """Routes each sequence to one of `drafters` (name -> (drafter, its K)); the first is the
     default. A sequence drafts at most its drafter's K tokens per step."""
 
@@ -25,22 +25,18 @@ class DrafterMux:
             raise UserError("a DrafterMux needs at least one drafter")
         self.drafters = dict(drafters)
         self.default = next(iter(self.drafters))
-        readers = {d.hidden_layers for d, _ in self.drafters.values() if d.hidden_layers}
+        readers = {d.needs.hidden_layers for d, _ in self.drafters.values()} - {()}
         if len(readers) > 1:
             raise UserError(
                 "at most one of the drafters served together may read the target's hidden "
                 f"states (these ask for layers {sorted(readers)}); serve the others apart"
             )
-        self.hidden_layers = next(iter(readers), None)
-        self.wants_target_argmax = any(
-            getattr(d, "wants_target_argmax", False) for d, _ in self.drafters.values()
+        self.needs = DrafterNeeds(
+            hidden_layers=next(iter(readers), ()),
+            target_argmax=any(d.needs.target_argmax for d, _ in self.drafters.values()),
         )
+        self.names = tuple(self.drafters)  # the default first (the engine checks requests)
         self.setup_s = 0.0  # the latest propose's one-time work, all drafters together
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The drafters' names, the default first (the engine checks requests against them)."""
-        return tuple(self.drafters)
 
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
         """Each drafter drafts for its own sequences (in their order); the drafts come back
@@ -55,11 +51,12 @@ class DrafterMux:
             limits = [min(max_tokens[row], k) for row in rows]
             proposed = drafter.propose([seqs[row] for row in rows], limits)
             drafts.update(zip(rows, proposed, strict=True))
-            self.setup_s += getattr(drafter, "setup_s", 0.0)
+            self.setup_s += drafter.setup_s
         return [drafts[row] for row in range(len(seqs))]
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
-        self.drafters[self._name(seq)][0].commit(seq, verdict)
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
+        """The sequence's own drafter syncs."""
+        self.drafters[self._name(seq)][0].commit(seq, verdict, target)
 
     def release(self, request_id: str) -> None:
         """Every drafter forgets the request (those that never saw it ignore the call)."""

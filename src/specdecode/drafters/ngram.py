@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
 import torch
 
 from specdecode.drafters.base import (
+    DrafterBase,
+    DrafterContext,
     SeqView,
     check_draft_length,
     check_draft_length_policy,
@@ -25,10 +27,7 @@ from specdecode.drafters.base import (
 )
 from specdecode.errors import UserError
 from specdecode.tree.token_tree import ROOT, TokenTree
-from specdecode.types import Draft, Verdict
-
-if TYPE_CHECKING:
-    from specdecode.drafters.registry import DrafterContext
+from specdecode.types import Draft, TargetOutputs, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +43,8 @@ class NgramConfig:
     draft_length: how many of the K tokens a step drafts ("fixed", "heuristic", "cost"; see
         `specdecode.engine.draft_length`).
     """
+
+    method: ClassVar[str] = "ngram"
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
@@ -131,7 +132,7 @@ class _SuffixIndex:
         self.num_indexed = end
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """Drafts the tokens that followed the most recent earlier occurrence of the suffix.
 
     For n from `prompt_lookup_max` down to `prompt_lookup_min`, the last n tokens of
@@ -147,8 +148,6 @@ class NgramDrafter:
         config: draft length and n-gram range.
         eos_token_ids: end-of-sequence ids; a draft never contains one.
     """
-
-    hidden_layers = None  # needs no hidden states of the target
 
     def __init__(self, config: NgramConfig, eos_token_ids: Collection[int]) -> None:
         self.config = config
@@ -177,7 +176,7 @@ class NgramDrafter:
             drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), tree=tree))
         return drafts
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """Index the tokens of `verdict`, already appended to `seq.token_ids`."""
         self._sync(seq)
 

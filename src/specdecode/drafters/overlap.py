@@ -15,7 +15,7 @@ draft model keeps the tokens its cache holds and re-feeds from the first that di
 Sampled sequences are not prepared: their drafts draw from the sequence's generator, which the
 verifier uses meanwhile. On a CPU the thread competes with the verification pass for the same
 cores and memory bandwidth, so a hit saves less than a draft's time and a miss costs some:
-`specdecode bench` says which wins on a given machine.
+the bench command says which wins on a given machine.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.drafters.base import Drafter, SeqView
-from specdecode.types import Draft, SamplingParams, TargetFeatures, Verdict
+from specdecode.drafters.base import Drafter, DrafterBase, SeqView
+from specdecode.sampling_params import SamplingParams
+from specdecode.types import Draft, TargetOutputs, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +41,6 @@ class _Hypothesis:
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator | None = None
-    features: TargetFeatures | None = None
-    target_argmax: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +51,7 @@ class _Prepared:
     draft: Draft
 
 
-class OverlapDrafter:
+class OverlapDrafter(DrafterBase):
     """Drafts the next step on a background thread during verification (module docstring).
 
     Args:
@@ -62,11 +61,17 @@ class OverlapDrafter:
     Attributes:
         num_hits: proposes answered by a prepared draft.
         num_prepared: drafts prepared.
+        needs, names: the wrapped drafter's.
+        setup_s: the one-time work of the wrapped drafter's latest propose for this step's
+            drafts (read before the preparing thread starts; what it spends there is hidden
+            behind verification and not billed).
     """
 
     def __init__(self, inner: Drafter, num_speculative_tokens: int) -> None:
         self.inner = inner
-        self.hidden_layers = inner.hidden_layers
+        self.needs = inner.needs
+        self.names = inner.names
+        self.setup_s = 0.0
         self.num_speculative_tokens = num_speculative_tokens
         self.num_hits = self.num_prepared = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdecode-ssd")
@@ -78,6 +83,7 @@ class OverlapDrafter:
         """The prepared drafts where the hypothesis came true (cut to `max_tokens[i]`), the
         wrapped drafter's for the rest; then start preparing the next step's."""
         self._wait()
+        self.setup_s = 0.0
         drafts: list[Draft | None] = []
         missed = []
         for i, (seq, limit) in enumerate(zip(seqs, max_tokens, strict=True)):
@@ -92,6 +98,7 @@ class OverlapDrafter:
                 missed.append(i)
         if missed:
             fresh = self.inner.propose([seqs[i] for i in missed], [max_tokens[i] for i in missed])
+            self.setup_s = self.inner.setup_s
             for i, draft in zip(missed, fresh, strict=True):
                 drafts[i] = draft
         done = [d for d in drafts if d is not None]
@@ -109,10 +116,10 @@ class OverlapDrafter:
             self._job = self._pool.submit(self._prepare, hypotheses)
         return done
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """Wait for the preparing thread, then sync the wrapped drafter."""
         self._wait()
-        self.inner.commit(seq, verdict)
+        self.inner.commit(seq, verdict, target)
 
     def release(self, request_id: str) -> None:
         """Wait for the preparing thread; forget the request here and in the wrapped drafter."""

@@ -6,22 +6,14 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode.drafters.base import SeqView
-from specdecode.types import Draft, Verdict
+from specdecode.drafters.base import DrafterBase, SeqView
+from specdecode.types import Draft
 
 EMPTY_DRAFT = Draft(tokens=torch.empty(0, dtype=torch.long))
 
 
-class PlainDrafter:
+class PlainDrafter(DrafterBase):
     """Plain decoding expressed as a drafter with no drafts."""
-
-    hidden_layers = None
 
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
         return [EMPTY_DRAFT] * len(seqs)
-
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
-        """Nothing to sync."""
-
-    def release(self, request_id: str) -> None:
-        """Nothing to forget."""

@@ -1,7 +1,7 @@
 """The drafter registry: speculative_config "method" -> (frozen config class, factory).
 
-The API (`LLM(speculative_config=...)`), the CLI (`--speculative-config`) and `specdecode bench`
-(method specs like `ngram:k=8`) all read this one table. Adding a drafter is one module (its
+The API (`LLM(speculative_config=...)`), the CLI (`--speculative-config`), the server and the
+bench's method specs (like `ngram:k=8`) all read this one table. Adding a drafter is one module (its
 config dataclass, validated in `__post_init__`, and its `Drafter`) plus one `DrafterMethod`
 line in `DRAFTERS`.
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, DrafterConfig, DrafterContext
 from specdecode.drafters.cross_tokenizer import CrossTokenizerConfig, build_cross_tokenizer_drafter
 from specdecode.drafters.draft_model import DraftModelConfig
 from specdecode.drafters.draft_model_build import build_draft_model_drafter
@@ -29,35 +29,6 @@ from specdecode.drafters.medusa import MedusaConfig, build_medusa_drafter
 from specdecode.drafters.ngram import NgramConfig, build_ngram_drafter
 from specdecode.drafters.suffix import SuffixConfig, build_suffix_drafter
 from specdecode.errors import UserError
-from specdecode.model.tokenizer import Tokenizer
-from specdecode.model.transformer import Transformer
-
-
-class DrafterConfig(Protocol):
-    """What every method's config has (each is a frozen dataclass that validates itself)."""
-
-    @property
-    def num_speculative_tokens(self) -> int: ...
-
-    @property
-    def draft_length(self) -> str:
-        """The draft length policy ("fixed", "heuristic", "cost")."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class DrafterContext:
-    """What a factory may use to build a drafter for one target.
-
-    target: the target model (its config: vocabulary size, layers, hidden size).
-    tokenizer: the target's tokenizer (EOS ids, the vocabulary a draft model must share).
-    load_model: (name, weight format or None for the target's) -> a loaded model and its
-        tokenizer; the caller shares loaded models between drafters.
-    """
-
-    target: Transformer
-    tokenizer: Tokenizer
-    load_model: Callable[[str, str | None], tuple[Transformer, Tokenizer]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +38,7 @@ class DrafterMethod:
     name: the speculative_config "method" (vLLM's name where vLLM has the method).
     config: the method's frozen config dataclass; its fields are the speculative_config keys.
     build: (config, context) -> the drafter.
-    bench_name: the method's name in `specdecode bench` specs, e.g. "ngram" in `ngram:k=8`.
+    bench_name: the method's name in the bench's method specs, e.g. "ngram" in `ngram:k=8`.
     bench_options: short option in a bench spec -> config field (`k` is num_speculative_tokens
         for every method).
     model_field: the config field that a bench spec's positional MODEL fills (a draft model),
@@ -175,11 +146,11 @@ DRAFTERS: dict[str, DrafterMethod] = {
 
 
 def method_of(config: DrafterConfig) -> DrafterMethod:
-    """The registry entry whose config class `config` is."""
-    for method in DRAFTERS.values():
-        if isinstance(config, method.config):
-            return method
-    raise UserError(f"{type(config).__name__} is not the config of a registered drafter")
+    """The registry entry `config` names (its class's `method`)."""
+    entry = DRAFTERS.get(getattr(config, "method", None))  # type: ignore[arg-type]
+    if entry is None or type(config) is not entry.config:
+        raise UserError(f"{type(config).__name__} is not the config of a registered drafter")
+    return entry
 
 
 def parse_speculative_config(cfg: Mapping[str, Any] | DrafterConfig) -> DrafterConfig:
@@ -189,9 +160,10 @@ def parse_speculative_config(cfg: Mapping[str, Any] | DrafterConfig) -> DrafterC
     "method" picks the entry; a "model" without a "method" means "draft_model". Every other key
     must be a field of that method's config; fields without a default are required.
     """
-    if any(isinstance(cfg, method.config) for method in DRAFTERS.values()):
-        return cfg
     if not isinstance(cfg, Mapping):
+        entry = DRAFTERS.get(getattr(cfg, "method", None))  # type: ignore[arg-type]
+        if entry is not None and type(cfg) is entry.config:
+            return cfg  # a registered method's config, validated when it was built
         raise UserError(f"speculative_config must be a dict, got {type(cfg).__name__}")
     name = cfg.get("method", "draft_model" if "model" in cfg else None)
     if name not in DRAFTERS:

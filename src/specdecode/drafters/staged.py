@@ -33,7 +33,7 @@ from specdecode.drafters.base import SeqView
 from specdecode.drafters.draft_model import DraftLM, DraftModelDrafter, feed
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import verify_chain
-from specdecode.types import Draft, Verdict
+from specdecode.types import Draft, TargetOutputs, Verdict
 
 
 class Stager(Protocol):
@@ -44,7 +44,7 @@ class Stager(Protocol):
         """At most k tokens to follow `seq.token_ids` + `extra`."""
         ...
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None: ...
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None: ...
 
     def release(self, request_id: str) -> None: ...
 
@@ -66,11 +66,11 @@ class StagedDrafter(DraftModelDrafter):
         super().__init__(model, num_speculative_tokens, target_vocab_size)
         self.stager = stager
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """Roll the draft model's cache back (see `DraftModelDrafter.commit`); the stager
         follows the committed tokens."""
-        super().commit(seq, verdict)
-        self.stager.commit(seq, verdict)
+        super().commit(seq, verdict, target)
+        self.stager.commit(seq, verdict, target)
 
     def release(self, request_id: str) -> None:
         """Forget a finished sequence here and in the stager."""

@@ -17,12 +17,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
 import torch
 
 from specdecode.drafters.base import (
     MAX_SPECULATIVE_TOKENS,
+    DrafterBase,
+    DrafterContext,
     SeqView,
     check_draft_length_policy,
     check_draft_limits,
@@ -39,10 +41,7 @@ from specdecode.drafters.suffix_tree import (
 )
 from specdecode.errors import UserError
 from specdecode.tree.token_tree import TokenTree
-from specdecode.types import Draft, Verdict
-
-if TYPE_CHECKING:
-    from specdecode.drafters.registry import DrafterContext
+from specdecode.types import Draft, TargetOutputs, Verdict
 
 MAX_TREE_DEPTH = 256
 
@@ -69,6 +68,8 @@ class SuffixConfig:
     draft_length: how many of the K tokens a step may draft ("fixed", "heuristic", "cost";
         see `specdecode.engine.draft_length`).
     """
+
+    method: ClassVar[str] = "suffix"
 
     num_speculative_tokens: int | None = None
     suffix_decoding_max_tree_depth: int = 24
@@ -129,7 +130,7 @@ class _RequestState:
         self.seen = 0  # tokens of token_ids both tries have followed
 
 
-class SuffixDrafter:
+class SuffixDrafter(DrafterBase):
     """Drafts from suffix tries (module docstring); one state per request until `release`,
     when the request's output joins the global trie.
 
@@ -137,8 +138,6 @@ class SuffixDrafter:
         config: depth, cache size, draft length and probability limits.
         eos_token_ids: end-of-sequence ids; a draft never contains one.
     """
-
-    hidden_layers = None  # needs no hidden states of the target
 
     def __init__(self, config: SuffixConfig, eos_token_ids: Collection[int]) -> None:
         self.config = config
@@ -198,7 +197,7 @@ class SuffixDrafter:
                 best = found
         return best
 
-    def commit(self, seq: SeqView, verdict: Verdict) -> None:
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """Follow the tokens of `verdict`, already appended to `seq.token_ids`."""
         self._sync(seq)
 

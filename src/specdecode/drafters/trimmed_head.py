@@ -29,17 +29,9 @@ import torch
 from torch import Tensor, nn
 
 from specdecode import kernels
+from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.cache.kv_cache import KVCache
-from specdecode.drafters.base import spread_logits
-from specdecode.errors import UserError
-from specdecode.model.attention_metadata import AttentionMetadata
-from specdecode.model.linear import Bf16Linear, DenseLinear
-from specdecode.model.quant import Int8DynamicLinear
-from specdecode.model.registry import cache_root
-from specdecode.model.tokenizer import Tokenizer
-from specdecode.model.transformer import Transformer, at_positions
-from specdecode.sharegpt import HELD_OUT_CONVERSATIONS
-from specdecode.train.data import (
+from specdecode.corpus.examples import (
     CODE_EVERY,
     BenchFilter,
     bench_texts,
@@ -47,7 +39,15 @@ from specdecode.train.data import (
     sharegpt_examples,
     stdlib_code_examples,
 )
-from specdecode.train.vocab import draft_vocabulary
+from specdecode.corpus.sharegpt import HELD_OUT_CONVERSATIONS
+from specdecode.corpus.vocab import draft_vocabulary
+from specdecode.drafters.base import spread_logits
+from specdecode.errors import UserError
+from specdecode.model.linear import Bf16Linear, DenseLinear
+from specdecode.model.quant import Int8DynamicLinear
+from specdecode.model.registry import cache_root
+from specdecode.model.tokenizer import Tokenizer
+from specdecode.model.transformer import Transformer, at_positions
 
 # Answer text counted for the table: ~1,300 examples, ~335k Qwen2.5 tokens, ~5 s on first use.
 FREQUENCY_CHARS = 1_500_000
@@ -183,7 +183,7 @@ def frequency_path(tokenizer: Tokenizer, chars: int) -> Path:
 
 def frequency_texts(chars: int = FREQUENCY_CHARS) -> Iterator[str]:
     """The answers the table counts, in a fixed order: the draft-head training stream
-    (`specdecode.train.data`: ShareGPT answers from conversation HELD_OUT_CONVERSATIONS on,
+    (`specdecode.corpus.examples`: ShareGPT answers from conversation HELD_OUT_CONVERSATIONS on,
     with a standard-library function after every CODE_EVERY - 1 of them), until `chars`
     characters are given. An example sharing text with the bench's prompt sets (`BenchFilter`)
     is skipped."""

@@ -43,19 +43,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdecode.drafters.base import check_draft_length_policy
+from specdecode.engine.costs import PASS_AVERAGE, PassCosts, expected_tokens
 from specdecode.types import Draft, Verdict
 
 DECAY = 0.9  # weight of the older acceptance counts after each step
 PRIOR_WEIGHT = 2.0  # pseudo-positions of the all-request rate a new request starts from
-PASS_AVERAGE = 0.2  # weight of a new pass's seconds in its shape's running average
 PROBE_EVERY = 8  # steps without a draft (per row of the batch) before the batch drafts again
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    """E[tokens per step] = (1 - a^(k+1)) / (1 - a) (k + 1 when a = 1)."""
-    if acceptance >= 1.0:
-        return float(k + 1)
-    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
 @dataclass(slots=True)
@@ -68,91 +61,6 @@ class _Request:
     offers: float = 1.0  # steps it could draft (decayed)
     hits: float = 1.0  # of those, steps it did draft (decayed)
     offered: bool = False  # its limit this step was > 0
-
-
-Shape = tuple[int, int]  # a verification pass: (rows, tokens per row)
-
-
-def _along(points: dict[int, float], x: int) -> float:
-    """points (x -> seconds, not empty) read at x: linear between the nearest, flat beyond."""
-    if x in points:
-        return points[x]
-    below = [p for p in points if p < x]
-    above = [p for p in points if p > x]
-    if not above or not below:
-        return points[max(below)] if not above else points[min(above)]
-    lo, hi = max(below), min(above)
-    return points[lo] + (x - lo) / (hi - lo) * (points[hi] - points[lo])
-
-
-def nondecreasing(values: list[float]) -> list[float]:
-    """The nondecreasing sequence closest to `values` in squared error (pool adjacent
-    violators: a run that decreases is replaced by its mean). [1, 3, 2, 4] -> [1, 2.5, 2.5, 4]."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for value in values:
-        blocks.append([value, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
-            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
-    return [mean for mean, count in blocks for _ in range(int(count))]
-
-
-def _lookup(table: dict[Shape, float], rows: int, per_row: int) -> float | None:
-    """`table` read at a shape: along the tokens per row within each measured row count,
-    then along the row counts (`_along` both ways); None for an empty table."""
-    by_rows: dict[int, dict[int, float]] = {}
-    for (r, n), seconds in table.items():
-        by_rows.setdefault(r, {})[n] = seconds
-    if not by_rows:
-        return None
-    return _along({r: _along(points, per_row) for r, points in by_rows.items()}, rows)
-
-
-class PassCosts:
-    """Seconds of verification passes by shape (rows, tokens per row): passes measured
-    beforehand (`seed`) and running averages of the passes run.
-
-    A shape that has run is read as measured. Otherwise the seeded table is read there
-    (`_lookup`), scaled by how the passes of the same row count that did run compare with the
-    seeded table (the nearest tokens per row): a server seeds its table at a short context,
-    and its passes slow down as the contexts grow. Without seeds, the passes run are read the
-    same way.
-    """
-
-    def __init__(self) -> None:
-        self.seconds: dict[Shape, float] = {}  # passes run: running averages
-        self.seeded: dict[Shape, float] = {}  # passes measured beforehand
-
-    def seed(self, seconds: dict[Shape, float]) -> None:
-        """Start from pass costs measured beforehand ((rows, tokens per row) -> seconds), e.g.
-        at a server's start, so that shapes a batch has not run yet are not guessed. Within
-        each row count the costs are made nondecreasing in the tokens per row (a wider pass
-        never costs less; `nondecreasing`), so one noisy timing cannot make it look so."""
-        self.seeded.update(seconds)
-        for rows in {r for r, _ in self.seeded}:
-            widths = sorted(n for r, n in self.seeded if r == rows)
-            fitted = nondecreasing([self.seeded[(rows, n)] for n in widths])
-            self.seeded.update(((rows, n), t) for n, t in zip(widths, fitted, strict=True))
-
-    def observe(self, rows: int, per_row: int, seconds: float) -> None:
-        old = self.seconds.get((rows, per_row))
-        new = seconds if old is None else old + PASS_AVERAGE * (seconds - old)
-        self.seconds[(rows, per_row)] = new
-
-    def estimate(self, rows: int, per_row: int) -> float | None:
-        """Seconds of a pass of `rows` rows of `per_row` tokens (class docstring); None
-        before any pass was measured or seeded."""
-        if (rows, per_row) in self.seconds:
-            return self.seconds[(rows, per_row)]
-        seeded = _lookup(self.seeded, rows, per_row)
-        if seeded is None:
-            return _lookup(self.seconds, rows, per_row)
-        ran = [n for r, n in self.seconds if r == rows]
-        if not ran:
-            return seeded
-        near = min(ran, key=lambda n: (abs(n - per_row), n))
-        scale = self.seconds[(rows, near)] / (_lookup(self.seeded, rows, near) or 1.0)
-        return seeded * scale
 
 
 class DraftLength:

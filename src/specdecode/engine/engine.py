@@ -6,7 +6,7 @@ drafts, verifies and commits once for every running request.
 Losslessness per request: a request's prefill is the same pass whether others run or not, and
 a verification pass attends each row by itself (DECODE / TREE mode), so in fp32 a request's
 greedy output is the same alone or in a busy batch; in bf16 and int8 it is too wherever the
-projections are row-exact (the native CPU kernels; docs/quantization.md).
+projections are row-exact (the native CPU kernels; docs/formats.md).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
 from specdecode.drafters.plain import EMPTY_DRAFT, PlainDrafter
@@ -25,13 +26,12 @@ from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.request import Request
 from specdecode.engine.scheduler import Scheduler, SchedulerConfig
-from specdecode.engine.step import commit, keep_features, speculative_step
+from specdecode.engine.step import VerifyOutput, commit, speculative_step, target_outputs
 from specdecode.errors import UserError
-from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
-from specdecode.sampling.probs import SamplingTensors, probs_from_logits
-from specdecode.sampling.rejection import verdicts, verify_chain
+from specdecode.sampling.decide import decide
+from specdecode.sampling.probs import SamplingTensors
 from specdecode.structured.drafts import mask_logits
 from specdecode.structured.grammars import Grammars
 from specdecode.structured.state import all_allowed
@@ -83,6 +83,12 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def configure(self, scheduler: SchedulerConfig) -> None:
+        """Set the running batch's limits; refused while a request is in flight."""
+        if self.has_unfinished():
+            raise UserError("the scheduler's limits change only while no request is in flight")
+        self.scheduler = Scheduler(scheduler)
+
     def has_unfinished(self) -> bool:
         """Whether any request waits or runs."""
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -110,7 +116,7 @@ class Engine:
     def check_drafter_name(self, name: str | None) -> None:
         """Refuse a request's `drafter` name that this engine's drafter does not answer to
         (`Drafter.names`)."""
-        names = getattr(self.drafter, "names", ())
+        names = self.drafter.names
         if name is None or name in names:
             return
         if names:
@@ -194,7 +200,8 @@ class Engine:
         return admitted
 
     def _prefill(self, req: Request) -> Event:
-        """Run one prompt alone into its cache row; sample and commit its first token."""
+        """Run one prompt alone into its cache row; draw its first token (`decide`, with an
+        empty draft) and commit it."""
         assert self.cache is not None  # _new_rows made it
         start, cpu = time.perf_counter(), cpu_seconds()
         device = self.model.device
@@ -203,7 +210,8 @@ class Engine:
         length = len(req.prompt_ids)
         tokens = torch.tensor([req.prompt_ids], device=device)  # [1, T]
         meta = AttentionMetadata.prefill([length], device)
-        layers = self.drafter.hidden_layers or None  # () asks for nothing too
+        needs = self.drafter.needs
+        layers = needs.hidden_layers or None
         last = torch.tensor([[length - 1]], device=device)  # [1, 1]
         logits, hidden = self.model(tokens, meta, view, logits_index=last, hidden_layers=layers)
         if req.grammar is not None:
@@ -211,21 +219,13 @@ class Engine:
             req.grammar.fill(mask, 0)
             mask_logits(logits, [mask])
         self.cache.set_length(row, view.lengths[0])
-        keep_features([req], meta.starts, [length], hidden if layers else None)
         st = SamplingTensors.from_params([req.params], device)
-        none = torch.zeros(1, 0, dtype=torch.long, device=device)  # [1, 0]
-        num_accepted, out = verify_chain(
-            probs_from_logits(logits, st),  # [1, 1, V]
-            none,
-            None,
-            torch.zeros(1, dtype=torch.long, device=device),
-            [req.generator],
-            greedy=st.greedy,
-        )
-        verdict = verdicts(num_accepted, out)
+        decision = decide(logits, [EMPTY_DRAFT], None, st, [req.generator], needs.target_argmax)
+        targets = target_outputs(needs, meta.starts, [length], hidden, decision, [0])
         seconds = time.perf_counter() - start
         req.cpu_s += cpu_seconds() - cpu  # before commit: the output snapshot reads it
-        (text,) = commit([req], [EMPTY_DRAFT], verdict, self.drafter, self.outputs, 0.0, seconds)
+        verified = VerifyOutput(decision.verdicts, targets)
+        (text,) = commit([req], [EMPTY_DRAFT], verified, self.drafter, self.outputs, 0.0, seconds)
         return self._event(req, text)
 
     def _event(self, req: Request, text: str) -> Event:

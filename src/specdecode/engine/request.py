@@ -14,8 +14,9 @@ import torch
 
 from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
+from specdecode.sampling_params import SamplingParams
 from specdecode.structured.state import GrammarState
-from specdecode.types import SamplingParams, StepEvent, TargetFeatures
+from specdecode.types import StepEvent
 
 
 class Request:
@@ -61,8 +62,6 @@ class Request:
         self.steps: list[StepEvent] = []  # with params.step_events: one per step
         self.cpu_s = 0.0  # CPU seconds of its prefill and its share of each batch step
         self.grammar: GrammarState | None = None  # with params.structured_outputs (the engine's)
-        self.features: TargetFeatures | None = None  # what the drafter asked to see
-        self.target_argmax: list[int] | None = None  # likewise (Drafter.wants_target_argmax)
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
         self.stop_reason: str | int | None = None  # the stop string or EOS id
         self.t_start = time.perf_counter()

@@ -14,62 +14,66 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
-from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter, check_drafts
+from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter, DrafterNeeds, check_drafts
 from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.request import Request
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.transformer import Transformer
-from specdecode.sampling.probs import SamplingTensors, probs_from_logits
-from specdecode.sampling.rejection import verdicts, verify_chain
-from specdecode.sampling.tree import verify_tree
+from specdecode.sampling.decide import Decision, decide, pad_tokens
+from specdecode.sampling.probs import SamplingTensors
 from specdecode.structured.drafts import constrain_drafts, mask_logits
 from specdecode.tree.batch import kept_offsets, tree_metadata
 from specdecode.tree.token_tree import TokenTree
-from specdecode.types import Draft, StepEvent, TargetFeatures, Verdict
+from specdecode.types import (
+    NO_TARGET_OUTPUTS,
+    Draft,
+    StepEvent,
+    TargetFeatures,
+    TargetOutputs,
+    Verdict,
+)
 
 
-def pad_drafts(
-    drafts: Seq[Draft], vocab: int, device: torch.device
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Stack drafts of different lengths.
+@dataclass(frozen=True, slots=True)
+class VerifyOutput:
+    """What verification hands the commit phase: per row, its verdict and what the target's
+    pass hands the drafter (`TargetOutputs`, as the drafter's needs asked)."""
 
-    Returns tokens [B, K] (0-padded), q [B, K, V] (None when every draft is deterministic) and
-    lengths [B]; K = the longest draft. A deterministic draft next to a sampled one gets a
-    one-hot q.
-    """
-    lengths = [int(d.tokens.numel()) for d in drafts]
-    width = max(lengths)
-    tokens = torch.zeros(len(drafts), width, dtype=torch.long, device=device)  # [B, K]
-    for row, draft in enumerate(drafts):
-        tokens[row, : lengths[row]] = draft.tokens
-    q = None
-    if any(d.probs is not None for d in drafts):
-        q = torch.zeros(len(drafts), width, vocab, device=device)  # [B, K, V]
-        for row, draft in enumerate(drafts):
-            if draft.probs is None:
-                q[row, : lengths[row]].scatter_(-1, draft.tokens[:, None].to(device), 1.0)
-            else:
-                q[row, : lengths[row]] = draft.probs
-    return tokens, q, torch.tensor(lengths, device=device)
+    verdicts: list[Verdict]
+    targets: list[TargetOutputs]
 
 
-def keep_features(
-    reqs: Seq[Request], starts: Seq[int], kept: Seq[int | Seq[int]], hidden: Tensor | None
-) -> None:
-    """Leave each request the hidden states its drafter asked for, for tokens from index
-    starts[b]: of row b of `hidden` ([B, T, F], None = none asked), the first kept[b]
-    positions, or the positions kept[b] lists (a tree's kept path)."""
-    if hidden is None:
-        return
-    for row, (req, start, keep) in enumerate(zip(reqs, starts, kept, strict=True)):
-        states = hidden[row, :keep] if isinstance(keep, int) else hidden[row, list(keep)]
-        req.features = TargetFeatures(start, states)
+def target_outputs(
+    needs: DrafterNeeds,
+    starts: Seq[int],
+    kept: Seq[int | Seq[int]],
+    hidden: Tensor | None,
+    decision: Decision,
+    lengths: Seq[int],
+) -> list[TargetOutputs]:
+    """Per row, what the pass hands the drafter: the hidden states it asked for (of row b of
+    `hidden` [B, T, F], the first kept[b] positions or the positions kept[b] lists, a tree's
+    kept path; they belong to the tokens from index starts[b]) and the target's argmax after
+    the row's lengths[b] draft tokens (and the last committed token)."""
+    if not needs.hidden_layers and not needs.target_argmax:
+        return [NO_TARGET_OUTPUTS] * len(starts)
+    best = decision.argmax.tolist() if needs.target_argmax else None  # [B][K + 1]
+    out = []
+    for row, (start, keep, n) in enumerate(zip(starts, kept, lengths, strict=True)):
+        features = None
+        if needs.hidden_layers and hidden is not None:
+            states = hidden[row, :keep] if isinstance(keep, int) else hidden[row, list(keep)]
+            features = TargetFeatures(start, states)
+        argmax = None if best is None else tuple(best[row][: n + 1])
+        out.append(TargetOutputs(features, argmax))
+    return out
 
 
 def verify(
@@ -78,16 +82,15 @@ def verify(
     reqs: Seq[Request],
     drafts: Seq[Draft],
     st: SamplingTensors,
-    hidden_layers: tuple[int, ...] | None = None,
-    keep_argmax: bool = False,
+    needs: DrafterNeeds,
     masks: Seq[Tensor | None] | None = None,
-) -> list[Verdict]:
-    """Run [last token, draft...] of every row through the target and verify the drafts
-    (chains, or trees when any draft is one); with `hidden_layers`, keep the hidden states of
-    the tokens kept (see `keep_features`); with `keep_argmax`, each request's
-    `target_argmax`; with `masks` (`constrain_drafts`), p is the grammar's masked one."""
+) -> VerifyOutput:
+    """Run [last token, draft...] of every row through the target, verify the drafts (chains,
+    or trees when any draft is one; `decide`) and keep what each drafter `needs`; with `masks`
+    (`constrain_drafts`), p is the grammar's masked one."""
     device = model.device
-    draft_tokens, q, num_draft = pad_drafts(drafts, model.config.vocab_size, device)
+    lengths = [int(d.tokens.numel()) for d in drafts]
+    draft_tokens, _ = pad_tokens(drafts, device)  # [B, K]
     last = torch.tensor([r.output_ids[-1] for r in reqs], device=device)  # [B]
     tokens = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, K + 1]
     starts, limit = cache.lengths, model.config.max_position_embeddings
@@ -96,31 +99,25 @@ def verify(
         trees = [d.tree or TokenTree.chain(int(d.tokens.numel())) for d in drafts]
         meta = tree_metadata(starts, trees, tokens.shape[1], device, limit)
     else:
-        sizes = [1 + int(d.tokens.numel()) for d in drafts]
+        sizes = [1 + n for n in lengths]
         meta = AttentionMetadata.contiguous(
             AttentionMode.DECODE, starts, sizes, device, tokens.shape[1], limit
         )
-    logits, hidden = model(tokens, meta, cache, hidden_layers=hidden_layers)  # [B, K + 1, V]
+    layers = needs.hidden_layers or None
+    logits, hidden = model(tokens, meta, cache, hidden_layers=layers)  # [B, K + 1, V]
     if masks is not None:
         mask_logits(logits, masks)
-    p = probs_from_logits(logits, st)  # [B, K + 1, V]
-    if keep_argmax:
-        best = p.argmax(-1).tolist()  # [B][K + 1]
-        for req, row, n in zip(reqs, best, num_draft.tolist(), strict=True):
-            req.target_argmax = row[: n + 1]
     generators = [r.generator for r in reqs]
-    hidden = hidden if hidden_layers else None
-    if trees is None:
-        num_accepted, out = verify_chain(p, draft_tokens, q, num_draft, generators, st.greedy)
-        accepted = num_accepted.tolist()
-        cache.truncate([s + 1 + a for s, a in zip(meta.starts, accepted, strict=True)])
-        keep_features(reqs, meta.starts, [1 + a for a in accepted], hidden)
-        return verdicts(num_accepted, out)
-    num_accepted, out, paths = verify_tree(p, draft_tokens, q, trees, generators, st.greedy)
-    kept = kept_offsets(paths)
-    cache.compact(meta.starts, kept)
-    keep_features(reqs, meta.starts, kept, hidden)
-    return verdicts(num_accepted, out, paths)
+    decision = decide(logits, drafts, trees, st, generators, needs.target_argmax)
+    kept: list[int] | list[list[int]]
+    if decision.paths is None:
+        kept = [1 + a for a in decision.num_accepted.tolist()]
+        cache.truncate([s + k for s, k in zip(meta.starts, kept, strict=True)])
+    else:
+        kept = kept_offsets(decision.paths)
+        cache.compact(meta.starts, kept)
+    targets = target_outputs(needs, meta.starts, kept, hidden, decision, lengths)
+    return VerifyOutput(decision.verdicts, targets)
 
 
 def final_kind(draft: Draft, verdict: Verdict) -> str:
@@ -168,17 +165,18 @@ def step_event(
 def commit(
     reqs: Seq[Request],
     drafts: Seq[Draft],
-    verdicts: Seq[Verdict],
+    verified: VerifyOutput,
     drafter: Drafter,
     outputs: OutputProcessor,
     draft_s: float = 0.0,
     verify_s: float = 0.0,
 ) -> list[str]:
     """Append each verdict to its request, count it (with `draft_s` seconds of drafting
-    each), record its `StepEvent` when the request asked (with the batch's `verify_s`), sync
-    the drafter; returns new texts."""
+    each), record its `StepEvent` when the request asked (with the batch's `verify_s`), hand
+    the drafter the verdict and its target outputs; returns new texts."""
     texts = []
-    for req, draft, verdict in zip(reqs, drafts, verdicts, strict=True):
+    rows = zip(reqs, drafts, verified.verdicts, verified.targets, strict=True)
+    for req, draft, verdict, target in rows:
         before = len(req.output_ids)
         pieces: list[str] | None = [] if req.params.step_events else None
         taken = req.append(verdict.tokens.tolist())
@@ -191,7 +189,7 @@ def commit(
         if pieces is not None:
             seconds = (draft_s, verify_s)
             req.steps.append(step_event(req, draft, verdict, before, pieces, seconds, len(reqs)))
-        drafter.commit(req, verdict)
+        drafter.commit(req, verdict, target)
     return texts
 
 
@@ -225,14 +223,14 @@ def speculative_step(
     drafted = time.perf_counter()
     check_drafts(drafts, limits, model.config.vocab_size)
     masks = None
-    keep_argmax = getattr(drafter, "wants_target_argmax", False)
+    needs = drafter.needs
     if any(r.grammar is not None for r in reqs):
-        vocab = model.config.vocab_size
-        drafts, masks = constrain_drafts(reqs, drafts, limits, vocab, keep_shape=keep_argmax)
-    layers = drafter.hidden_layers or None
-    verdicts = verify(model, cache, reqs, drafts, st, layers, keep_argmax, masks)
+        grammars = [r.grammar for r in reqs]
+        vocab, keep = model.config.vocab_size, needs.target_argmax
+        drafts, masks = constrain_drafts(grammars, drafts, limits, vocab, keep_shape=keep)
+    verified = verify(model, cache, reqs, drafts, st, needs, masks)
     verify_s = time.perf_counter() - drafted
-    per_token_s = drafted - start - getattr(drafter, "setup_s", 0.0)  # prompts' prefills aside
-    draft_length.observe(ids, drafts, verdicts, per_token_s, verify_s)
+    per_token_s = drafted - start - drafter.setup_s  # prompts' prefills aside
+    draft_length.observe(ids, drafts, verified.verdicts, per_token_s, verify_s)
     draft_s = (drafted - start) / len(reqs)
-    return commit(reqs, drafts, verdicts, drafter, outputs, draft_s, verify_s)
+    return commit(reqs, drafts, verified, drafter, outputs, draft_s, verify_s)

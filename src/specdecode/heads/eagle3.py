@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.cache.kv_cache import KVCache
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
 from specdecode.heads.files import (
@@ -30,7 +31,6 @@ from specdecode.heads.files import (
     save_head_folder,
     tensors_for_target,
 )
-from specdecode.model.attention_metadata import AttentionMetadata
 from specdecode.model.linear import make_linear
 from specdecode.model.transformer import (
     HEAD_FORMAT,

@@ -6,11 +6,12 @@ native format as one object (`*_projection`) and runs a whole decoder block of a
 verification pass in one call (`decoder_layer`).
 
 `native()` builds (once per machine and source version; torch caches the build under
-~/.cache/torch_extensions) and returns the extension module; `pack` lays a weight out the way
-the kernels read it. The build targets the machine it runs on (-march=native): AMX tiles, then
-AVX-512 VNNI / BF16 instructions where the CPU has them, portable C++ elsewhere; int8 gives the
-same results on every path (integer sums), bf16 may differ in the last bit between machines but
-never between passes of one machine. `set_amx(False)` (or SPECDECODE_AMX=0) keeps the matmuls
+~/.cache/torch_extensions, and COMPILE_MESSAGE is logged only when it compiles) and returns
+the extension module; `pack` lays a weight out the way the kernels read it. The build targets
+the machine it runs on (-march=native): AMX tiles, then AVX-512 VNNI / BF16 instructions where
+the CPU has them, portable C++ elsewhere; int8 gives the same results on every path (integer
+sums), bf16 may differ in the last bit between machines but never between passes of one
+machine. `set_amx(False)` (or SPECDECODE_AMX=0) keeps the matmuls
 off AMX, e.g. to compare the paths in one run.
 """
 
@@ -20,6 +21,7 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
@@ -31,7 +33,7 @@ from torch import Tensor
 from specdecode.errors import UserError
 
 if TYPE_CHECKING:
-    from specdecode.model.gguf_blocks import Layout as GgufLayout
+    from specdecode.kernels.gguf_layout import Layout as GgufLayout
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,9 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 ROWS = 64  # output rows per tile (matmul.cpp's ROWS)
 INT8_PACK = 4  # int8 values of a row per 32-bit lane
 BF16_PACK = 2  # bf16 values of a row per 32-bit lane
+# A load of the cached build takes ~0.1 s; one still running after this many seconds compiles.
+COMPILE_NOTICE_S = 1.0
+COMPILE_MESSAGE = "compiling the CPU kernels (first use on this machine or after an update: ~30 s)"
 
 
 class GgufActivations(NamedTuple):
@@ -77,7 +82,11 @@ def native() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     _ninja_on_path()
-    log.info("loading the CPU kernels (compiled on first use: ~30 s, once per machine)")
+    # torch's builder compiles only when a source changed since the cached build; a load that
+    # is still running after COMPILE_NOTICE_S is compiling, and says so (a cached one is silent)
+    notice = threading.Timer(COMPILE_NOTICE_S, log.info, (COMPILE_MESSAGE,))
+    notice.daemon = True
+    notice.start()
     try:
         return load(
             name="specdecode_cpu_kernels",
@@ -90,6 +99,8 @@ def native() -> ModuleType:
             f"could not build specdecode's CPU kernels ({SOURCES[0].parent}): {err}. They need a "
             "C++ compiler (g++) and ninja (`pip install ninja`)."
         ) from err
+    finally:
+        notice.cancel()
 
 
 @cache

@@ -44,7 +44,8 @@ class PackedLinear(nn.Module):
     """bf16 y = x @ W^T + b with W pre-packed once into oneDNN's blocked layout (CPU).
 
     This is the kernel torch.compile's CPU weight-freezing pass uses; it is faster than
-    `F.linear` for decode-sized passes with identical outputs (figures: docs/quantization.md).
+    `F.linear` for decode-sized passes with identical outputs (figures:
+    docs/history/formats-and-kernels-issues-5-17.md).
     The dense weight is dropped after packing, so memory does not grow.
     """
 
@@ -70,7 +71,7 @@ class Bf16Linear(nn.Module):
     """bf16 y = x @ W^T + b with specdecode's CPU kernel (`specdecode.kernels`): products summed
     in fp32 in one fixed order per output, so it is row-exact. It reads the weights faster than
     oneDNN for passes of up to ~9 tokens and is ~10% slower for long (prefill) passes
-    (docs/quantization.md has the figures).
+    (docs/history/formats-and-kernels-issues-5-17.md has the figures).
     """
 
     row_exact = True

@@ -13,7 +13,8 @@
   input channels (asymmetric). Activations stay in the model's dtype; the kernel
   (`aten._weight_int4pack_mm_for_cpu`) dequantizes groups as it multiplies.
 
-Their speed per matrix (`benchmarks/linear_formats.py`) is in docs/quantization.md.
+Their speed per matrix (`benchmarks/linear_formats.py`) is in
+docs/history/formats-and-kernels-issues-5-17.md.
 
 Every format is a module mapping [..., in] -> [..., out] in the activations' dtype, with
 `dequantized()` (the [out, in] fp32 weight it stands for), `weight_bytes` (what one pass reads)

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode import kernels
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
 from specdecode.errors import UserError
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.config import ModelConfig
 from specdecode.model.gguf_linear import GgufWeight, cat_weights
 from specdecode.model.linear import make_linear

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdecode.types import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,19 @@ class SamplingTensors:
     @property
     def all_greedy(self) -> bool:
         return all(self.greedy)
+
+    def rows(self, rows: Sequence[int]) -> SamplingTensors:
+        """The parameters of some rows of the batch, in the order given (`filtered` stays the
+        batch's: warping a row without top-k or top-p removes nothing, and no tensor is read
+        back)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.temperature.device)
+        return SamplingTensors(
+            temperature=self.temperature[index],
+            top_k=self.top_k[index],
+            top_p=self.top_p[index],
+            greedy=tuple(self.greedy[b] for b in rows),
+            filtered=self.filtered,
+        )
 
 
 def warp_logits(logits: Tensor, st: SamplingTensors) -> Tensor:

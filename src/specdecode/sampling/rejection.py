@@ -8,9 +8,10 @@ emitted tokens are then distributed exactly as if sampled from p one by one
 (Leviathan et al. 2023, Chen et al. 2023).
 
 A deterministic drafter passes `draft_probs=None`: q is one-hot on the draft token, so x is accepted
-with probability p(x) and the residual is p with x removed. Greedy decoding needs no separate path:
+with probability p(x) and the residual is p with x removed. Greedy decoding is its special case:
 greedy p is one-hot on the argmax, so the same rule accepts while draft == argmax p and otherwise
-emits argmax p. Greedy rows (known from their sampling parameters) draw no random numbers at all.
+emits argmax p. Greedy rows (known from their sampling parameters) draw no random numbers at all,
+and an all-greedy batch takes that rule on token ids alone (`verify_chain_greedy`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def verify_chain(
     batch, k = draft_tokens.shape
     if check:
         check_chain_inputs(target_probs, draft_tokens, draft_probs, num_draft, generators, greedy)
+    if greedy is not None and batch and all(greedy):
+        return verify_chain_greedy(target_probs.argmax(-1), draft_tokens, num_draft)
     pos = torch.arange(k + 1, device=draft_tokens.device)  # [K + 1]
     valid = pos[:k] < num_draft[:, None]  # [B, K] True at real (non-padding) draft positions
     draft = torch.where(valid, draft_tokens, 0)  # [B, K] padding -> 0, safe to gather
@@ -83,6 +86,31 @@ def verify_chain(
     tokens = torch.where(pos[:k] < num_accepted[:, None], draft, PAD)  # [B, K] accepted prefix
     tokens = torch.cat([tokens, tokens.new_full((batch, 1), PAD)], dim=1)  # [B, K + 1]
     tokens.scatter_(1, num_accepted[:, None], final[:, None])  # final token right after them
+    return num_accepted, tokens
+
+
+def verify_chain_greedy(
+    target_argmax: Tensor, draft_tokens: Tensor, num_draft: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`verify_chain` for greedy rows, on token ids alone (vLLM's greedy rejection rule): p is
+    one-hot on the argmax, so a draft token is accepted while it equals the target's argmax
+    at its position, and the argmax at the first mismatch (or after the whole draft) is
+    emitted. No probabilities are built and nothing is drawn.
+
+    target_argmax: [B, K + 1] int64, the argmax of p at each draft position and the bonus one;
+    draft_tokens: [B, K] int64 (row b uses its first num_draft[b]); num_draft: [B] int64.
+    Returns num_accepted [B] and tokens [B, K + 1] as `verify_chain` does.
+    Example: argmax [7, 8, 9, 4], draft [7, 8, 5], 3 drafted -> 2 accepted, tokens [7, 8, 9, PAD].
+    """
+    batch, k = draft_tokens.shape
+    pos = torch.arange(k + 1, device=draft_tokens.device)  # [K + 1]
+    valid = pos[:k] < num_draft[:, None]  # [B, K]
+    accept = (draft_tokens == target_argmax[:, :k]) & valid  # [B, K]
+    num_accepted = _leading_true(accept)  # [B]
+    final = target_argmax.gather(1, num_accepted[:, None])  # [B, 1]
+    tokens = torch.where(pos[:k] < num_accepted[:, None], draft_tokens, PAD)  # [B, K]
+    tokens = torch.cat([tokens, tokens.new_full((batch, 1), PAD)], dim=1)  # [B, K + 1]
+    tokens.scatter_(1, num_accepted[:, None], final)
     return num_accepted, tokens
 
 

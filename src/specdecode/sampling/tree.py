@@ -21,8 +21,9 @@ if x_i ~ q_i given the walk so far, then "accept x_i, else draw from norm(max(r 
 a token distributed as r (min(r, q_i) + max(r - q_i, 0) = r), so the node's first token is
 distributed as p; an accepted child then starts the same problem one level deeper with p_child.
 Greedy p is one-hot: the walk follows the child equal to argmax p and emits argmax p where none
-does. Greedy batches take a loop-free path (`_verify_greedy`) with the same result when siblings
-carry distinct tokens (with repeated siblings it may keep a longer, equally exact path).
+does. Greedy batches take a loop-free path on token ids (`verify_tree_greedy`) with the same
+result when siblings carry distinct tokens (with repeated siblings it may keep a longer,
+equally exact path).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def verify_tree(
         paths: per row, the accepted nodes from depth 1 down.
     """
     if greedy is not None and all(greedy):
-        return _verify_greedy(target_probs, node_tokens, trees)
+        return verify_tree_greedy(target_probs.argmax(-1), node_tokens, trees)
     batch, width, _ = target_probs.shape
     num = width - 1
     device = target_probs.device
@@ -107,20 +108,20 @@ def _residual(r: Tensor, x: Tensor, q: Tensor | None) -> Tensor:
     return torch.where(total > 0, residual / total.clamp_min(1e-30), r)
 
 
-def _verify_greedy(
-    target_probs: Tensor, node_tokens: Tensor, trees: Sequence[TokenTree]
+def verify_tree_greedy(
+    best_token: Tensor, node_tokens: Tensor, trees: Sequence[TokenTree]
 ) -> tuple[Tensor, Tensor, list[tuple[int, ...]]]:
-    """verify_tree for one-hot p, without a loop over nodes.
+    """verify_tree for one-hot p, on token ids alone (best_token [B, N + 1]: the argmax of p
+    after the root and after each node), without a loop over nodes.
 
     A node is accepted iff it and all its ancestors carry the argmax of p at their parents;
     the deepest accepted node (the first of equal depth) ends the path. Example: parents
     (-1, -1, 0), tokens (5, 7, 9), argmax after (root, n0, n1, n2) = (7, 9, 3, 4): n0 fails,
     n1 matches (depth 1), n2's parent fails -> path (1,), then the bonus argmax after n1 = 3.
     """
-    batch, width, _ = target_probs.shape
+    batch, width = best_token.shape
     num = width - 1
-    device = target_probs.device
-    best_token = target_probs.argmax(-1)  # [B, N + 1]
+    device = best_token.device
     parents = torch.zeros(batch, num, dtype=torch.long, device=device)  # [B, N] pass indices
     ancestors = torch.zeros(batch, num, num, dtype=torch.bool)  # [B, N, N]
     depths = torch.zeros(batch, num, dtype=torch.long)  # [B, N], 0 on padding

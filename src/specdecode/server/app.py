@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,12 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from specdecode import energy
-from specdecode.bench.costs import pass_seconds
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.engine.async_engine import AsyncEngine
+from specdecode.engine.costs import pass_seconds
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import Request as EngineRequest
-from specdecode.engine.scheduler import SchedulerConfig
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.server.errors import APIError, bad_request
@@ -56,25 +55,22 @@ class ServeConfig:
 
     served_model_name: the name clients pass as `model` (and /v1/models lists).
     api_key: when set, /v1 routes need `Authorization: Bearer <api_key>`.
-    scheduler: the continuous batch's limits.
     replica_id: when set (one replica of several, `server/ray_serve.py`), every response
         carries it in the `x-specdecode-replica` header.
     """
 
     served_model_name: str
     api_key: str | None = None
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     replica_id: str | None = None
 
 
 def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
-    """The app serving `llm` (its target, tokenizer and drafter) as `config` says. The app's
-    engine takes over `llm`'s drafter: do not generate with `llm` while the app serves."""
+    """The app serving `llm` as `config` says: it runs `llm.engine` (its target, drafter and
+    scheduler limits, `LLM(scheduler=...)`) on its own thread, so do not generate with `llm`
+    while the app serves."""
     energy.watts_per_core()  # a bad SPECDECODE_WATTS_PER_CORE stops the start, not a request
-    engine = Engine(
-        llm.model, llm.tokenizer, llm.engine.drafter, llm.engine.draft_length, config.scheduler
-    )
-    seed_pass_costs(engine, config.scheduler.max_num_seqs)
+    engine = llm.engine
+    seed_pass_costs(engine, engine.scheduler.config.max_num_seqs)
     metrics = ServerMetrics(config.served_model_name)
     state: dict[str, AsyncEngine] = {}
 
@@ -262,7 +258,7 @@ class _Api:
         and, alone, the KV cache); 400 when the asked number does not fit the context."""
         room = self.context - num_prompt
         if asked is None:
-            kv = self.config.scheduler.kv_cache_tokens
+            kv = self.engine.scheduler.config.kv_cache_tokens
             fits = room if kv is None else min(room, kv - num_prompt - MAX_SPECULATIVE_TOKENS)
             return max(1, fits if default is None else min(default, room))
         if asked > room:

@@ -14,9 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from specdecode import energy
 from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
+from specdecode.sampling_params import (
+    MAX_SPECULATIVE_TOKENS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from specdecode.server.errors import bad_request
-from specdecode.structured.params import StructuredOutputsParams
-from specdecode.types import MAX_SPECULATIVE_TOKENS, RequestOutput, SamplingParams
+from specdecode.types import RequestOutput
 
 
 class StreamOptions(BaseModel):

@@ -20,7 +20,7 @@ from specdecode.errors import UserError
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from specdecode.server.cli import ServeSpec
+    from specdecode.server.spec import ServeSpec
 
 APP_NAME = "specdecode"
 DEPLOYMENT_NAME = "specdecode"

@@ -23,20 +23,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specdecode.engine.request import Request
 from specdecode.structured.state import GrammarState, all_allowed, forced_token
 from specdecode.tree.token_tree import TokenTree
 from specdecode.types import Draft
 
 
 def constrain_drafts(
-    reqs: Sequence[Request],
+    grammars: Sequence[GrammarState | None],
     drafts: Sequence[Draft],
     limits: Sequence[int],
     vocab_size: int,
     keep_shape: bool = False,
 ) -> tuple[list[Draft], list[Tensor | None]]:
-    """Check each constrained request's draft against its grammar (`req.grammar`).
+    """Check each draft against its request's grammar (`grammars[b]`, None = unconstrained).
 
     Returns the drafts (chains cut, or extended by forced tokens up to limits[b] tokens) and,
     per request, its masks [K_b + 1, W] int32 for the verified positions (row i: the tokens
@@ -48,8 +47,7 @@ def constrain_drafts(
     """
     out: list[Draft] = []
     masks: list[Tensor | None] = []
-    for req, draft, limit in zip(reqs, drafts, limits, strict=True):
-        state = req.grammar
+    for state, draft, limit in zip(grammars, drafts, limits, strict=True):
         if state is None:
             out.append(draft)
             masks.append(None)

@@ -20,7 +20,7 @@ from typing import Any
 
 from specdecode.errors import MissingDependencyError, UserError
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.structured.params import StructuredOutputsParams
+from specdecode.sampling_params import StructuredOutputsParams
 from specdecode.structured.state import GrammarState
 
 XGRAMMAR_REQUIREMENT = "xgrammar==0.2.8"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdecode.model.attention_metadata import AttentionMetadata
+from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.model.transformer import Transformer
 
 

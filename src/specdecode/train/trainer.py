@@ -28,6 +28,15 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from specdecode.corpus.examples import (
+    BenchFilter,
+    Example,
+    bench_texts,
+    interleaved,
+    sharegpt_examples,
+    stdlib_code_examples,
+)
+from specdecode.corpus.vocab import draft_vocabulary
 from specdecode.errors import UserError
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
 from specdecode.heads.exit_head import ExitHeadConfig
@@ -35,22 +44,13 @@ from specdecode.llm import LLM
 from specdecode.model.loading import parse_dtype
 from specdecode.model.quant import parse_quantization
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.train.data import (
-    BenchFilter,
-    Example,
-    bench_texts,
-    encode_example,
-    interleaved,
-    sharegpt_examples,
-    stdlib_code_examples,
-)
+from specdecode.sampling_params import SamplingParams
+from specdecode.train.data import encode_example
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.exit_model import TrainableExitHead
 from specdecode.train.init import INITS, initial_exit_weights, initial_weights
 from specdecode.train.objective import Evaluation, batch_loss, evaluate
 from specdecode.train.target_pass import TargetPass, run_target
-from specdecode.train.vocab import draft_vocabulary
-from specdecode.types import SamplingParams
 
 METHODS = ("eagle3", "medusa", "layer_skip")
 RESPONSES = ("dataset", "target")

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode.model.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.tree.token_tree import TokenTree
 
 

