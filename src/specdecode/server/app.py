@@ -28,7 +28,7 @@ from specdecode.engine.async_engine import AsyncEngine
 from specdecode.engine.costs import pass_seconds
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import Request as EngineRequest
-from specdecode.errors import UserError
+from specdecode.errors import UserError, context_overflow
 from specdecode.llm import LLM
 from specdecode.server.errors import APIError, bad_request
 from specdecode.server.metrics import ServerMetrics
@@ -262,12 +262,7 @@ class _Api:
             fits = room if kv is None else min(room, kv - num_prompt - MAX_SPECULATIVE_TOKENS)
             return max(1, fits if default is None else min(default, room))
         if asked > room:
-            raise bad_request(
-                f"this model's maximum context length is {self.context} tokens, but "
-                f"{num_prompt + asked} were requested ({num_prompt} in the prompt, {asked} in "
-                "the completion); reduce the prompt or max_tokens",
-                "max_tokens",
-            )
+            raise bad_request(str(context_overflow(self.context, num_prompt, asked)), "max_tokens")
         return asked
 
     async def request(self, ids: list[int], body: Any, max_tokens: int, kind: str) -> EngineRequest:
