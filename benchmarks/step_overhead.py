@@ -54,9 +54,10 @@ def step_once(logits, drafts, params) -> None:
     st = SamplingTensors.from_params(params, "cpu")
     generators = [torch.Generator().manual_seed(p.seed) for p in params]
     if NEW:
-        from specdecode.sampling.decide import decide
+        from specdecode.sampling.decide import decide, pad_tokens
 
-        _ = decide(logits, drafts, None, st, generators).verdicts
+        tokens, lengths = pad_tokens(drafts, logits.device)
+        _ = decide(logits, drafts, tokens, lengths, None, st, generators).verdicts
         return
     from specdecode.engine.step import pad_drafts
     from specdecode.sampling.probs import probs_from_logits

@@ -71,7 +71,6 @@ class OverlapDrafter(DrafterBase):
         self.inner = inner
         self.needs = inner.needs
         self.names = inner.names
-        self.setup_s = 0.0
         self.num_speculative_tokens = num_speculative_tokens
         self.num_hits = self.num_prepared = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdecode-ssd")

@@ -147,10 +147,16 @@ DRAFTERS: dict[str, DrafterMethod] = {
 
 def method_of(config: DrafterConfig) -> DrafterMethod:
     """The registry entry `config` names (its class's `method`)."""
-    entry = DRAFTERS.get(getattr(config, "method", None))  # type: ignore[arg-type]
-    if entry is None or type(config) is not entry.config:
+    entry = _entry_of(config)
+    if entry is None:
         raise UserError(f"{type(config).__name__} is not the config of a registered drafter")
     return entry
+
+
+def _entry_of(config: object) -> DrafterMethod | None:
+    """The entry whose config class `config` is exactly, found by its `method`; else None."""
+    entry = DRAFTERS.get(getattr(config, "method", None))  # type: ignore[arg-type]
+    return entry if entry is not None and type(config) is entry.config else None
 
 
 def parse_speculative_config(cfg: Mapping[str, Any] | DrafterConfig) -> DrafterConfig:
@@ -161,8 +167,7 @@ def parse_speculative_config(cfg: Mapping[str, Any] | DrafterConfig) -> DrafterC
     must be a field of that method's config; fields without a default are required.
     """
     if not isinstance(cfg, Mapping):
-        entry = DRAFTERS.get(getattr(cfg, "method", None))  # type: ignore[arg-type]
-        if entry is not None and type(cfg) is entry.config:
+        if _entry_of(cfg) is not None:
             return cfg  # a registered method's config, validated when it was built
         raise UserError(f"speculative_config must be a dict, got {type(cfg).__name__}")
     name = cfg.get("method", "draft_model" if "model" in cfg else None)

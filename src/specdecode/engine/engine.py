@@ -30,7 +30,7 @@ from specdecode.engine.step import VerifyOutput, commit, speculative_step, targe
 from specdecode.errors import UserError
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
-from specdecode.sampling.decide import decide
+from specdecode.sampling.decide import decide, pad_tokens
 from specdecode.sampling.probs import SamplingTensors
 from specdecode.structured.drafts import mask_logits
 from specdecode.structured.grammars import Grammars
@@ -220,7 +220,11 @@ class Engine:
             mask_logits(logits, [mask])
         self.cache.set_length(row, view.lengths[0])
         st = SamplingTensors.from_params([req.params], device)
-        decision = decide(logits, [EMPTY_DRAFT], None, st, [req.generator], needs.target_argmax)
+        none, zero = pad_tokens([EMPTY_DRAFT], device)  # [1, 0], [1]
+        generators = [req.generator]
+        decision = decide(
+            logits, [EMPTY_DRAFT], none, zero, None, st, generators, needs.target_argmax
+        )
         targets = target_outputs(needs, meta.starts, [length], hidden, decision, [0])
         seconds = time.perf_counter() - start
         req.cpu_s += cpu_seconds() - cpu  # before commit: the output snapshot reads it

@@ -90,7 +90,7 @@ def verify(
     (`constrain_drafts`), p is the grammar's masked one."""
     device = model.device
     lengths = [int(d.tokens.numel()) for d in drafts]
-    draft_tokens, _ = pad_tokens(drafts, device)  # [B, K]
+    draft_tokens, num_draft = pad_tokens(drafts, device)  # [B, K], [B]
     last = torch.tensor([r.output_ids[-1] for r in reqs], device=device)  # [B]
     tokens = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, K + 1]
     starts, limit = cache.lengths, model.config.max_position_embeddings
@@ -108,7 +108,9 @@ def verify(
     if masks is not None:
         mask_logits(logits, masks)
     generators = [r.generator for r in reqs]
-    decision = decide(logits, drafts, trees, st, generators, needs.target_argmax)
+    decision = decide(
+        logits, drafts, draft_tokens, num_draft, trees, st, generators, needs.target_argmax
+    )
     kept: list[int] | list[list[int]]
     if decision.paths is None:
         kept = [1 + a for a in decision.num_accepted.tolist()]

@@ -67,6 +67,8 @@ def stack_probs(drafts: Seq[Draft], width: int, vocab: int, device: torch.device
 def decide(
     logits: Tensor,
     drafts: Seq[Draft],
+    tokens: Tensor,
+    lengths: Tensor,
     trees: Seq[TokenTree] | None,
     st: SamplingTensors,
     generators: Seq[torch.Generator | None],
@@ -74,7 +76,8 @@ def decide(
 ) -> Decision:
     """The one sampling path: verify each row's draft against the target's logits ([B, K + 1,
     V], already masked where a grammar constrains the row); after a prefill, an empty draft
-    and [B, 1, V] logits draw the first token.
+    and [B, 1, V] logits draw the first token. `tokens` [B, K] and `lengths` [B] are the
+    drafts as `pad_tokens` stacks them (the caller has them already: it fed them).
 
     Greedy rows (temperature 0) compare the draft with the target's argmax and emit the
     argmax after it (vLLM's greedy rejection rule): no probabilities, no sums over V. Sampled
@@ -84,7 +87,6 @@ def decide(
     keeps the argmax of every row in the decision.
     """
     device = logits.device
-    tokens, lengths = pad_tokens(drafts, device)  # [B, K], [B]
     greedy = [b for b, g in enumerate(st.greedy) if g]
     sampled = [b for b, g in enumerate(st.greedy) if not g]
     best = logits.argmax(-1) if greedy or want_argmax else None  # [B, K + 1]
@@ -92,26 +94,21 @@ def decide(
         return _decide_greedy(best, tokens, lengths, trees)
     if not greedy:
         return _decide_sampled(logits, drafts, tokens, lengths, trees, st, generators, best)
-    parts = []
-    for rows, part in ((greedy, "greedy"), (sampled, "sampled")):
-        index = torch.tensor(rows, device=device)
-        sub_trees = None if trees is None else [trees[b] for b in rows]
-        if part == "greedy":
-            parts.append(_decide_greedy(best[index], tokens[index], lengths[index], sub_trees))
-        else:
-            parts.append(
-                _decide_sampled(
-                    logits[index],
-                    [drafts[b] for b in rows],
-                    tokens[index],
-                    lengths[index],
-                    sub_trees,
-                    st.rows(rows),
-                    [generators[b] for b in rows],
-                    None,
-                )
-            )
-    return _merge(parts, (greedy, sampled), best)
+    g, s = torch.tensor(greedy, device=device), torch.tensor(sampled, device=device)
+    greedy_trees = None if trees is None else [trees[b] for b in greedy]
+    sampled_trees = None if trees is None else [trees[b] for b in sampled]
+    by_greedy = _decide_greedy(best[g], tokens[g], lengths[g], greedy_trees)
+    by_sampled = _decide_sampled(
+        logits[s],
+        [drafts[b] for b in sampled],
+        tokens[s],
+        lengths[s],
+        sampled_trees,
+        st.rows(sampled),
+        [generators[b] for b in sampled],
+        None,
+    )
+    return _merge((by_greedy, by_sampled), (greedy, sampled), best)
 
 
 def _decide_greedy(
