@@ -7,16 +7,25 @@ MODEL ?= smollm2-135m
 PROMPT ?= Add type hints to this Python function. Reply with the whole function only.\n\ndef is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n        if n %% d == 0:\n            return False\n    return True\n
 SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
-.PHONY: install demo serve browser test lint bench bench-docs
+.PHONY: install kernels demo serve browser test lint bench bench-docs
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
+# The install builds the C++ kernels once per instruction-set level (setup.py; ~5 min on 2
+# cores): nothing compiles at run time. A kernel source newer than the install rebuilds them.
+KERNEL_SOURCES := setup.py src/specdecode/kernels/variants.py \
+    $(wildcard src/specdecode/kernels/*.cpp src/specdecode/kernels/*.h)
+$(VENV)/.installed: pyproject.toml $(KERNEL_SOURCES)
+	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet torch==2.13.0 "setuptools>=68" "ninja>=1.11" wheel
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]"
 	touch $@
+
+# After editing a kernel: recompile only what changed (ninja, objects kept in build/).
+kernels:
+	$(PY) setup.py --quiet build_ext --inplace
+	touch $(VENV)/.installed
 
 demo: install
 	$(VENV)/bin/specdecode pull $(MODEL)
@@ -36,14 +45,14 @@ browser:
 	else echo "no chromium here and no root to install it: the browser test will skip"; fi
 
 test: install browser
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks setup.py
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks setup.py
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks setup.py
 
 # Our plain decoding vs HF transformers' generate() on the same weights, per model.
 bench: install

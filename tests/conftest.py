@@ -2,28 +2,55 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from specdecode.kernels import variants
+
 TINY_VOCAB = 300
 
 
-@pytest.fixture(params=["vector", "amx"])
-def matmul_path(request: pytest.FixtureRequest):
-    """Runs a test once on the AVX-512 / portable matmuls and once on AMX (skipped where this
-    machine has no AMX), then restores the default."""
-    import os
-
+def runnable_variants() -> list[str]:
+    """The kernel builds (kernels/variants.py) installed here that this CPU runs, best first."""
     from specdecode import kernels
 
+    features = variants.cpu_features()
+    installed = kernels.built()
+    return [
+        v.name for v in variants.VARIANTS if v.name in installed and variants.runs_here(v, features)
+    ]
+
+
+def select_variant(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Load the kernel build `name` from now on (SPECDECODE_CPU, as a user forces one); the
+    default loads again once `monkeypatch` undoes it and the caches are cleared."""
+    from specdecode import kernels
+
+    monkeypatch.setenv(variants.ENV, name)
+    kernels.native.cache_clear()
+    kernels.available.cache_clear()
+
+
+@pytest.fixture(params=variants.NAMES)
+def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Runs a test once per kernel build (kernels/variants.py) this machine runs, skipped where
+    it cannot; the AMX variant with its tiles on."""
+    from specdecode import kernels
+
+    if request.param not in runnable_variants():
+        pytest.skip(f"the {request.param} kernels are not installed or do not run on this CPU")
+    select_variant(request.param, monkeypatch)
     default = os.environ.get("SPECDECODE_AMX") != "0"
-    if not kernels.set_amx(request.param == "amx") and request.param == "amx":
-        kernels.set_amx(default)
-        pytest.skip("no AMX on this machine")
+    if request.param == "amx" and not kernels.set_amx(True):
+        pytest.skip("the OS does not grant AMX here")
     yield request.param
-    kernels.set_amx(default)
+    if request.param == "amx":
+        kernels.set_amx(default)
+    kernels.native.cache_clear()  # the default variant again (monkeypatch restores the env)
+    kernels.available.cache_clear()
 
 
 def build_tiny_model(path: Path, architecture: str, seed: int = 0) -> Path:

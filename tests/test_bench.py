@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import pytest
 
+from specdecode import kernels
 from specdecode.bench import harness, machine
 from specdecode.bench.costs import (
     PASS_TABLE_WIDTH,
@@ -617,7 +618,7 @@ def test_bench_end_to_end_on_a_tiny_model(
     ]
     costs = report["costs"]["none"]  # target passes over 1..16 tokens (the table), one draft
     assert len(costs["target_ms"]) == PASS_TABLE_WIDTH and list(costs["draft_ms"]) == [model]
-    assert costs["kernels"].startswith("int8: ")
+    assert costs["kernels"].startswith(f"{kernels.variant()} kernels, int8: ")
     predicted = {n: m["predicted_speedup"] for n, m in summary["methods"].items()}
     assert predicted["plain"] is None and predicted["hf"] is None
     for name in ("ngram:k=3", f"draft:{model}:k=2"):  # one prediction per run of the method

@@ -4,18 +4,14 @@ build message only when something is compiled."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import build_tiny_model
 
-from specdecode import kernels
 from specdecode.bench import plan as plan_module
 from specdecode.bench import run as run_module
 from specdecode.bench.plan import PlanConfig, run_plan
@@ -252,38 +248,3 @@ def test_plan_progress_names_its_stages_and_counts_the_replays(
     err = capsys.readouterr().err
     assert "plan: measuring the pass table" in err and "plan: generating" in err
     assert "plan: replays" in err and "shape" in err
-
-
-# --- the kernels' build message -------------------------------------------------------------
-
-
-@pytest.fixture
-def fake_build(monkeypatch: pytest.MonkeyPatch):
-    """Replace torch's extension loader; the real kernels load again after the test."""
-    import torch.utils.cpp_extension as cpp_extension
-
-    def install(seconds: float) -> None:
-        def load(**kwargs: object) -> argparse.Namespace:
-            time.sleep(seconds)
-            return argparse.Namespace(name=kwargs["name"])
-
-        monkeypatch.setattr(cpp_extension, "load", load)
-        kernels.native.cache_clear()
-
-    yield install
-    kernels.native.cache_clear()
-    kernels.available.cache_clear()
-
-
-def test_kernel_message_only_when_something_compiles(
-    fake_build, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(kernels, "COMPILE_NOTICE_S", 0.05)
-    caplog.set_level(logging.INFO, logger="specdecode.kernels")
-    fake_build(0.0)  # the cached build: loads at once
-    kernels.native()
-    assert not [r for r in caplog.records if r.name == "specdecode.kernels"]
-    fake_build(0.3)  # compiling
-    kernels.native()
-    messages = [r.getMessage() for r in caplog.records if r.name == "specdecode.kernels"]
-    assert messages == [kernels.COMPILE_MESSAGE]

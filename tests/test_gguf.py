@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import runnable_variants, select_variant
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from gguf_cases import build_tiny_gguf, random_blocks
@@ -91,7 +92,9 @@ def test_blocks_decode_to_what_gguf_dequantizes_and_pack_round_trips(tensor_type
 
 
 @pytest.mark.parametrize("block", [32, 256])
-def test_activations_are_quantized_as_llama_cpp_quantizes_them(block: int) -> None:
+def test_activations_are_quantized_as_llama_cpp_quantizes_them(
+    block: int, kernel_path: str
+) -> None:
     x = torch.randn(7, 512, generator=torch.Generator().manual_seed(5))
     x[2] *= 300
     x[4, :256] = 0  # an all-zero block: zero codes and scale
@@ -107,7 +110,9 @@ def test_activations_are_quantized_as_llama_cpp_quantizes_them(block: int) -> No
 
 @pytest.mark.parametrize("tensor_type", TYPES, ids=[t.name for t in TYPES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_the_reference_and_each_token_is_row_exact(tensor_type, dtype) -> None:
+def test_kernel_matches_the_reference_and_each_token_is_row_exact(
+    tensor_type, dtype, kernel_path: str
+) -> None:
     module = _linear([tensor_type], [72], 512, bias=True)  # 72 rows: a partial tile of 16
     x = torch.randn(19, 512, generator=torch.Generator().manual_seed(1))  # 8 + 8 + 3 tokens
     x[5] *= 40  # an outlier token: a per-pass scale would move every other token
@@ -119,6 +124,20 @@ def test_kernel_matches_the_reference_and_each_token_is_row_exact(tensor_type, d
     alone = torch.cat([module(x[i : i + 1].to(dtype)) for i in range(19)])
     assert torch.equal(y, alone)
     assert torch.equal(module(x[3:7].to(dtype)), y[3:7])
+
+
+def test_every_kernel_build_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Integer sums: AMX / AVX-512, AVX2 and portable C++ agree bit for bit, per block type."""
+    builds = runnable_variants()
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(7))
+    outputs: dict[str, list[torch.Tensor]] = {}
+    for name in builds:
+        select_variant(name, monkeypatch)
+        outputs[name] = [_linear([t], [40], 512, bias=True)(x) for t in TYPES]
+    for name in builds:
+        for tensor_type, got, want in zip(TYPES, outputs[name], outputs[builds[0]], strict=True):
+            assert torch.equal(got, want), (name, builds[0], tensor_type.name)
+    select_variant("auto", monkeypatch)
 
 
 def test_a_fused_weight_mixes_types_in_segments() -> None:

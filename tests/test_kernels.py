@@ -42,7 +42,7 @@ def _int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias:
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_kernel_equals_the_reference_bit_for_bit(
-    out: int, inp: int, rows: int, dtype: torch.dtype, matmul_path: str
+    out: int, inp: int, rows: int, dtype: torch.dtype, kernel_path: str
 ) -> None:
     """On every path (AMX takes 192 and 256 input features, in chunks of 16 tokens)."""
     case = _int8_case(out, inp)
@@ -85,7 +85,7 @@ def test_kernel_arguments_are_checked() -> None:
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
 @pytest.mark.parametrize("dim", [40, 64, 128])
 def test_decode_attention_matches_causal_attention_per_query(
-    dtype: torch.dtype, tolerance: float, dim: int
+    dtype: torch.dtype, tolerance: float, dim: int, kernel_path: str
 ) -> None:
     """Rows of different lengths, grouped heads; head sizes with a path of their own (64, 128)
     and one that is not a multiple of 16."""
@@ -113,7 +113,7 @@ def test_decode_attention_matches_causal_attention_per_query(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [40, 64, 128])
 def test_decode_attention_gives_each_query_what_a_one_token_call_gives(
-    dtype: torch.dtype, dim: int
+    dtype: torch.dtype, dim: int, kernel_path: str
 ) -> None:
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 9, dim, generator=gen).to(dtype)
@@ -136,7 +136,9 @@ def test_decode_attention_checks_its_arguments() -> None:
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_rms_norm_matches_torch_and_is_row_exact(dtype: torch.dtype, tolerance: float) -> None:
+def test_rms_norm_matches_torch_and_is_row_exact(
+    dtype: torch.dtype, tolerance: float, kernel_path: str
+) -> None:
     gen = torch.Generator().manual_seed(2)
     x = (torch.randn(3, 5, 72, generator=gen) * 4).to(dtype)
     weight = torch.randn(72, generator=gen).to(dtype)
@@ -150,7 +152,7 @@ def test_rms_norm_matches_torch_and_is_row_exact(dtype: torch.dtype, tolerance: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_rounds_exactly_as_the_torch_rotation(dtype: torch.dtype) -> None:
+def test_rope_rounds_exactly_as_the_torch_rotation(dtype: torch.dtype, kernel_path: str) -> None:
     """In place on the q and k heads of a fused q/k/v row; the v heads are left alone."""
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, dim = 4, 2, 32

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import runnable_variants, select_variant
 
 from specdecode import kernels
 from specdecode.model.linear import (
@@ -48,7 +49,7 @@ def test_bf16_modules_match_dense(module_type: type, shape: tuple[int, ...]) -> 
 
 
 @pytest.mark.parametrize(("out", "inp"), [(300, 64), (5, 3), (130, 97)])
-def test_bf16_kernel_sums_in_fp32_and_pads_odd_shapes(out: int, inp: int, matmul_path: str) -> None:
+def test_bf16_kernel_sums_in_fp32_and_pads_odd_shapes(out: int, inp: int, kernel_path: str) -> None:
     weight, bias = _case(out, inp)
     x = torch.randn(9, inp, generator=torch.Generator().manual_seed(2)).bfloat16()
     got = Bf16Linear(weight, bias)(x)
@@ -57,7 +58,7 @@ def test_bf16_kernel_sums_in_fp32_and_pads_odd_shapes(out: int, inp: int, matmul
 
 
 @pytest.mark.parametrize("rows", [9, 70])
-def test_bf16_kernel_is_row_exact(rows: int, matmul_path: str) -> None:
+def test_bf16_kernel_is_row_exact(rows: int, kernel_path: str) -> None:
     """Each row of a pass gets the bits a 1-row pass gives it (verification needs this), on
     every path (AMX takes 96 input features, 70 rows in chunks of 16)."""
     weight, bias = _case(130, 96)
@@ -65,3 +66,17 @@ def test_bf16_kernel_is_row_exact(rows: int, matmul_path: str) -> None:
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
     alone = torch.cat([module(x[i : i + 1]) for i in range(rows)])
     assert torch.equal(module(x), alone)
+
+
+def test_the_avx2_bf16_kernel_gives_the_portable_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per pair, odd product then even, each rounded before its addition: the same order."""
+    if not {"avx2", "portable"} <= set(runnable_variants()):
+        pytest.skip("needs the avx2 and portable kernels")
+    weight, bias = _case(130, 97)
+    x = torch.randn(11, 97, generator=torch.Generator().manual_seed(4)).bfloat16()
+    outputs = []
+    for name in ("avx2", "portable"):
+        select_variant(name, monkeypatch)
+        outputs.append(Bf16Linear(weight, bias)(x))
+    select_variant("auto", monkeypatch)
+    assert torch.equal(outputs[0], outputs[1])

@@ -1,6 +1,6 @@
 """`specdecode` command line: registers every subcommand and dispatches to it.
 
-Each subcommand's flags and run live beside its code: generate, models, pull and certify in
+Each subcommand's flags and run live beside its code: generate, models, pull, certify and env in
 `specdecode.commands`, bench and plan in `specdecode.bench`, train in `specdecode.train.cli`,
 serve in `specdecode.server.cli`. Bad input is one line on stderr and exit code 2: a flag
 argparse refuses (`OneLineParser`) or a `UserError` from the command; anything else is a bug
@@ -10,7 +10,6 @@ and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable, Sequence
 
@@ -18,6 +17,7 @@ from specdecode.bench.cli import add_bench_parser, run_bench_command
 from specdecode.bench.plan_cli import add_plan_parser, run_plan_command
 from specdecode.cli_args import BAD_INPUT, OneLineParser
 from specdecode.commands.certify import add_certify_parser, run_certify
+from specdecode.commands.env import add_env_parser, run_env
 from specdecode.commands.generate import add_generate_parser, run_generate
 from specdecode.commands.models import add_models_parser, add_pull_parser, run_models, run_pull
 from specdecode.errors import UserError
@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[Register, Run]] = {
     "certify": (add_certify_parser, run_certify),
     "train": (add_train_parser, run_train),
     "serve": (add_serve_parser, run_serve),
+    "env": (add_env_parser, run_env),
 }
 
 
@@ -51,20 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _show_kernel_builds() -> None:
-    """Say on stderr when the CPU kernels are compiled (the first time on a machine, ~30 s)."""
-    logger = logging.getLogger("specdecode.kernels")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("specdecode: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; its exit code (2: bad input, said in one line on stderr)."""
     args = build_parser().parse_args(argv)
-    _show_kernel_builds()
     try:
         return COMMANDS[args.command][1](args)
     except UserError as err:  # anything else is a bug: its traceback is kept

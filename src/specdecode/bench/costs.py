@@ -60,7 +60,8 @@ def bench_costs(
 ) -> dict[str, Any]:
     """Pass costs for the cost model, in ms: the target over T = 1..max(max_k + 1,
     PASS_TABLE_WIDTH) new tokens ("target_ms"[T - 1]), each named draft model over one token
-    ("draft_ms"[name]), and what the matmuls ran on ("kernels", see `kernels.isa`)."""
+    ("draft_ms"[name]), and what the matmuls ran on ("kernels": the kernel variant and
+    `kernels.isa`)."""
     widths = range(1, max(max_k + 1, PASS_TABLE_WIDTH) + 1)
     target_s = forward_seconds(target, context, widths, repeats)
     on_cpu = target.device.type == "cpu" and kernels.available()
@@ -71,7 +72,9 @@ def bench_costs(
             name: forward_seconds(model, context, [1], repeats)[1] * 1e3
             for name, model in drafts.items()
         },
-        "kernels": kernels.isa() if on_cpu else target.device.type,
+        "kernels": (
+            f"{kernels.variant()} kernels, {kernels.isa()}" if on_cpu else target.device.type
+        ),
     }
 
 

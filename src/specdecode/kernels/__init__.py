@@ -1,27 +1,23 @@
-"""Native CPU kernels, compiled on first use with the machine's compiler: matmuls for the
-projections (`matmul.cpp`; `gguf.cpp` for weights in GGUF's block formats), attention for
+"""Native CPU kernels, built at install (setup.py) once per instruction-set level: matmuls for
+the projections (`matmul.cpp`; `gguf.cpp` for weights in GGUF's block formats), attention for
 decode / verification passes (`attention.cpp`), RMSNorm and RoPE (`pointwise.cpp`): each one
 call where torch needs several, and each row-exact. `layer.cpp` holds a projection of any
 native format as one object (`*_projection`) and runs a whole decoder block of a decode or
 verification pass in one call (`decoder_layer`).
 
-`native()` builds (once per machine and source version; torch caches the build under
-~/.cache/torch_extensions, and COMPILE_MESSAGE is logged only when it compiles) and returns
-the extension module; `pack` lays a weight out the way the kernels read it. The build targets
-the machine it runs on (-march=native): AMX tiles, then AVX-512 VNNI / BF16 instructions where
-the CPU has them, portable C++ elsewhere; int8 gives the same results on every path (integer
-sums), bf16 may differ in the last bit between machines but never between passes of one
-machine. `set_amx(False)` (or SPECDECODE_AMX=0) keeps the matmuls
-off AMX, e.g. to compare the paths in one run.
+`native()` loads the best build this CPU runs (`variants.py`: AMX, AVX-512, AVX2, portable
+C++; SPECDECODE_CPU=<variant> forces one) and returns its module; nothing compiles at run time.
+`pack` lays a weight out the way the kernels read it. int8 and gguf give the same bits on
+every variant (integer sums); bf16 may differ in the last bit between variants but never
+between passes of one. `set_amx(False)` (or SPECDECODE_AMX=0) keeps the AMX variant's matmuls
+off the tiles, e.g. to compare the paths in one run.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
+import importlib
+import importlib.util
 import os
-import shutil
-import threading
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
@@ -31,23 +27,16 @@ from typing import TYPE_CHECKING, NamedTuple
 from torch import Tensor
 
 from specdecode.errors import UserError
+from specdecode.kernels import variants
 
 if TYPE_CHECKING:
     from specdecode.kernels.gguf_layout import Layout as GgufLayout
 
-log = logging.getLogger(__name__)
 
-SOURCES = [
-    Path(__file__).with_name(f"{name}.cpp")
-    for name in ("ops", "matmul", "gguf", "attention", "pointwise", "layer")
-]
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 ROWS = 64  # output rows per tile (matmul.cpp's ROWS)
 INT8_PACK = 4  # int8 values of a row per 32-bit lane
 BF16_PACK = 2  # bf16 values of a row per 32-bit lane
-# A load of the cached build takes ~0.1 s; one still running after this many seconds compiles.
-COMPILE_NOTICE_S = 1.0
-COMPILE_MESSAGE = "compiling the CPU kernels (first use on this machine or after an update: ~30 s)"
+REBUILD = "pip install -e . --no-build-isolation (or `make install`)"
 
 
 class GgufActivations(NamedTuple):
@@ -63,54 +52,80 @@ class GgufActivations(NamedTuple):
 
 
 class NativeKernelsUnavailable(UserError):
-    """The C++ kernels could not be built here (no compiler, no ninja, a failed build)."""
+    """No build of the C++ kernels that this CPU runs (not built at install, or a build of
+    other sources), or SPECDECODE_CPU names one that cannot run here."""
 
 
-def _ninja_on_path() -> None:
-    """torch's builder runs `ninja` from PATH; the `ninja` package's copy is in the venv's bin,
-    which is not on PATH when the venv's python is run without activating it."""
-    if shutil.which("ninja") is None:
-        with contextlib.suppress(ImportError):
-            import ninja
+def built() -> tuple[str, ...]:
+    """The variants installed with the package (best first)."""
+    return tuple(
+        v.name
+        for v in variants.VARIANTS
+        if importlib.util.find_spec(f"{__name__}.{v.module}") is not None
+    )
 
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+def choose(wanted: str, features: frozenset[str], installed: Sequence[str]) -> str:
+    """The variant to load: `wanted` (SPECDECODE_CPU's value) if it is installed and this CPU
+    runs it, or for "auto" the best installed one it runs; NativeKernelsUnavailable says why
+    none is."""
+    if wanted not in ("auto", *variants.NAMES):
+        raise NativeKernelsUnavailable(
+            f"{variants.ENV}={wanted} is not a kernel variant; allowed: auto, "
+            + ", ".join(variants.NAMES)
+        )
+    candidates = (
+        variants.VARIANTS
+        if wanted == "auto"
+        else [v for v in variants.VARIANTS if v.name == wanted]
+    )
+    for variant in candidates:
+        if variant.name not in installed:
+            continue
+        if variants.runs_here(variant, features):
+            return variant.name
+        if wanted != "auto":
+            raise NativeKernelsUnavailable(
+                f"{variants.ENV}={wanted}: this CPU cannot run that variant (it lacks "
+                f"{', '.join(variants.missing(variant, features)) or 'its architecture'}); "
+                f"set {variants.ENV}=auto"
+            )
+    raise NativeKernelsUnavailable(
+        f"specdecode's CPU kernels for {wanted} are not installed (installed: "
+        f"{', '.join(installed) or 'none'}): they are built at install, which needs a C++ "
+        f"compiler (g++); reinstall with {REBUILD}, or set {variants.ENV} to an installed one"
+    )
 
 
 @cache
 def native() -> ModuleType:
-    """The compiled extension (built on first call); NativeKernelsUnavailable if it cannot be."""
-    from torch.utils.cpp_extension import load
-
-    _ninja_on_path()
-    # torch's builder compiles only when a source changed since the cached build; a load that
-    # is still running after COMPILE_NOTICE_S is compiling, and says so (a cached one is silent)
-    notice = threading.Timer(COMPILE_NOTICE_S, log.info, (COMPILE_MESSAGE,))
-    notice.daemon = True
-    notice.start()
-    try:
-        return load(
-            name="specdecode_cpu_kernels",
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-        )
-    except (OSError, RuntimeError, ImportError) as err:  # compiler, ninja or build failure
+    """The loaded kernels (see the module's doc); NativeKernelsUnavailable if there are none
+    this CPU runs, or if they were built from other sources than the package holds."""
+    wanted = os.environ.get(variants.ENV, "auto").strip().lower() or "auto"
+    name = choose(wanted, variants.cpu_features(), built())
+    module = importlib.import_module(f"{__name__}._cpu_{name}")
+    expected = variants.source_hash(Path(__file__).parent)
+    if module.source_hash != expected:
         raise NativeKernelsUnavailable(
-            f"could not build specdecode's CPU kernels ({SOURCES[0].parent}): {err}. They need a "
-            "C++ compiler (g++) and ninja (`pip install ninja`)."
-        ) from err
-    finally:
-        notice.cancel()
+            f"specdecode's CPU kernels ({module.__file__}) were built from other sources than "
+            f"those in {Path(__file__).parent}: rebuild them with {REBUILD}"
+        )
+    return module
 
 
 @cache
 def available() -> bool:
-    """Whether `native()` builds here."""
+    """Whether `native()` loads here."""
     try:
         native()
     except NativeKernelsUnavailable:
         return False
     return True
+
+
+def variant() -> str:
+    """The name of the loaded variant (native() must load)."""
+    return native().variant
 
 
 def pack(weight: Tensor, per_lane: int) -> Tensor:

@@ -10,7 +10,9 @@
 // weighted sum of values are all in fp32 (bf16 inputs are widened, never rounded in between;
 // bf16 scores of head size 64 / 128 are sums of exact bf16 products, scaled after the sum);
 // the output is rounded once to q's dtype. Query head h reads KV head h / (H / Hkv). A query's
-// arithmetic depends only on its own span, never on the other queries of the call.
+// arithmetic depends only on its own span, never on the other queries of the call. The
+// AVX-512 and AVX2 variants sum in vectors of 16 and 8 lanes: their last bits may differ from
+// each other's, never between the passes of one variant.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,7 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -75,6 +77,38 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+#elif defined(__AVX2__)
+constexpr int64_t V8 = 8;  // fp32 lanes per AVX2 vector
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float sum8(__m256 v) {  // the 8 lanes in a fixed order
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// exp16's polynomial on 8 lanes; 2^n is built in the exponent bits (n >= -126 after the clamp).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                          _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
 #endif
 
 // q . k over D values in fp32 (q already fp32).
@@ -86,6 +120,10 @@ float dot(const float* q, const scalar_t* k, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
   for (; d + V <= D; d += V) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; d + V8 <= D; d += V8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
+  sum = sum8(acc);
 #endif
   for (; d < D; ++d) sum += q[d] * widen(k[d]);
   return sum;
@@ -99,6 +137,10 @@ void axpy(float p, const scalar_t* v, float* out, int64_t D) {
   const __m512 pv = _mm512_set1_ps(p);
   for (; d + V <= D; d += V)
     _mm512_storeu_ps(out + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(out + d)));
+#elif defined(__AVX2__)
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; d + V8 <= D; d += V8)
+    _mm256_storeu_ps(out + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(out + d)));
 #endif
   for (; d < D; ++d) out[d] += p * widen(v[d]);
 }
@@ -118,6 +160,15 @@ float exp_shifted(float* scores, int64_t n) {
     acc = _mm512_add_ps(acc, e);
   }
   total = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  for (; s + V8 <= n; s += V8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s), shift));
+    _mm256_storeu_ps(scores + s, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  total = sum8(acc);
 #endif
   for (; s < n; ++s) {
     scores[s] = std::exp(scores[s] - top);

@@ -4,11 +4,13 @@
 //
 // int8_linear: W int8 with one fp32 scale per output row; each activation row is quantized on
 //   the fly to int8 with its own scale (absmax / 127). Integer sums (AVX-512 VNNI `vpdpbusd`
-//   where the compiler targets it, plain C++ elsewhere) are exact, so a token's output never
-//   depends on the other tokens of the pass.
-// bf16_linear: W and x bf16, products summed in fp32 (AVX-512 BF16 `vdpbf16ps` where
-//   available, fp32 multiply-adds elsewhere). Each output element is summed in one fixed order
-//   whatever the number of tokens, so this kernel is row-exact too.
+//   in the AVX-512 variants, `vpmaddubsw` + `vpmaddwd` in the AVX2 one, plain C++ elsewhere)
+//   are exact, so a token's output never depends on the other tokens of the pass, and every
+//   variant gives the same bits.
+// bf16_linear: W and x bf16, products summed in fp32 (AVX-512 BF16 `vdpbf16ps` in the AVX-512
+//   variants; elsewhere fp32 multiplies and adds, 8 lanes at a time with AVX2). Each output
+//   element is summed in one fixed order whatever the number of tokens, so this kernel is
+//   row-exact too.
 //
 // Packed layout: W [N, K], zero-padded to [Np, Kp], stored as [Np / ROWS, Kp / P, ROWS, P] with
 // P values of a row per 32-bit lane (P = 4 int8 or 2 bf16). A tile is ROWS output rows x up to
@@ -45,7 +47,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -69,7 +71,16 @@ constexpr int64_t BF16_PACK = 2;          // bf16 values of a row per 32-bit lan
 
 // ---------------------------------------------------------------- int8
 
-// acc[g][t] lane l = sum_k a[t][k] * b[row g * 16 + l][k]: a u8 codes [T, lda] (lda % 4 == 0).
+// What dot_u8s8 adds to each sum per unit of the row's weight sum: the codes carry +128, and
+// every path but AVX2's sums them as they are (AVX2 sums the signed values, see below).
+#if !defined(__AVX512VNNI__) && defined(__AVX2__)
+constexpr int32_t CODE_ZERO = 0;
+#else
+constexpr int32_t CODE_ZERO = 128;
+#endif
+
+// acc[g][t] lane l = sum_k (a[t][k] - 128 + CODE_ZERO) * b[row g * 16 + l][k]: a u8 codes
+// [T, lda] (lda % 4 == 0).
 template <int T>
 void dot_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp,
               int32_t acc[GROUPS][T][LANES]) {
@@ -91,6 +102,37 @@ void dot_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp,
   }
   UNROLL for (int g = 0; g < GROUPS; ++g)
     UNROLL for (int t = 0; t < T; ++t) _mm512_storeu_si512(acc[g][t], sum[g][t]);
+#elif defined(__AVX2__)
+  // vpmaddubsw multiplies u8 by s8 but saturates its pair sums at int16, which the codes
+  // (up to 255) could reach; the signed values (codes - 128, |q| <= 127) cannot: |w| times q
+  // with w's sign, pairs summed (vpmaddubsw), then pairs of pairs (vpmaddwd by ones). A row
+  // group at a time (two 8-lane halves), so that T tokens' sums stay in registers.
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
+  for (int g = 0; g < GROUPS; ++g) {
+    __m256i sum[2][T];
+    UNROLL for (int h = 0; h < 2; ++h)
+      UNROLL for (int t = 0; t < T; ++t) sum[h][t] = _mm256_setzero_si256();
+    const int8_t* bg = b + g * LANES * I8_PACK;
+    for (int64_t k = 0; k < Kp; k += I8_PACK, bg += ROWS * I8_PACK) {
+      __m256i av[T];  // 4 signed values of token t, repeated in every lane
+      UNROLL for (int t = 0; t < T; ++t) {
+        int32_t four;
+        std::memcpy(&four, a + t * lda + k, sizeof(four));
+        av[t] = _mm256_xor_si256(_mm256_set1_epi32(four), flip);
+      }
+      UNROLL for (int h = 0; h < 2; ++h) {
+        const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + h * 32));
+        const __m256i magnitude = _mm256_abs_epi8(bv);
+        UNROLL for (int t = 0; t < T; ++t) {
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(av[t], bv));
+          sum[h][t] = _mm256_add_epi32(sum[h][t], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    UNROLL for (int h = 0; h < 2; ++h)
+      UNROLL for (int t = 0; t < T; ++t)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[g][t] + h * 8), sum[h][t]);
+  }
 #else
   std::memset(acc, 0, sizeof(int32_t) * GROUPS * T * LANES);
   for (int64_t k = 0; k < Kp; k += I8_PACK, b += ROWS * I8_PACK)
@@ -138,8 +180,8 @@ void quantize_row(const scalar_t* x, int64_t K, int64_t Kp, uint8_t* codes, floa
   *scale = absmax / 127.f;
 }
 
-// y[t][n] = out_t(float(acc[t][n] - 128 * wsum[n]) * (x_scale[t] * ws[n]) (+ b[n])) for the 16
-// rows n0 .. n0 + 15 (those < N) of T tokens: acc [T, LANES] int32 at stride LANES, y [T, N].
+// y[t][n] = out_t(float(acc[t][n] - CODE_ZERO * wsum[n]) * (x_scale[t] * ws[n]) (+ b[n])) for
+// the 16 rows n0 .. n0 + 15 (those < N) of T tokens: acc [T, LANES] int32 at stride LANES, y [T, N].
 template <typename out_t>
 void int8_epilogue(const int32_t* acc, int64_t T, int64_t n0, int64_t N, const int32_t* wsum,
                    const float* ws, const float* b, const float* x_scale, out_t* y) {
@@ -147,7 +189,7 @@ void int8_epilogue(const int32_t* acc, int64_t T, int64_t n0, int64_t N, const i
 #if defined(SPECDECODE_VECTOR_EPILOGUE)
   const __mmask16 mask = first(count);
   const __m512i zero_point = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, wsum + n0),
-                                                _mm512_set1_epi32(128));
+                                                _mm512_set1_epi32(CODE_ZERO));
   const __m512 w_scale = _mm512_maskz_loadu_ps(mask, ws + n0);
   const __m512 bias = b == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, b + n0);
   for (int64_t t = 0; t < T; ++t) {
@@ -161,7 +203,7 @@ void int8_epilogue(const int32_t* acc, int64_t T, int64_t n0, int64_t N, const i
   for (int64_t l = 0; l < count; ++l) {
     const int64_t n = n0 + l;
     for (int64_t t = 0; t < T; ++t) {
-      const int32_t dot = acc[t * LANES + l] - 128 * wsum[n];  // codes carry +128
+      const int32_t dot = acc[t * LANES + l] - CODE_ZERO * wsum[n];  // see CODE_ZERO
       float v = float(dot) * (x_scale[t] * ws[n]);
       if (b != nullptr) v = v + b[n];
       y[t * N + n] = out_t(v);  // rounded once to y's dtype
@@ -195,6 +237,38 @@ void dot_bf16(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t
   }
   UNROLL for (int g = 0; g < GROUPS; ++g)
     UNROLL for (int t = 0; t < T; ++t) _mm512_storeu_ps(acc[g][t], sum[g][t]);
+#elif defined(__AVX2__)
+  // The portable sums below, 8 lanes at a time: per pair, the odd value's product is added
+  // first, each product rounded before its addition (so the same bits as the portable path).
+  // A row group at a time (two 8-lane halves), so that T tokens' sums stay in registers.
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  for (int g = 0; g < GROUPS; ++g) {
+    __m256 sum[2][T];
+    UNROLL for (int h = 0; h < 2; ++h)
+      UNROLL for (int t = 0; t < T; ++t) sum[h][t] = _mm256_setzero_ps();
+    const at::BFloat16* bg = b + g * LANES * BF16_PACK;
+    for (int64_t k = 0; k < Kp; k += BF16_PACK, bg += ROWS * BF16_PACK) {
+      __m256 even[T], odd[T];  // value k and k + 1 of token t, in every lane
+      UNROLL for (int t = 0; t < T; ++t) {
+        int32_t two;
+        std::memcpy(&two, a + t * lda + k, sizeof(two));
+        const __m256i pair = _mm256_set1_epi32(two);
+        even[t] = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+        odd[t] = _mm256_castsi256_ps(_mm256_and_si256(pair, high));
+      }
+      UNROLL for (int h = 0; h < 2; ++h) {
+        const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + h * 16));
+        const __m256 b_even = _mm256_castsi256_ps(_mm256_slli_epi32(bv, 16));
+        const __m256 b_odd = _mm256_castsi256_ps(_mm256_and_si256(bv, high));
+        UNROLL for (int t = 0; t < T; ++t) {
+          sum[h][t] = _mm256_add_ps(sum[h][t], _mm256_mul_ps(odd[t], b_odd));
+          sum[h][t] = _mm256_add_ps(sum[h][t], _mm256_mul_ps(even[t], b_even));
+        }
+      }
+    }
+    UNROLL for (int h = 0; h < 2; ++h)
+      UNROLL for (int t = 0; t < T; ++t) _mm256_storeu_ps(acc[g][t] + h * 8, sum[h][t]);
+  }
 #else
   std::memset(acc, 0, sizeof(float) * GROUPS * T * LANES);
   for (int64_t k = 0; k < Kp; k += BF16_PACK, b += ROWS * BF16_PACK)
@@ -489,15 +563,19 @@ bool set_amx(bool wanted) {
 #endif
 }
 
-// What the kernels run on, per format: "amx", "avx512-vnni" / "avx512-bf16" or "portable"
-// (AMX only for weights whose input width is a multiple of 64 int8 / 32 bf16 values).
+// What the kernels run on, per format: "amx", "avx512-vnni" / "avx512-bf16", "avx2" or
+// "portable" (AMX only for weights whose input width is a multiple of 64 int8 / 32 bf16 values).
 std::string isa() {
   std::string int8 = "portable", bf16 = "portable";
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   int8 = "avx512-vnni";
+#elif defined(__AVX2__)
+  int8 = "avx2";
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   bf16 = "avx512-bf16";
+#elif defined(__AVX2__)
+  bf16 = "avx2";
 #endif
   if (use_amx(AMX_K_BYTES)) int8 = bf16 = "amx";
   return "int8: " + int8 + ", bf16: " + bf16;

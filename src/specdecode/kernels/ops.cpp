@@ -9,6 +9,17 @@
 #include <tuple>
 #include <vector>
 
+// setup.py names each build (kernels/variants.py) and records the digest of its sources, as
+// bare words that SPECDECODE_QUOTE makes strings.
+#define SPECDECODE_QUOTE_(x) #x
+#define SPECDECODE_QUOTE(x) SPECDECODE_QUOTE_(x)
+#ifndef SPECDECODE_VARIANT
+#define SPECDECODE_VARIANT unnamed
+#endif
+#ifndef SPECDECODE_SOURCE_HASH
+#define SPECDECODE_SOURCE_HASH none
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = int8(x) @ w^T * scales + bias, per-token int8 x");
   m.def("bf16_linear", &bf16_linear, "y = x @ w^T + bias in bf16 with fp32 sums");
@@ -18,14 +29,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "weight * x / rms(x), rms in fp32, row by row");
   m.def("rope_", &rope_, "RoPE in place on the first heads of each token of x [B, T, W]");
   m.def("isa", &isa, "the instruction sets the matmuls run on");
+  m.attr("variant") = SPECDECODE_QUOTE(SPECDECODE_VARIANT);
+  m.attr("source_hash") = SPECDECODE_QUOTE(SPECDECODE_SOURCE_HASH);
   m.def("set_amx", &set_amx, "select or leave the AMX matmul path; returns whether it is used");
-  pybind11::class_<Projection>(m, "Projection")
+  // module_local: every variant's module binds these classes; each keeps its own
+  pybind11::class_<Projection>(m, "Projection", pybind11::module_local())
       .def_static("int8", &Projection::int8, "an int8_linear projection")
       .def_static("bf16", &Projection::bf16, "a bf16_linear projection")
       .def_static("gguf", &Projection::gguf, "a gguf_linear projection of row segments")
       .def("__call__", &Projection::operator(), "x [..., K] -> x @ W^T (+ b) [..., N]",
            pybind11::call_guard<pybind11::gil_scoped_release>());
-  pybind11::class_<DecoderLayer>(m, "DecoderLayer")
+  pybind11::class_<DecoderLayer>(m, "DecoderLayer", pybind11::module_local())
       .def(pybind11::init<at::Tensor, at::Tensor, double, Projection, Projection, Projection,
                           Projection, int64_t, int64_t, int64_t>())
       .def("__call__", &DecoderLayer::operator(), "one decoder block over the cache",

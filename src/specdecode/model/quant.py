@@ -2,7 +2,7 @@
 
 - "int8": dynamic int8. Weights: symmetric int8, one scale per output channel. Activations:
   quantized on the fly, one scale (absmax / 127) per token. Kernel: specdecode's own
-  (`specdecode.kernels`, AVX-512 VNNI integer dot products, compiled on first use), whose
+  (`specdecode.kernels`, integer dot products: AVX-512 VNNI, AVX2 or portable C++), whose
   integer sums are exact: each token gets bit for bit what a 1-token step gives it, whatever
   else is in the pass, so verifying K + 1 tokens is exact against plain decoding.
 - "gguf": the GGUF file's own blocks (Q4_0 ... Q6_K), int8 activations quantized as llama.cpp

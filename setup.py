@@ -1,0 +1,78 @@
+"""Builds specdecode's C++ CPU kernels at install, once per instruction-set level of this
+machine's architecture (src/specdecode/kernels/variants.py): `pip install .` compiles them
+into specdecode.kernels._cpu_<variant>, and at run time the package loads the best one this
+CPU runs. Nothing is compiled at run time. SPECDECODE_CPU_VARIANTS=avx2,portable builds only
+those (a faster install); every other setting lives in pyproject.toml."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+KERNELS = Path("src/specdecode/kernels")
+SOURCES = ["ops", "matmul", "gguf", "attention", "pointwise", "layer"]
+# -ffp-contract=off: the fp32 epilogues round exactly as the Python reference does
+COMMON = ["-O3", "-ffp-contract=off", "-fopenmp"]
+
+
+def _variants_module():
+    """kernels/variants.py, loaded by path (the package itself needs the kernels)."""
+    spec = importlib.util.spec_from_file_location("_specdecode_variants", KERNELS / "variants.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH (the venv's bin is not on it unless activated)."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return  # torch builds the slower way, one file after another
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+class BuildVariants(BuildExtension):
+    """torch's BuildExtension with each variant's objects in a folder of their own (every
+    variant compiles the same sources)."""
+
+    def build_extension(self, ext) -> None:
+        base = self.build_temp
+        self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = base
+
+
+def extensions() -> list[CppExtension]:
+    """One extension module per variant of this machine's architecture."""
+    variants = _variants_module()
+    digest = variants.source_hash(KERNELS)
+    return [
+        CppExtension(
+            name=f"specdecode.kernels.{variant.module}",
+            sources=[str(KERNELS / f"{name}.cpp") for name in SOURCES],
+            extra_compile_args=[
+                *COMMON,
+                *variant.flags,
+                # bare words (ops.cpp makes them strings): no quotes to survive a shell
+                f"-DSPECDECODE_VARIANT={variant.name}",
+                f"-DSPECDECODE_SOURCE_HASH={digest}",
+            ],
+            extra_link_args=["-fopenmp"],
+        )
+        for variant in variants.to_build()
+    ]
+
+
+_ninja_on_path()
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildVariants})

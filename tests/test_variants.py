@@ -1,0 +1,107 @@
+"""The kernels' builds (kernels/variants.py): built at install, chosen at run time by the
+CPU's features or SPECDECODE_CPU, refused with a clear error where they cannot run."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import runnable_variants, select_variant
+
+from specdecode import kernels
+from specdecode.cli import main
+from specdecode.kernels import variants
+
+X86 = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 variants")
+ALL_X86 = ("amx", "avx512", "avx2", "portable")
+LAPTOP = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "avx_vnni"})
+
+
+def test_the_install_built_every_variant_of_this_machine() -> None:
+    """`make install` (pip install) builds them all (or those SPECDECODE_CPU_VARIANTS names)."""
+    assert kernels.built() == tuple(v.name for v in variants.to_build())
+    assert kernels.available()
+
+
+@X86
+def test_auto_takes_the_best_installed_variant_the_cpu_runs() -> None:
+    assert kernels.choose("auto", LAPTOP, ALL_X86) == "avx2"
+    assert kernels.choose("auto", LAPTOP, ("avx512", "portable")) == "portable"
+    assert kernels.choose("auto", frozenset(), ALL_X86) == "portable"
+    everything = variants.VARIANTS[0].needs
+    assert kernels.choose("auto", everything, ALL_X86) == "amx"
+    assert kernels.choose("avx2", everything, ALL_X86) == "avx2"
+
+
+@X86
+def test_a_forced_variant_the_cpu_cannot_run_names_what_it_lacks() -> None:
+    with pytest.raises(kernels.NativeKernelsUnavailable, match=r"lacks avx512_bf16, .*avx512f"):
+        kernels.choose("avx512", LAPTOP, ALL_X86)
+
+
+def test_a_variant_that_is_not_installed_says_how_to_get_it() -> None:
+    with pytest.raises(kernels.NativeKernelsUnavailable, match=r"installed: portable\).*pip"):
+        kernels.choose("avx2", variants.VARIANTS[0].needs, ("portable",))
+    with pytest.raises(kernels.NativeKernelsUnavailable, match="installed: none"):
+        kernels.choose("auto", frozenset(), ())
+
+
+def test_an_unknown_variant_lists_the_allowed_ones() -> None:
+    with pytest.raises(kernels.NativeKernelsUnavailable, match="allowed: auto, amx, avx512"):
+        kernels.choose("sse9", frozenset(), ALL_X86)
+
+
+def test_cpu_features_read_x86_and_arm64_cpuinfo(tmp_path: Path) -> None:
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\nbugs\t\t: spectre\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd asimddp i8mm\n")
+    assert variants.cpu_features(x86) == {"fpu", "avx2", "fma"}
+    assert variants.cpu_features(arm) == {"fp", "asimd", "asimddp", "i8mm"}
+    assert variants.cpu_features(tmp_path / "missing") == frozenset()
+
+
+def test_the_install_builds_the_variants_it_is_told_to() -> None:
+    assert variants.to_build({}) == variants.for_machine()
+    assert [v.name for v in variants.to_build({variants.BUILD_ENV: "portable"})] == ["portable"]
+    with pytest.raises(ValueError, match="sse9 is not a variant of this machine"):
+        variants.to_build({variants.BUILD_ENV: "portable,sse9"})
+
+
+def test_a_build_of_other_sources_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An editable install whose kernel sources changed since the build: a clear error, never
+    the old kernels."""
+    monkeypatch.setattr(variants, "source_hash", lambda folder: "0" * 16)
+    kernels.native.cache_clear()
+    with pytest.raises(kernels.NativeKernelsUnavailable, match="built from other sources"):
+        kernels.native()
+    monkeypatch.undo()
+    kernels.native.cache_clear()
+    kernels.available.cache_clear()
+
+
+def test_env_names_the_variant_in_use(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in runnable_variants():
+        select_variant(name, monkeypatch)
+        assert main(["env"]) == 0
+        assert f"kernels in use: {name} ({variants.ENV}={name})" in capsys.readouterr().out
+    select_variant("sse9", monkeypatch)
+    assert main(["env"]) == 2
+    assert "allowed: auto" in capsys.readouterr().err
+    select_variant("auto", monkeypatch)
+
+
+def test_nothing_compiles_at_run_time() -> None:
+    """Loading and running the kernels never reaches torch's JIT builder."""
+    code = (
+        "import sys, torch; from specdecode import kernels; kernels.native();"
+        "kernels.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6);"
+        "print('torch.utils.cpp_extension' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
