@@ -17,8 +17,10 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 KERNELS = Path("src/specdecode/kernels")
 SOURCES = ["ops", "matmul", "gguf", "attention", "pointwise", "layer"]
-# -ffp-contract=off: the fp32 epilogues round exactly as the Python reference does
-COMMON = ["-O3", "-ffp-contract=off", "-fopenmp"]
+# -ffp-contract=off: the fp32 epilogues round exactly as the Python reference does;
+# -mtune=native: instruction scheduling for the machine that installs (the one that usually
+# runs them), never an instruction the variant's -march does not allow
+COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-mtune=native"]
 
 
 def _variants_module():

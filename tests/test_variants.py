@@ -16,8 +16,9 @@ from specdecode.cli import main
 from specdecode.kernels import variants
 
 X86 = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 variants")
-ALL_X86 = ("amx", "avx512", "avx2", "portable")
-LAPTOP = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "avx_vnni"})
+ALL_X86 = ("amx", "avx512", "avxvnni", "avx2", "portable")
+ZEN3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
+LAPTOP = ZEN3 | {"avx_vnni"}  # Alder Lake and later
 
 
 def test_the_install_built_every_variant_of_this_machine() -> None:
@@ -28,7 +29,8 @@ def test_the_install_built_every_variant_of_this_machine() -> None:
 
 @X86
 def test_auto_takes_the_best_installed_variant_the_cpu_runs() -> None:
-    assert kernels.choose("auto", LAPTOP, ALL_X86) == "avx2"
+    assert kernels.choose("auto", LAPTOP, ALL_X86) == "avxvnni"
+    assert kernels.choose("auto", ZEN3, ALL_X86) == "avx2"
     assert kernels.choose("auto", LAPTOP, ("avx512", "portable")) == "portable"
     assert kernels.choose("auto", frozenset(), ALL_X86) == "portable"
     everything = variants.VARIANTS[0].needs
@@ -40,6 +42,8 @@ def test_auto_takes_the_best_installed_variant_the_cpu_runs() -> None:
 def test_a_forced_variant_the_cpu_cannot_run_names_what_it_lacks() -> None:
     with pytest.raises(kernels.NativeKernelsUnavailable, match=r"lacks avx512_bf16, .*avx512f"):
         kernels.choose("avx512", LAPTOP, ALL_X86)
+    with pytest.raises(kernels.NativeKernelsUnavailable, match="lacks avx_vnni"):
+        kernels.choose("avxvnni", ZEN3, ALL_X86)
 
 
 def test_a_variant_that_is_not_installed_says_how_to_get_it() -> None:
@@ -50,7 +54,7 @@ def test_a_variant_that_is_not_installed_says_how_to_get_it() -> None:
 
 
 def test_an_unknown_variant_lists_the_allowed_ones() -> None:
-    with pytest.raises(kernels.NativeKernelsUnavailable, match="allowed: auto, amx, avx512"):
+    with pytest.raises(kernels.NativeKernelsUnavailable, match="allowed: auto, amx, avx512, avx"):
         kernels.choose("sse9", frozenset(), ALL_X86)
 
 

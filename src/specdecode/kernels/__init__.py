@@ -5,8 +5,9 @@ call where torch needs several, and each row-exact. `layer.cpp` holds a projecti
 native format as one object (`*_projection`) and runs a whole decoder block of a decode or
 verification pass in one call (`decoder_layer`).
 
-`native()` loads the best build this CPU runs (`variants.py`: AMX, AVX-512, AVX2, portable
-C++; SPECDECODE_CPU=<variant> forces one) and returns its module; nothing compiles at run time.
+`native()` loads the best build this CPU runs (`variants.py`: AMX, AVX-512, AVX-VNNI, AVX2,
+portable C++; SPECDECODE_CPU=<variant> forces one) and returns its module; nothing compiles
+at run time.
 `pack` lays a weight out the way the kernels read it. int8 and gguf give the same bits on
 every variant (integer sums); bf16 may differ in the last bit between variants but never
 between passes of one. `set_amx(False)` (or SPECDECODE_AMX=0) keeps the AMX variant's matmuls

@@ -1,7 +1,7 @@
 // y = x @ W^T (+ b) for weights kept in GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 // Q4_K, Q5_K, Q6_K), with activations quantized to int8 as llama.cpp's CPU backend does, and
-// integer dot products (AVX-512 VNNI `vpdpbusd`; AVX2 `vpmaddubsw`; plain C++ elsewhere): the
-// same bits on every variant.
+// integer dot products (AVX-512 VNNI `vpdpbusd`, its AVX-VNNI form on 8 lanes, AVX2
+// `vpmaddubsw`, plain C++ elsewhere): the same bits on every variant.
 //
 // Every format is one case of a two-level block code (Python repacks the GGUF blocks once at
 // load time, model/gguf_blocks.py, keeping every quantized value and scale as it is):
@@ -384,12 +384,19 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, const uint8_t* ne
   UNROLL for (int t = 0; t < T; ++t) _mm512_storeu_ps(acc[t], sum[t]);
 #elif defined(__AVX2__)
   // The AVX-512 path's steps, half a tile (8 rows) at a time, with the same fp32 operations in
-  // the same order (so the same bits). vpmaddubsw (u8 x s8, pairs summed in int16, saturating)
-  // stands in for vpdpbusd: the int16 pair sums of RUN quads stay below 2^15 for codes of BITS
-  // <= 6 (|x8| <= 127), and 8-bit codes are summed as signed values (code - OFF, |w| times x8
-  // with w's sign), which subtracts OFF * bsum on the way.
+  // the same order (so the same bits). Without AVX-VNNI, vpmaddubsw (u8 x s8, pairs summed in
+  // int16, saturating) stands in for vpdpbusd: the int16 pair sums of RUN quads stay below
+  // 2^15 for codes of BITS <= 6 (|x8| <= 127), and 8-bit codes are summed as signed values
+  // (code - OFF, |w| times x8 with w's sign), which subtracts OFF * bsum on the way.
+  // With AVX-VNNI, vpdpbusd itself on 8 lanes (no int16 runs, codes as they are).
+#if defined(__AVXVNNI__)
+  constexpr bool VNNI = true;
+#else
+  constexpr bool VNNI = false;
+#endif
+  constexpr bool SIGNED_Q8 = BITS == 8 && !VNNI;  // summed as code - OFF (see above)
   static_assert(BITS != 8 || (OFF == 128 && SUBS == 1), "8-bit codes: Q8_0 only");
-  constexpr int RUN = BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1;
+  constexpr int RUN = VNNI ? S / 4 : BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1;
   static_assert((S / 4) % RUN == 0, "whole runs of quads per sub-block");
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
   for (int half = 0; half < 2; ++half) {
@@ -408,7 +415,7 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, const uint8_t* ne
         __m256i isum[T];
         UNROLL for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
         UNROLL for (int c0 = 0; c0 < S / 4; c0 += RUN) {
-          __m256i pairs[T];  // int16 pair sums of the run's quads
+          __m256i pairs[T];  // int16 pair sums of the run's quads (without VNNI)
           UNROLL for (int t = 0; t < T; ++t) pairs[t] = _mm256_setzero_si256();
           UNROLL for (int c = c0; c < c0 + RUN; ++c) {
             const __m256i q = quad_codes8<BITS, S>(codes, c, half);
@@ -417,14 +424,20 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, const uint8_t* ne
             UNROLL for (int t = 0; t < T; ++t) {
               const __m256i x = _mm256_set1_epi32(
                   *reinterpret_cast<const unaligned_i32*>(a.x8 + t * a.K + k0 + 4 * c));
+#if defined(__AVXVNNI__)
+              isum[t] = _mm256_dpbusd_avx_epi32(isum[t], q, x);
+#else
               const __m256i products =
                   BITS == 8 ? _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, signed_q))
                             : _mm256_maddubs_epi16(q, x);
               pairs[t] = _mm256_add_epi16(pairs[t], products);
+#endif
             }
           }
-          UNROLL for (int t = 0; t < T; ++t)
-            isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(pairs[t], ones));
+          if constexpr (!VNNI) {
+            UNROLL for (int t = 0; t < T; ++t)
+              isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(pairs[t], ones));
+          }
         }
         __m256i scale = _mm256_setzero_si256();
         if constexpr (SUBS > 1) {
@@ -438,7 +451,7 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, const uint8_t* ne
           main[t] = _mm256_add_epi32(main[t], total);
         }
       }
-      if constexpr (OFF != 0 && BITS != 8) {  // main -= OFF * sum_j sc_j bsum_j
+      if constexpr (OFF != 0 && !SIGNED_Q8) {  // main -= OFF * sum_j sc_j bsum_j
         __m256i off[T];
         if constexpr (SUBS > 1) {
           table_sums8<SUBS, T>(sc, bsum + s * SUBS, ld_bsum, half, off);

@@ -4,7 +4,8 @@
 //
 // int8_linear: W int8 with one fp32 scale per output row; each activation row is quantized on
 //   the fly to int8 with its own scale (absmax / 127). Integer sums (AVX-512 VNNI `vpdpbusd`
-//   in the AVX-512 variants, `vpmaddubsw` + `vpmaddwd` in the AVX2 one, plain C++ elsewhere)
+//   in the AVX-512 variants, its 256-bit AVX-VNNI form in avxvnni, `vpmaddubsw` + `vpmaddwd`
+//   in avx2, plain C++ elsewhere)
 //   are exact, so a token's output never depends on the other tokens of the pass, and every
 //   variant gives the same bits.
 // bf16_linear: W and x bf16, products summed in fp32 (AVX-512 BF16 `vdpbf16ps` in the AVX-512
@@ -72,8 +73,8 @@ constexpr int64_t BF16_PACK = 2;          // bf16 values of a row per 32-bit lan
 // ---------------------------------------------------------------- int8
 
 // What dot_u8s8 adds to each sum per unit of the row's weight sum: the codes carry +128, and
-// every path but AVX2's sums them as they are (AVX2 sums the signed values, see below).
-#if !defined(__AVX512VNNI__) && defined(__AVX2__)
+// every path but plain AVX2's sums them as they are (it sums the signed values, see below).
+#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__) && defined(__AVX2__)
 constexpr int32_t CODE_ZERO = 0;
 #else
 constexpr int32_t CODE_ZERO = 128;
@@ -102,6 +103,31 @@ void dot_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp,
   }
   UNROLL for (int g = 0; g < GROUPS; ++g)
     UNROLL for (int t = 0; t < T; ++t) _mm512_storeu_si512(acc[g][t], sum[g][t]);
+#elif defined(__AVXVNNI__)
+  // AVX-VNNI: the AVX-512 path's vpdpbusd on 8 lanes, a row group at a time (two halves), so
+  // that T tokens' sums stay in registers.
+  for (int g = 0; g < GROUPS; ++g) {
+    __m256i sum[2][T];
+    UNROLL for (int h = 0; h < 2; ++h)
+      UNROLL for (int t = 0; t < T; ++t) sum[h][t] = _mm256_setzero_si256();
+    const int8_t* bg = b + g * LANES * I8_PACK;
+    for (int64_t k = 0; k < Kp; k += I8_PACK, bg += ROWS * I8_PACK) {
+      __m256i av[T];  // 4 codes of token t, repeated in every lane
+      UNROLL for (int t = 0; t < T; ++t) {
+        int32_t four;
+        std::memcpy(&four, a + t * lda + k, sizeof(four));
+        av[t] = _mm256_set1_epi32(four);
+      }
+      UNROLL for (int h = 0; h < 2; ++h) {
+        const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + h * 32));
+        UNROLL for (int t = 0; t < T; ++t)
+          sum[h][t] = _mm256_dpbusd_avx_epi32(sum[h][t], av[t], bv);
+      }
+    }
+    UNROLL for (int h = 0; h < 2; ++h)
+      UNROLL for (int t = 0; t < T; ++t)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[g][t] + h * 8), sum[h][t]);
+  }
 #elif defined(__AVX2__)
   // vpmaddubsw multiplies u8 by s8 but saturates its pair sums at int16, which the codes
   // (up to 255) could reach; the signed values (codes - 128, |q| <= 127) cannot: |w| times q
@@ -563,12 +589,14 @@ bool set_amx(bool wanted) {
 #endif
 }
 
-// What the kernels run on, per format: "amx", "avx512-vnni" / "avx512-bf16", "avx2" or
-// "portable" (AMX only for weights whose input width is a multiple of 64 int8 / 32 bf16 values).
+// What the kernels run on, per format: "amx", "avx512-vnni" / "avx512-bf16", "avx-vnni",
+// "avx2" or "portable" (AMX only for weights whose input width is a multiple of 64 int8 / 32 bf16 values).
 std::string isa() {
   std::string int8 = "portable", bf16 = "portable";
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   int8 = "avx512-vnni";
+#elif defined(__AVXVNNI__)
+  int8 = "avx-vnni";
 #elif defined(__AVX2__)
   int8 = "avx2";
 #endif

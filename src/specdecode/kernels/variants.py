@@ -51,6 +51,7 @@ VARIANTS: tuple[Variant, ...] = (
         _AVX512 | {"amx_tile", "amx_int8", "amx_bf16"},
     ),
     Variant("avx512", "x86_64", _AVX512_FLAGS, _AVX512),
+    Variant("avxvnni", "x86_64", ("-march=x86-64-v3", "-mavxvnni"), _V3 | {"avx_vnni"}),
     Variant("avx2", "x86_64", ("-march=x86-64-v3",), _V3),
     Variant("portable", "", (), frozenset()),
 )
