@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.errors import CCompilerError, CompileError
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 KERNELS = Path("src/specdecode/kernels")
@@ -44,13 +45,17 @@ def _ninja_on_path() -> None:
 
 class BuildVariants(BuildExtension):
     """torch's BuildExtension with each variant's objects in a folder of their own (every
-    variant compiles the same sources)."""
+    variant compiles the same sources). A variant that does not compile (a compiler too old
+    for its flags, no compiler at all) is left out with a warning: the package loads the best
+    variant that was built, and says so where none was."""
 
     def build_extension(self, ext) -> None:
         base = self.build_temp
         self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
         try:
             super().build_extension(ext)
+        except (RuntimeError, OSError, CompileError, CCompilerError) as err:  # ninja: RuntimeError
+            self.warn(f"specdecode: {ext.name} was not built ({err}); it is left out")
         finally:
             self.build_temp = base
 
