@@ -53,6 +53,13 @@ def test_a_variant_that_is_not_installed_says_how_to_get_it() -> None:
         kernels.choose("auto", frozenset(), ())
 
 
+@X86
+def test_auto_says_when_no_installed_variant_runs_here() -> None:
+    """A build for a bigger CPU (an AMX-only install on a laptop) is not silently skipped."""
+    with pytest.raises(kernels.NativeKernelsUnavailable, match=r"none installed runs.*amx"):
+        kernels.choose("auto", LAPTOP, ("amx",))
+
+
 def test_an_unknown_variant_lists_the_allowed_ones() -> None:
     with pytest.raises(kernels.NativeKernelsUnavailable, match="allowed: auto, amx, avx512, avx"):
         kernels.choose("sse9", frozenset(), ALL_X86)

@@ -91,10 +91,11 @@ def choose(wanted: str, features: frozenset[str], installed: Sequence[str]) -> s
                 f"{', '.join(variants.missing(variant, features)) or 'its architecture'}); "
                 f"set {variants.ENV}=auto"
             )
+    what = "none installed runs on this CPU" if wanted == "auto" else f"{wanted} is not installed"
     raise NativeKernelsUnavailable(
-        f"specdecode's CPU kernels for {wanted} are not installed (installed: "
-        f"{', '.join(installed) or 'none'}): they are built at install, which needs a C++ "
-        f"compiler (g++); reinstall with {REBUILD}, or set {variants.ENV} to an installed one"
+        f"specdecode's CPU kernels: {what} (installed: {', '.join(installed) or 'none'}): they "
+        f"are built at install, which needs a C++ compiler (g++); reinstall with {REBUILD}, or "
+        f"set {variants.ENV} to an installed one"
     )
 
 
