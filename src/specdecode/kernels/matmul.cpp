@@ -103,36 +103,12 @@ void dot_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp,
   }
   UNROLL for (int g = 0; g < GROUPS; ++g)
     UNROLL for (int t = 0; t < T; ++t) _mm512_storeu_si512(acc[g][t], sum[g][t]);
-#elif defined(__AVXVNNI__)
-  // AVX-VNNI: the AVX-512 path's vpdpbusd on 8 lanes, a row group at a time (two halves), so
-  // that T tokens' sums stay in registers.
-  for (int g = 0; g < GROUPS; ++g) {
-    __m256i sum[2][T];
-    UNROLL for (int h = 0; h < 2; ++h)
-      UNROLL for (int t = 0; t < T; ++t) sum[h][t] = _mm256_setzero_si256();
-    const int8_t* bg = b + g * LANES * I8_PACK;
-    for (int64_t k = 0; k < Kp; k += I8_PACK, bg += ROWS * I8_PACK) {
-      __m256i av[T];  // 4 codes of token t, repeated in every lane
-      UNROLL for (int t = 0; t < T; ++t) {
-        int32_t four;
-        std::memcpy(&four, a + t * lda + k, sizeof(four));
-        av[t] = _mm256_set1_epi32(four);
-      }
-      UNROLL for (int h = 0; h < 2; ++h) {
-        const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + h * 32));
-        UNROLL for (int t = 0; t < T; ++t)
-          sum[h][t] = _mm256_dpbusd_avx_epi32(sum[h][t], av[t], bv);
-      }
-    }
-    UNROLL for (int h = 0; h < 2; ++h)
-      UNROLL for (int t = 0; t < T; ++t)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[g][t] + h * 8), sum[h][t]);
-  }
 #elif defined(__AVX2__)
-  // vpmaddubsw multiplies u8 by s8 but saturates its pair sums at int16, which the codes
-  // (up to 255) could reach; the signed values (codes - 128, |q| <= 127) cannot: |w| times q
-  // with w's sign, pairs summed (vpmaddubsw), then pairs of pairs (vpmaddwd by ones). A row
-  // group at a time (two 8-lane halves), so that T tokens' sums stay in registers.
+  // A row group at a time (two 8-lane halves), so that T tokens' sums stay in registers. With
+  // AVX-VNNI, the AVX-512 path's vpdpbusd on 8 lanes. Without it, vpmaddubsw multiplies u8 by
+  // s8 but saturates its pair sums at int16, which the codes (up to 255) could reach; the
+  // signed values (codes - 128, |q| <= 127) cannot: |w| times q with w's sign, pairs summed
+  // (vpmaddubsw), then pairs of pairs (vpmaddwd by ones).
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
   for (int g = 0; g < GROUPS; ++g) {
     __m256i sum[2][T];
@@ -140,19 +116,25 @@ void dot_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp,
       UNROLL for (int t = 0; t < T; ++t) sum[h][t] = _mm256_setzero_si256();
     const int8_t* bg = b + g * LANES * I8_PACK;
     for (int64_t k = 0; k < Kp; k += I8_PACK, bg += ROWS * I8_PACK) {
-      __m256i av[T];  // 4 signed values of token t, repeated in every lane
+      __m256i av[T];  // 4 codes (AVX-VNNI) or signed values of token t, in every lane
       UNROLL for (int t = 0; t < T; ++t) {
         int32_t four;
         std::memcpy(&four, a + t * lda + k, sizeof(four));
-        av[t] = _mm256_xor_si256(_mm256_set1_epi32(four), flip);
+        av[t] = _mm256_set1_epi32(four);
+        if constexpr (CODE_ZERO == 0) av[t] = _mm256_xor_si256(av[t], flip);
       }
       UNROLL for (int h = 0; h < 2; ++h) {
         const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + h * 32));
+#if defined(__AVXVNNI__)
+        UNROLL for (int t = 0; t < T; ++t)
+          sum[h][t] = _mm256_dpbusd_avx_epi32(sum[h][t], av[t], bv);
+#else
         const __m256i magnitude = _mm256_abs_epi8(bv);
         UNROLL for (int t = 0; t < T; ++t) {
           const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(av[t], bv));
           sum[h][t] = _mm256_add_epi32(sum[h][t], _mm256_madd_epi16(pairs, ones));
         }
+#endif
       }
     }
     UNROLL for (int h = 0; h < 2; ++h)
