@@ -7,7 +7,7 @@ MODEL ?= smollm2-135m
 PROMPT ?= Add type hints to this Python function. Reply with the whole function only.\n\ndef is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n        if n %% d == 0:\n            return False\n    return True\n
 SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
-.PHONY: install kernels demo serve browser test lint bench bench-docs
+.PHONY: install kernels demo serve browser test test-native test-arm64 lint bench bench-docs
 
 install: $(VENV)/.installed
 
@@ -48,6 +48,21 @@ test: install browser
 	$(VENV)/bin/ruff check src tests benchmarks setup.py
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
+
+# The kernels' native test driver (tests/native: the C++ cores against scalar references, no
+# torch, no install) built and run for every variant this CPU executes.
+test-native:
+	python3 tests/native/run.py
+
+# The ARM64 variants cross-compiled with Debian's g++-aarch64-linux-gnu and their driver run
+# under qemu-user (installed first where missing: apt-get, as root).
+test-arm64:
+	@if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then \
+	    if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	        apt-get update -q && apt-get install -y -q g++-aarch64-linux-gnu qemu-user; \
+	    else echo "make test-arm64 needs g++-aarch64-linux-gnu and qemu-user (apt-get, as root)"; \
+	        exit 1; fi; fi
+	python3 tests/native/run.py --arch aarch64
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks setup.py

@@ -17,7 +17,7 @@ from setuptools.errors import CCompilerError, CompileError
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 KERNELS = Path("src/specdecode/kernels")
-SOURCES = ["ops", "matmul", "gguf", "attention", "pointwise", "layer"]
+SOURCES = ["ops", "tensors", "layer", "matmul", "gguf", "attention", "pointwise"]
 # -ffp-contract=off: the fp32 epilogues round exactly as the Python reference does;
 # -mtune=native: instruction scheduling for the machine that installs (the one that usually
 # runs them), never an instruction the variant's -march does not allow

@@ -11,13 +11,11 @@
 // bf16 scores of head size 64 / 128 are sums of exact bf16 products, scaled after the sum);
 // the output is rounded once to q's dtype. Query head h reads KV head h / (H / Hkv). A query's
 // arithmetic depends only on its own span, never on the other queries of the call. The
-// AVX-512 and AVX2 variants sum in vectors of 16 and 8 lanes: their last bits may differ from
-// each other's, never between the passes of one variant.
+// AVX-512, AVX2 and NEON variants sum in vectors of 16, 8 and 4 lanes: their last bits may
+// differ from each other's, never between the passes of one variant.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-
-#include "dispatch.h"
+#include "core.h"
+#include "isa.h"
 
 #include <algorithm>
 #include <cmath>
@@ -26,16 +24,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
+namespace specdecode {
 namespace {
 
 constexpr int64_t V = 16;  // fp32 lanes per vector
 
 inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) { return float(x); }
+inline float widen(BFloat16 x) { return float(x); }
 
 // The slots one query reads, in order. Contiguous: 0 .. n - 1 (decode and chain passes).
 struct Contiguous {
@@ -55,7 +50,7 @@ struct Listed {
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+inline __m512 load16(const BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
@@ -80,7 +75,7 @@ inline __m512 exp16(__m512 x) {
 #elif defined(__AVX2__)
 constexpr int64_t V8 = 8;  // fp32 lanes per AVX2 vector
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+inline __m256 load8(const BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
@@ -109,6 +104,29 @@ inline __m256 exp8(__m256 x) {
                                                           _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
+#elif defined(SPECDECODE_NEON)
+constexpr int64_t V4 = 4;  // fp32 lanes per NEON vector
+inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
+inline float32x4_t load4(const BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
+}
+
+// exp16's polynomial on 4 lanes; 2^n is built in the exponent bits (n >= -126 after the clamp).
+inline float32x4_t exp4(float32x4_t x) {
+  x = vmaxq_f32(x, vdupq_n_f32(-87.f));
+  const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504f)));
+  float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693145752f));
+  r = vfmsq_f32(r, n, vdupq_n_f32(1.42860677e-6f));
+  float32x4_t p = vdupq_n_f32(1.f / 720);
+  p = vfmaq_f32(vdupq_n_f32(1.f / 120), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.f / 24), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.f / 6), p, r);
+  p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.f), p, r);
+  const int32x4_t bits = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+  return vmulq_f32(p, vreinterpretq_f32_s32(bits));
+}
 #endif
 
 // q . k over D values in fp32 (q already fp32).
@@ -124,6 +142,10 @@ float dot(const float* q, const scalar_t* k, int64_t D) {
   __m256 acc = _mm256_setzero_ps();
   for (; d + V8 <= D; d += V8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
   sum = sum8(acc);
+#elif defined(SPECDECODE_NEON)
+  float32x4_t acc = vdupq_n_f32(0.f);
+  for (; d + V4 <= D; d += V4) acc = vfmaq_f32(acc, vld1q_f32(q + d), load4(k + d));
+  sum = vaddvq_f32(acc);
 #endif
   for (; d < D; ++d) sum += q[d] * widen(k[d]);
   return sum;
@@ -141,6 +163,9 @@ void axpy(float p, const scalar_t* v, float* out, int64_t D) {
   const __m256 pv = _mm256_set1_ps(p);
   for (; d + V8 <= D; d += V8)
     _mm256_storeu_ps(out + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(out + d)));
+#elif defined(SPECDECODE_NEON)
+  const float32x4_t pv = vdupq_n_f32(p);
+  for (; d + V4 <= D; d += V4) vst1q_f32(out + d, vfmaq_f32(vld1q_f32(out + d), pv, load4(v + d)));
 #endif
   for (; d < D; ++d) out[d] += p * widen(v[d]);
 }
@@ -169,6 +194,15 @@ float exp_shifted(float* scores, int64_t n) {
     acc = _mm256_add_ps(acc, e);
   }
   total = sum8(acc);
+#elif defined(SPECDECODE_NEON)
+  const float32x4_t shift = vdupq_n_f32(top);
+  float32x4_t acc = vdupq_n_f32(0.f);
+  for (; s + V4 <= n; s += V4) {
+    const float32x4_t e = exp4(vsubq_f32(vld1q_f32(scores + s), shift));
+    vst1q_f32(scores + s, e);
+    acc = vaddq_f32(acc, e);
+  }
+  total = vaddvq_f32(acc);
 #endif
   for (; s < n; ++s) {
     scores[s] = std::exp(scores[s] - top);
@@ -235,14 +269,14 @@ void attend_one_registers(const scalar_t* q, const scalar_t* k, int64_t k_row, c
 // and k as they are (products exact in fp32, q's scale applied to the sum), the values widened
 // by shifts (even and odd values in separate lanes) and summed over the slots in order.
 template <int C, typename Slots>
-void attend_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t k_row,
-                 const at::BFloat16* v, int64_t v_row, const Slots& slots, float scale,
-                 at::BFloat16* out, std::vector<float>& scores) {
+void attend_bf16(const BFloat16* q, const BFloat16* k, int64_t k_row,
+                 const BFloat16* v, int64_t v_row, const Slots& slots, float scale,
+                 BFloat16* out, std::vector<float>& scores) {
   constexpr int64_t PAIRS = 2 * V;  // bf16 values per vector
   const int64_t span = slots.size();
   __m512bh qv[C];
   for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + c * PAIRS);
-  auto score = [&](const at::BFloat16* key) {
+  auto score = [&](const BFloat16* key) {
     __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < C; ++c)
       sum = _mm512_dpbf16_ps(sum, qv[c], (__m512bh)_mm512_loadu_si512(key + c * PAIRS));
@@ -266,7 +300,7 @@ void attend_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t k_row,
   for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
   for (s = 0; s < span; ++s) {
     const __m512 p = _mm512_set1_ps(scores[s]);
-    const at::BFloat16* value = v + slots[s] * v_row;
+    const BFloat16* value = v + slots[s] * v_row;
     for (int c = 0; c < C; ++c) {
       const __m512i raw = _mm512_loadu_si512(value + c * PAIRS);
       even[c] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), even[c]);
@@ -279,8 +313,8 @@ void attend_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t k_row,
     _mm512_store_ps(evens, even[c]);
     _mm512_store_ps(odds, odd[c]);
     for (int64_t i = 0; i < V; ++i) {
-      out[c * PAIRS + 2 * i] = at::BFloat16(evens[i] * inv);
-      out[c * PAIRS + 2 * i + 1] = at::BFloat16(odds[i] * inv);
+      out[c * PAIRS + 2 * i] = BFloat16(evens[i] * inv);
+      out[c * PAIRS + 2 * i + 1] = BFloat16(odds[i] * inv);
     }
   }
 }
@@ -292,7 +326,7 @@ void attend(const scalar_t* q, const scalar_t* keys, int64_t k_row, const scalar
             int64_t v_row, const Slots& slots, int64_t D, float scale, scalar_t* out,
             std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+  if constexpr (std::is_same_v<scalar_t, BFloat16>) {
     if (D == 64 || D == 128) {
       auto run = D == 64 ? attend_bf16<2, Slots> : attend_bf16<4, Slots>;
       run(q, keys, k_row, values, v_row, slots, scale, out, scores);
@@ -313,88 +347,37 @@ void attend(const scalar_t* q, const scalar_t* keys, int64_t k_row, const scalar
 
 }  // namespace
 
-// q [B, H, T, D]; k, v [B, Hkv, S, D] (any strides but a contiguous last dim); starts [B]:
-// query t of row b attends to slots 0 .. starts[b] + t. Tree passes also give tree_starts [B]
-// and tree_mask [B, T, M] bool: query t of row b then attends to slots 0 .. tree_starts[b] - 1
-// and to tree_starts[b] + r wherever tree_mask[b, t, r] (which must hold for its own slot
-// starts[b] + t and for no later slot). Returns [B, H, T, D] in q's dtype.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::vector<int64_t>& starts,
-                            const std::vector<int64_t>& tree_starts,
-                            const c10::optional<at::Tensor>& tree_mask) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "specdecode kernels run on the CPU");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "q, k, v must share a dtype");
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), S = k.size(2);
-  TORCH_CHECK(k.size(0) == B && v.sizes() == k.sizes() && k.size(3) == D && H % Hkv == 0,
-              "k, v must be [", B, ", Hkv, S, ", D, "] with H % Hkv == 0; got q ", q.sizes(),
-              ", k ", k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v need a contiguous last dim");
-  TORCH_CHECK(int64_t(starts.size()) == B, "one start per batch row");
-  for (const int64_t start : starts)
-    TORCH_CHECK(start >= 0 && start + T <= S, "start ", start, " + ", T,
-                " new tokens exceed the ", S, " cached slots");
-  // Tree passes: per (row, query), the increasing offsets r past tree_starts[b] it may read.
-  const bool tree = tree_mask.has_value();
-  std::vector<int64_t> extra, extra_begin(B * T + 1, 0);
-  if (tree) {
-    const at::Tensor mask = tree_mask->to(at::kBool).contiguous();
-    TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == T,
-                "tree_mask must be [B, T, M] = [", B, ", ", T, ", M], got ", mask.sizes());
-    TORCH_CHECK(int64_t(tree_starts.size()) == B, "one tree start per batch row");
-    const int64_t M = mask.size(2);
-    const bool* mp = mask.data_ptr<bool>();
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t offset = starts[b] - tree_starts[b];  // tree slots cached before the pass
-      TORCH_CHECK(offset >= 0 && offset + T <= M, "row ", b, ": tree start ", tree_starts[b],
-                  " must lie in 0 .. start ", starts[b], " and the mask must cover ",
-                  offset + T, " slots, got ", M);
-      for (int64_t t = 0; t < T; ++t) {
-        const bool* row = mp + (b * T + t) * M;
-        TORCH_CHECK(row[offset + t], "row ", b, ", query ", t, ": a query must see itself");
-        for (int64_t r = 0; r < M; ++r) {
-          if (!row[r]) continue;
-          TORCH_CHECK(r <= offset + t, "row ", b, ", query ", t, " may not see the later slot ",
-                      tree_starts[b] + r);
-          extra.push_back(r);
-        }
-        extra_begin[b * T + t + 1] = int64_t(extra.size());
+template <typename T>
+void attention(const T* q, const T* k, const T* v, const AttentionShape& shape,
+               const int64_t* starts, const int64_t* tree_starts, const int64_t* extra,
+               const int64_t* extra_begin, T* out) {
+  const int64_t H = shape.H, Tq = shape.T, D = shape.D, group = shape.H / shape.Hkv;
+  const float scale = 1.f / std::sqrt(float(D));
+  parallel_for(0, shape.B * H * Tq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, scores, acc;  // per thread: scaled q [D], scores [span], out [D]
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (H * Tq), h = task / Tq % H, t = task % Tq;
+      const int64_t kvh = h / group;
+      const T* keys = k + b * shape.k_stride[0] + kvh * shape.k_stride[1];
+      const T* values = v + b * shape.v_stride[0] + kvh * shape.v_stride[1];
+      if (tree_starts != nullptr) {
+        const int64_t first = extra_begin[b * Tq + t];
+        const Listed slots{tree_starts[b], extra + first, extra_begin[b * Tq + t + 1] - first};
+        attend(q + task * D, keys, shape.k_stride[2], values, shape.v_stride[2], slots, D,
+               scale, out + task * D, qf, scores, acc);
+      } else {
+        const Contiguous slots{starts[b] + t + 1};
+        attend(q + task * D, keys, shape.k_stride[2], values, shape.v_stride[2], slots, D,
+               scale, out + task * D, qf, scores, acc);
       }
     }
-  }
-  const at::Tensor qc = q.contiguous();
-  at::Tensor out = at::empty_like(qc);  // [B, H, T, D]
-  const int64_t group = H / Hkv;
-  const float scale = 1.f / std::sqrt(float(D));
-  auto run = [&](auto type_tag) {
-    using scalar_t = decltype(type_tag);
-    const scalar_t* qp = qc.data_ptr<scalar_t>();
-    const scalar_t* kp = k.data_ptr<scalar_t>();
-    const scalar_t* vp = v.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * H * T, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf, scores, acc;  // per thread: scaled q [D], scores [span], out [D]
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / (H * T), h = task / T % H, t = task % T;
-        const int64_t kvh = h / group;
-        const scalar_t* keys = kp + b * k.stride(0) + kvh * k.stride(1);
-        const scalar_t* values = vp + b * v.stride(0) + kvh * v.stride(1);
-        if (tree) {
-          const int64_t first = extra_begin[b * T + t], count = extra_begin[b * T + t + 1] - first;
-          const Listed slots{tree_starts[b], extra.data() + first, count};
-          attend(qp + task * D, keys, k.stride(2), values, v.stride(2), slots, D, scale,
-                 op + task * D, qf, scores, acc);
-        } else {
-          const Contiguous slots{starts[b] + t + 1};
-          attend(qp + task * D, keys, k.stride(2), values, v.stride(2), slots, D, scale,
-                 op + task * D, qf, scores, acc);
-        }
-      }
-    });
-  };
-  fp32_or_bf16(q.scalar_type(), "decode_attention", run);
-  return out;
+  });
 }
+
+template void attention(const float*, const float*, const float*, const AttentionShape&,
+                        const int64_t*, const int64_t*, const int64_t*, const int64_t*, float*);
+template void attention(const BFloat16*, const BFloat16*, const BFloat16*,
+                        const AttentionShape&, const int64_t*, const int64_t*, const int64_t*,
+                        const int64_t*, BFloat16*);
+
+}  // namespace specdecode

@@ -1,7 +1,7 @@
 // y = x @ W^T (+ b) for weights kept in GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 // Q4_K, Q5_K, Q6_K), with activations quantized to int8 as llama.cpp's CPU backend does, and
 // integer dot products (AVX-512 VNNI `vpdpbusd`, its AVX-VNNI form on 8 lanes, AVX2
-// `vpmaddubsw`, plain C++ elsewhere): the same bits on every variant.
+// `vpmaddubsw`, NEON `sdot` on 4 lanes, plain C++ elsewhere): the same bits on every variant.
 //
 // Every format is one case of a two-level block code (Python repacks the GGUF blocks once at
 // load time, model/gguf_blocks.py, keeping every quantized value and scale as it is):
@@ -33,20 +33,20 @@
 //   - BITS 5, 6: [S / 4 quads][8 lane pairs][BITS bytes]: the 8 codes q[2 i][4 c .. 4 c + 3],
 //     q[2 i + 1][4 c .. 4 c + 3] of pair i as BITS-bit fields, the first in the lowest bits.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-
-#include "dispatch.h"
+#include "core.h"
 #include "tiles.h"
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <tuple>
 
+namespace specdecode {
 namespace {
 
-// tokens per tile, at most (AVX2 has half the vector registers: fewer tokens' sums fit)
+static_assert(LANES == GGUF_ROWS, "a GGUF tile is one row per lane");
+
+// tokens per tile, at most (AVX2 has half the vector registers: fewer tokens' sums fit; NEON
+// has 32, as AVX-512)
 #if !defined(__AVX512VNNI__) && defined(__AVX2__)
 constexpr int GGUF_TOKENS = 4;
 #else
@@ -56,20 +56,7 @@ constexpr int GGUF_TOKENS = 8;
 // into vpdpbusd's broadcast operand
 typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
 
-// The packed geometry of one layout (see the header).
-struct Layout {
-  int64_t bits, sub, subs, mins;  // BITS, S, SUBS, MINS
-  int64_t sub_bytes() const { return LANES * sub * bits / 8; }
-  int64_t header_bytes() const {
-    return (mins ? 2 : 1) * LANES * 2 + (subs > 1 ? subs * LANES : 0) +
-           (mins == 1 ? subs * LANES : 0);
-  }
-  int64_t superblock_bytes() const { return header_bytes() + subs * sub_bytes(); }
-  int64_t superblock_values() const { return sub * subs; }
-};
-
-inline float half_to_float(uint16_t h) { return float(c10::Half(h, c10::Half::from_bits())); }
-inline float round_to_half(float v) { return float(c10::Half(v)); }
+inline float round_to_half(float v) { return half_to_float(float_to_half(v)); }
 
 // ---------------------------------------------------------------- activations
 
@@ -272,26 +259,99 @@ inline void table_sums8(const int8_t* table, const int16_t* bsum, int64_t ld, in
 }
 #endif
 
-#if defined(__AVX2__)
+#if defined(SPECDECODE_NEON)
+// NEON works on a quarter of a tile at a time: rows 4 r .. 4 r + 3, one per 32-bit lane.
+
+// quad_codes4's tables for BITS-bit fields (5, 6): per 16-bit word i of the two halves (lo:
+// words 0-7, hi: words 8-15; word i is output byte i, value i % 4 of row 4 r + i / 4), the two
+// of the 16 loaded bytes that hold its field (0xFF: none, read as 0), and the right shift
+// (negative: vshlq's direction) that moves the field down, the same for both halves.
+template <int BITS>
+struct QuarterTables {
+  uint8_t lo[16];
+  uint8_t hi[16];
+  int16_t shift[8];
+};
+
+template <int BITS>
+constexpr QuarterTables<BITS> quarter_tables() {
+  QuarterTables<BITS> tables{};
+  for (int pair = 0; pair < 2; ++pair) {
+    // where the pair's BITS bytes start in the 16 loaded bytes (see quad_codes4)
+    const int start = 16 - 2 * BITS + pair * BITS;
+    uint8_t* index = pair == 0 ? tables.lo : tables.hi;
+    for (int f = 0; f < 8; ++f) {
+      const int byte = start + f * BITS / 8, shift = f * BITS % 8;
+      index[2 * f] = uint8_t(byte);
+      index[2 * f + 1] = shift + BITS > 8 ? uint8_t(byte + 1) : uint8_t(0xFF);
+      tables.shift[f] = int16_t(-shift);
+    }
+  }
+  return tables;
+}
+
+// The u8 codes of quad c (values 4 c .. 4 c + 3) of rows 4 r .. 4 r + 3 of one tile's
+// sub-block at `codes`, one row per 32-bit lane.
+template <int BITS, int S>
+inline uint8x16_t quad_codes4(const uint8_t* codes, int c, int r) {
+  if constexpr (BITS == 8) {
+    return vld1q_u8(codes + c * 64 + r * 16);
+  } else if constexpr (BITS == 4) {
+    const uint8x16_t nibbles = vld1q_u8(codes + (c / 2) * 64 + r * 16);
+    return (c % 2 == 0) ? vandq_u8(nibbles, vdupq_n_u8(0x0F)) : vshrq_n_u8(nibbles, 4);
+  } else {
+    // lane pairs 2 r, 2 r + 1: the last 2 * BITS of 16 bytes loaded up to their end (the bytes
+    // before them are earlier codes or the superblock's header: always inside the tile)
+    static constexpr QuarterTables<BITS> tables = quarter_tables<BITS>();
+    const uint8x16_t raw = vld1q_u8(codes + c * 8 * BITS + (r + 1) * 2 * BITS - 16);
+    const int16x8_t shift = vld1q_s16(tables.shift);
+    const uint16x8_t mask = vdupq_n_u16((1 << BITS) - 1);
+    auto fields = [&](const uint8_t* index) {  // 16-bit words: a field each, moved down
+      const uint16x8_t words = vreinterpretq_u16_u8(vqtbl1q_u8(raw, vld1q_u8(index)));
+      return vreinterpretq_u8_u16(vandq_u16(vshlq_u16(words, shift), mask));
+    };
+    return vuzp1q_u8(fields(tables.lo), fields(tables.hi));  // each word's low byte
+  }
+}
+
+// Column e (0, 1) of pair table p (int8 [SUBS / 2][16][2]) for rows 4 r .. 4 r + 3:
+// t[2p + e][l] as int32.
+inline int32x4_t table_column(const int8_t* table, int p, int r, int e) {
+  const int8x8_t raw = vld1_s8(table + p * 2 * LANES + r * 4 * 2);
+  const int8x8_t column = e == 0 ? vuzp1_s8(raw, raw) : vuzp2_s8(raw, raw);
+  return vmovl_s16(vget_low_s16(vmovl_s8(column)));
+}
+
+// table_sums for rows 4 r .. 4 r + 3.
+template <int SUBS, int T>
+inline void table_sums4(const int8_t* table, const int16_t* bsum, int64_t ld, int r,
+                        int32x4_t out[T]) {
+  UNROLL for (int t = 0; t < T; ++t) out[t] = vdupq_n_s32(0);
+  UNROLL for (int j = 0; j < SUBS; ++j) {
+    const int32x4_t column = table_column(table, j / 2, r, j % 2);
+    UNROLL for (int t = 0; t < T; ++t)
+      out[t] = vmlaq_n_s32(out[t], column, int32_t(bsum[t * ld + j]));
+  }
+}
+#endif
+
+#if defined(__AVX2__) || defined(SPECDECODE_NEON)
 // Prefetches into the L2 cache part `part` of `parts` of the `bytes` bytes at p (the cache
 // lines that start in it).
 inline void prefetch_part(const uint8_t* p, int64_t bytes, int64_t part, int64_t parts) {
   const int64_t lines = (bytes + 63) / 64;
   for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line)
+#if defined(__AVX2__)
     _mm_prefetch(reinterpret_cast<const char*>(p + line * 64), _MM_HINT_T1);
+#else
+    __builtin_prefetch(p + line * 64, 0, 2);
+#endif
 }
 #endif
 
-// Tokens' activations for a tile (see the header): T rows of x8 (stride K), dx and sx (stride
+// A tile's tokens' activations (see the header): T rows of x8 (stride K), dx and sx (stride
 // K / B), bsum16 (stride K / 16), bsum32 (stride K / 32).
-struct Acts {
-  const int8_t* x8;
-  const float* dx;
-  const float* sx;
-  const int16_t* bsum16;
-  const int16_t* bsum32;
-  int64_t K;
-};
+using Acts = GgufActs;
 
 // acc[t][l] = sum over the superblocks of row l's by token t's contributions (see the header);
 // blk is one packed tile (16 rows) of nsb superblocks. While it computes, the tile at `next`
@@ -301,8 +361,8 @@ template <int BITS, int S, int SUBS, int OFF, int MINS, int T>
 void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, const uint8_t* next,
                float acc[T][LANES]) {
   static_assert(OFF == 0 || (OFF & (OFF - 1)) == 0, "OFF is a power of two");
-  constexpr int SHIFT = OFF == 0 ? 0 : __builtin_ctz(OFF);  // OFF = 1 << SHIFT
-  const Layout layout{BITS, S, SUBS, MINS};
+  [[maybe_unused]] constexpr int SHIFT = OFF == 0 ? 0 : __builtin_ctz(OFF);  // OFF = 1 << SHIFT
+  const GgufLayout layout{BITS, S, SUBS, OFF, MINS};
   const int64_t header = layout.header_bytes(), sub_bytes = layout.sub_bytes();
   const int64_t sb_bytes = layout.superblock_bytes();
   const int64_t ld_dx = a.K / (S * SUBS), ld16 = a.K / 16, ld32 = a.K / 32;
@@ -420,7 +480,7 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, const uint8_t* ne
           UNROLL for (int c = c0; c < c0 + RUN; ++c) {
             const __m256i q = quad_codes8<BITS, S>(codes, c, half);
             const __m256i signed_q = _mm256_xor_si256(q, flip);  // BITS 8: code - 128
-            const __m256i magnitude = _mm256_abs_epi8(signed_q);
+            [[maybe_unused]] const __m256i magnitude = _mm256_abs_epi8(signed_q);  // no VNNI
             UNROLL for (int t = 0; t < T; ++t) {
               const __m256i x = _mm256_set1_epi32(
                   *reinterpret_cast<const unaligned_i32*>(a.x8 + t * a.K + k0 + 4 * c));
@@ -486,6 +546,78 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, const uint8_t* ne
     }
     UNROLL for (int t = 0; t < T; ++t) _mm256_storeu_ps(acc[t] + half * 8, sum[t]);
   }
+#elif defined(SPECDECODE_NEON)
+  // The AVX-512 path's steps, a quarter of a tile (4 rows) at a time, with the same fp32
+  // operations in the same order (so the same bits). sdot (s8 x s8) stands in for vpdpbusd:
+  // codes of BITS <= 6 are below 128, so their s8 reading is their value, and 8-bit codes are
+  // summed as signed values (code - OFF), which subtracts OFF * bsum on the way.
+  constexpr bool SIGNED_Q8 = BITS == 8;
+  static_assert(BITS != 8 || (OFF == 128 && SUBS == 1), "8-bit codes: Q8_0 only");
+  const uint16_t* half_floats = reinterpret_cast<const uint16_t*>(blk);
+  for (int r = 0; r < 4; ++r) {
+    float32x4_t sum[T];
+    UNROLL for (int t = 0; t < T; ++t) sum[t] = vdupq_n_f32(0.f);
+    for (int64_t s = 0; s < nsb; ++s) {
+      const uint8_t* h = blk + s * sb_bytes;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(h + sc_at);
+      const int8_t* mn = reinterpret_cast<const int8_t*>(h + mn_at);
+      int32x4_t main[T];
+      UNROLL for (int t = 0; t < T; ++t) main[t] = vdupq_n_s32(0);
+      _Pragma("GCC unroll 1") for (int j = 0; j < SUBS; ++j) {
+        if (next != nullptr && r == 0) prefetch_part(next + s * sb_bytes, sb_bytes, j, SUBS);
+        const int64_t k0 = (s * SUBS + j) * S;
+        const uint8_t* codes = h + header + j * sub_bytes;
+        int32x4_t isum[T];
+        UNROLL for (int t = 0; t < T; ++t) isum[t] = vdupq_n_s32(0);
+        UNROLL for (int c = 0; c < S / 4; ++c) {
+          uint8x16_t q = quad_codes4<BITS, S>(codes, c, r);
+          if constexpr (SIGNED_Q8) q = veorq_u8(q, vdupq_n_u8(0x80));
+          UNROLL for (int t = 0; t < T; ++t) {
+            int32_t four;
+            std::memcpy(&four, a.x8 + t * a.K + k0 + 4 * c, sizeof(four));
+            isum[t] = vdotq_s32(isum[t], vreinterpretq_s8_u8(q),
+                                vreinterpretq_s8_s32(vdupq_n_s32(four)));
+          }
+        }
+        if constexpr (SUBS > 1) {
+          const int32x4_t scale = table_column(sc, j / 2, r, j % 2);
+          UNROLL for (int t = 0; t < T; ++t) main[t] = vmlaq_s32(main[t], isum[t], scale);
+        } else {
+          UNROLL for (int t = 0; t < T; ++t) main[t] = vaddq_s32(main[t], isum[t]);
+        }
+      }
+      if constexpr (OFF != 0 && !SIGNED_Q8) {  // main -= OFF * sum_j sc_j bsum_j
+        int32x4_t off[T];
+        if constexpr (SUBS > 1) {
+          table_sums4<SUBS, T>(sc, bsum + s * SUBS, ld_bsum, r, off);
+        } else {
+          UNROLL for (int t = 0; t < T; ++t) off[t] = vdupq_n_s32(int32_t(bsum[t * ld_bsum + s]));
+        }
+        UNROLL for (int t = 0; t < T; ++t) main[t] = vsubq_s32(main[t], vshlq_n_s32(off[t], SHIFT));
+      }
+      const uint16_t* hf = half_floats + s * sb_bytes / 2;  // D [16], then M [16]
+      const float32x4_t D = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(hf + r * 4)));
+      UNROLL for (int t = 0; t < T; ++t) {
+        const float32x4_t dx = vdupq_n_f32(a.dx[t * ld_dx + s]);
+        sum[t] = vfmaq_f32(sum[t], vcvtq_f32_s32(main[t]), vmulq_f32(D, dx));
+      }
+      if constexpr (MINS != 0) {
+        const float32x4_t M = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(hf + LANES + r * 4)));
+        if constexpr (MINS == 1) {  // sum -= (M dx) * sum_j mn_j bsum_j
+          int32x4_t mins[T];
+          table_sums4<SUBS, T>(mn, bsum + s * SUBS, ld_bsum, r, mins);
+          UNROLL for (int t = 0; t < T; ++t) {
+            const float32x4_t mdx = vmulq_f32(M, vdupq_n_f32(a.dx[t * ld_dx + s]));
+            sum[t] = vfmsq_f32(sum[t], mdx, vcvtq_f32_s32(mins[t]));
+          }
+        } else {  // sum -= M * sx
+          UNROLL for (int t = 0; t < T; ++t)
+            sum[t] = vfmsq_f32(sum[t], M, vdupq_n_f32(a.sx[t * ld_dx + s]));
+        }
+      }
+    }
+    UNROLL for (int t = 0; t < T; ++t) vst1q_f32(acc[t] + r * 4, sum[t]);
+  }
 #else
   std::memset(acc, 0, sizeof(float) * T * LANES);
   for (int64_t s = 0; s < nsb; ++s) {
@@ -525,9 +657,9 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, const uint8_t* ne
 // Runs gguf_tile<BITS, S, SUBS, OFF, MINS> over every tile of 16 rows and group of up to
 // GGUF_TOKENS tokens (tiles split across threads) and stores into y.
 template <int BITS, int S, int SUBS, int OFF, int MINS, typename out_t>
-void gguf_matmul(const uint8_t* w, int64_t tiles, int64_t nsb, const Acts& acts, int64_t M,
+void gguf_tiles(const uint8_t* w, int64_t tiles, int64_t nsb, const Acts& acts, int64_t M,
                  int64_t N, const float* b, out_t* y, int64_t ldy) {
-  const int64_t tile_bytes = nsb * Layout{BITS, S, SUBS, MINS}.superblock_bytes();
+  const int64_t tile_bytes = nsb * GgufLayout{BITS, S, SUBS, OFF, MINS}.superblock_bytes();
   const int64_t B = S * SUBS;
   auto run = [&](auto tokens, int64_t tile, int64_t m0) {
     constexpr int T = decltype(tokens)::value;
@@ -542,117 +674,73 @@ void gguf_matmul(const uint8_t* w, int64_t tiles, int64_t nsb, const Acts& acts,
   for_each_tile<GGUF_TOKENS>(tiles, M, tile_bytes, run);
 }
 
+// Calls run(Int<BITS>, Int<S>, Int<SUBS>, Int<OFF>, Int<MINS>) for a supported layout; returns
+// whether it is one.
+template <class Run>
+bool with_layout(const GgufLayout& l, const Run& run) {
+#define SPECDECODE_GGUF_CASE(BITS, S, SUBS, OFF, MINS)                                       \
+  if (l.bits == BITS && l.sub == S && l.subs == SUBS && l.off == OFF && l.mins == MINS) {    \
+    run(Int<BITS>(), Int<S>(), Int<SUBS>(), Int<OFF>(), Int<MINS>());                        \
+    return true;                                                                             \
+  }
+  SPECDECODE_GGUF_CASE(4, 32, 1, 8, 0)    // Q4_0
+  SPECDECODE_GGUF_CASE(4, 32, 1, 0, 2)    // Q4_1
+  SPECDECODE_GGUF_CASE(5, 32, 1, 16, 0)   // Q5_0
+  SPECDECODE_GGUF_CASE(5, 32, 1, 0, 2)    // Q5_1
+  SPECDECODE_GGUF_CASE(8, 32, 1, 128, 0)  // Q8_0
+  SPECDECODE_GGUF_CASE(4, 32, 8, 0, 1)    // Q4_K
+  SPECDECODE_GGUF_CASE(5, 32, 8, 0, 1)    // Q5_K
+  SPECDECODE_GGUF_CASE(6, 16, 16, 32, 0)  // Q6_K
+#undef SPECDECODE_GGUF_CASE
+  return false;
+}
+
 }  // namespace
 
-// x [..., K] fp32 or bf16 in blocks of `block` (32 or 256; K % block == 0) -> (x8 int8 [M, K],
-// dx fp32 [M, K / block], sx fp32 [M, K / block] (block 32; [M, 0] for 256), bsum16 int16
-// [M, K / 16], bsum32 int16 [M, K / 32]) with M the number of rows of x; see the header.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_quantize(
-    const at::Tensor& x, int64_t block) {
-  TORCH_CHECK(x.device().is_cpu(), "specdecode kernels run on the CPU");
-  TORCH_CHECK(block == 32 || block == 256, "gguf_quantize blocks are 32 or 256, got ", block);
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(K % block == 0, "gguf_quantize needs K % ", block, " == 0, got ", K);
-  const at::Tensor rows = x.reshape({-1, K}).contiguous();  // [M, K]
-  const int64_t M = rows.size(0);
-  at::Tensor x8 = at::empty({M, K}, rows.options().dtype(at::kChar));
-  const auto f32 = rows.options().dtype(at::kFloat), i16 = rows.options().dtype(at::kShort);
-  at::Tensor dx = at::empty({M, K / block}, f32);
-  at::Tensor sx = at::empty({M, block == 32 ? K / block : 0}, f32);
-  at::Tensor bsum16 = at::empty({M, K / 16}, i16), bsum32 = at::empty({M, K / 32}, i16);
-  fp32_or_bf16(rows.scalar_type(), "gguf_quantize", [&](auto type_tag) {
-    using scalar_t = decltype(type_tag);
-    const scalar_t* data = rows.data_ptr<scalar_t>();
-    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m)
-        quantize_act_row(data + m * K, K, block, x8.data_ptr<int8_t>() + m * K,
-                         dx.data_ptr<float>() + m * (K / block),
-                         sx.data_ptr<float>() + m * sx.size(1),
-                         bsum16.data_ptr<int16_t>() + m * (K / 16),
-                         bsum32.data_ptr<int16_t>() + m * (K / 32));
-    });
-  });
-  return {x8, dx, sx, bsum16, bsum32};
+bool gguf_supported(const GgufLayout& layout) {
+  return with_layout(layout, [](auto...) {});
 }
 
-// y[:, offset : offset + N] = acts @ W^T (+ bias) for one packed GGUF weight w uint8
-// [Np / 16, K / (S * SUBS), superblock bytes] of layout (bits, sub, subs, off, mins); acts
-// (x8, dx, sx, bsum16, bsum32) from gguf_quantize with block S * SUBS; y [M, ldy] fp32 or bf16,
-// contiguous; bias fp32 [N] or None.
-void gguf_linear(const at::Tensor& x8, const at::Tensor& dx, const at::Tensor& sx,
-                 const at::Tensor& bsum16, const at::Tensor& bsum32, const at::Tensor& w,
-                 int64_t bits, int64_t sub, int64_t subs, int64_t off, int64_t mins, int64_t N,
-                 const c10::optional<at::Tensor>& bias, at::Tensor& y, int64_t offset) {
-  const Layout layout{bits, sub, subs, mins};
-  const int64_t M = x8.size(0), K = x8.size(1), B = layout.superblock_values();
-  TORCH_CHECK(x8.scalar_type() == at::kChar && x8.dim() == 2 && x8.is_contiguous(),
-              "x8 must be a contiguous int8 [M, K] tensor from gguf_quantize");
-  TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.size(0) == M &&
-                  dx.size(1) * B == K && bsum16.scalar_type() == at::kShort &&
-                  bsum16.is_contiguous() && bsum16.numel() == M * (K / 16) &&
-                  bsum32.scalar_type() == at::kShort && bsum32.is_contiguous() &&
-                  bsum32.numel() == M * (K / 32) &&
-                  (mins != 2 || (sx.scalar_type() == at::kFloat && sx.is_contiguous() &&
-                                 sx.numel() == dx.numel())),
-              "activations must come from gguf_quantize with block ", B);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() &&
-                  w.size(1) * B == K && w.size(2) == layout.superblock_bytes(),
-              "packed GGUF weight must be a contiguous uint8 [Np/16, K/", B, ", ",
-              layout.superblock_bytes(), "] tensor for K = ", K, ", got ", w.sizes());
-  TORCH_CHECK(N <= w.size(0) * LANES && w.size(0) * LANES - N < LANES, "out_features ", N,
-              " does not fit the packed weight's ", w.size(0) * LANES, " rows");
-  TORCH_CHECK(y.is_contiguous() && y.dim() == 2 && y.size(0) == M && offset >= 0 &&
-                  offset + N <= y.size(1),
-              "y must be a contiguous [M, >= offset + N] tensor");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat &&
-                                    bias->is_contiguous() && bias->numel() == N),
-              "bias must be a contiguous fp32 [", N, "] tensor");
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t tiles = w.size(0), nsb = w.size(1), ldy = y.size(1);
-  const Acts acts{x8.data_ptr<int8_t>(),      dx.data_ptr<float>(),
-                  mins == 2 ? sx.data_ptr<float>() : nullptr,
-                  bsum16.data_ptr<int16_t>(), bsum32.data_ptr<int16_t>(), K};
-  fp32_or_bf16(y.scalar_type(), "gguf_linear", [&](auto type_tag) {
-    using out_t = decltype(type_tag);
-    out_t* yp = y.data_ptr<out_t>() + offset;
-#define SPECDECODE_GGUF_CASE(BITS, S, SUBS, OFF, MINS)                                   \
-  if (bits == BITS && sub == S && subs == SUBS && off == OFF && mins == MINS)            \
-    return gguf_matmul<BITS, S, SUBS, OFF, MINS>(wp, tiles, nsb, acts, M, N, b, yp, ldy);
-    SPECDECODE_GGUF_CASE(4, 32, 1, 8, 0)    // Q4_0
-    SPECDECODE_GGUF_CASE(4, 32, 1, 0, 2)    // Q4_1
-    SPECDECODE_GGUF_CASE(5, 32, 1, 16, 0)   // Q5_0
-    SPECDECODE_GGUF_CASE(5, 32, 1, 0, 2)    // Q5_1
-    SPECDECODE_GGUF_CASE(8, 32, 1, 128, 0)  // Q8_0
-    SPECDECODE_GGUF_CASE(4, 32, 8, 0, 1)    // Q4_K
-    SPECDECODE_GGUF_CASE(5, 32, 8, 0, 1)    // Q5_K
-    SPECDECODE_GGUF_CASE(6, 16, 16, 32, 0)  // Q6_K
-#undef SPECDECODE_GGUF_CASE
-    TORCH_CHECK(false, "no GGUF kernel for the layout bits=", bits, " sub=", sub,
-                " subs=", subs, " off=", off, " mins=", mins);
+template <typename T>
+void gguf_quantize(const T* x, int64_t M, int64_t K, int64_t block, int8_t* x8, float* dx,
+                   float* sx, int16_t* bsum16, int16_t* bsum32) {
+  parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      quantize_act_row(x + m * K, K, block, x8 + m * K, dx + m * (K / block),
+                       block == 32 ? sx + m * (K / block) : nullptr, bsum16 + m * (K / 16),
+                       bsum32 + m * (K / 32));
   });
 }
 
-// q uint8 [Np, K] (Np % 16 == 0; codes of BITS bits, K % (sub * subs) == 0) -> the codes of
-// every tile's sub-blocks in the layout of the header, uint8 [Np / 16, K / (sub * subs),
-// subs * 16 * sub * BITS / 8] (the packed weight less its scale tables; gguf_blocks.pack).
-at::Tensor gguf_pack_codes(const at::Tensor& q, int64_t bits, int64_t sub, int64_t subs) {
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() &&
-                  q.size(0) % LANES == 0 && q.size(1) % (sub * subs) == 0 && sub % 8 == 0,
-              "codes must be a contiguous uint8 [Np, K] tensor, Np % 16 == 0 and K % ",
-              sub * subs, " == 0");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "no code layout for ", bits,
-              " bits");
-  const int64_t K = q.size(1), tiles = q.size(0) / LANES, nsb = K / (sub * subs);
+template <typename T>
+void gguf_matmul(const GgufActs& acts, int64_t M, const uint8_t* w, int64_t tiles,
+                 const GgufLayout& layout, const float* bias, int64_t N, T* y, int64_t ldy) {
+  const int64_t nsb = acts.K / layout.superblock_values();
+  with_layout(layout, [&](auto bits, auto sub, auto subs, auto off, auto mins) {
+    gguf_tiles<decltype(bits)::value, decltype(sub)::value, decltype(subs)::value,
+               decltype(off)::value, decltype(mins)::value>(w, tiles, nsb, acts, M, N, bias, y,
+                                                            ldy);
+  });
+}
+
+template void gguf_quantize(const float*, int64_t, int64_t, int64_t, int8_t*, float*, float*,
+                            int16_t*, int16_t*);
+template void gguf_quantize(const BFloat16*, int64_t, int64_t, int64_t, int8_t*, float*, float*,
+                            int16_t*, int16_t*);
+template void gguf_matmul(const GgufActs&, int64_t, const uint8_t*, int64_t, const GgufLayout&,
+                          const float*, int64_t, float*, int64_t);
+template void gguf_matmul(const GgufActs&, int64_t, const uint8_t*, int64_t, const GgufLayout&,
+                          const float*, int64_t, BFloat16*, int64_t);
+
+void gguf_pack_codes(const uint8_t* q, int64_t Np, int64_t K, int64_t bits, int64_t sub,
+                     int64_t subs, uint8_t* out) {
+  const int64_t tiles = Np / LANES, nsb = K / (sub * subs);
   const int64_t sub_bytes = LANES * sub * bits / 8;
-  at::Tensor out = at::empty({tiles, nsb, subs * sub_bytes}, q.options());
-  const uint8_t* src = q.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile)
       for (int64_t sb = 0; sb < nsb * subs; ++sb) {  // sub-blocks of the tile, in order
-        const uint8_t* rows = src + tile * LANES * K + sb * sub;
-        uint8_t* o = dst + (tile * nsb * subs + sb) * sub_bytes;
+        const uint8_t* rows = q + tile * LANES * K + sb * sub;
+        uint8_t* o = out + (tile * nsb * subs + sb) * sub_bytes;
         auto code = [&](int64_t l, int64_t k) { return rows[l * K + k]; };
         for (int64_t c = 0; c < sub / 4; ++c) {  // quads
           if (bits == 8) {
@@ -675,5 +763,6 @@ at::Tensor gguf_pack_codes(const at::Tensor& q, int64_t bits, int64_t sub, int64
         }
       }
   });
-  return out;
 }
+
+}  // namespace specdecode

@@ -4,7 +4,7 @@
 // in the same order, as model/transformer.py's Block, so its output is bit for bit the same.
 
 #include "ops.h"
-#include "tiles.h"
+#include "dispatch.h"
 
 #include <algorithm>
 #include <utility>

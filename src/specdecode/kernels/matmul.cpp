@@ -5,13 +5,13 @@
 // int8_linear: W int8 with one fp32 scale per output row; each activation row is quantized on
 //   the fly to int8 with its own scale (absmax / 127). Integer sums (AVX-512 VNNI `vpdpbusd`
 //   in the AVX-512 variants, its 256-bit AVX-VNNI form in avxvnni, `vpmaddubsw` + `vpmaddwd`
-//   in avx2, plain C++ elsewhere)
+//   in avx2, `sdot` in neon, plain C++ elsewhere)
 //   are exact, so a token's output never depends on the other tokens of the pass, and every
 //   variant gives the same bits.
 // bf16_linear: W and x bf16, products summed in fp32 (AVX-512 BF16 `vdpbf16ps` in the AVX-512
-//   variants; elsewhere fp32 multiplies and adds, 8 lanes at a time with AVX2). Each output
-//   element is summed in one fixed order whatever the number of tokens, so this kernel is
-//   row-exact too.
+//   variants; elsewhere fp32 multiplies and adds, 8 lanes at a time with AVX2, 4 with NEON).
+//   Each output element is summed in one fixed order whatever the number of tokens, so this
+//   kernel is row-exact too.
 //
 // Packed layout: W [N, K], zero-padded to [Np, Kp], stored as [Np / ROWS, Kp / P, ROWS, P] with
 // P values of a row per 32-bit lane (P = 4 int8 or 2 bf16). A tile is ROWS output rows x up to
@@ -34,10 +34,7 @@
 // (64 int8 / 32 bf16 values) take the vector path. `set_amx(false)` (or SPECDECODE_AMX=0 at
 // load) selects the vector path everywhere.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-
-#include "dispatch.h"
+#include "core.h"
 #include "tiles.h"
 
 #include <algorithm>
@@ -48,9 +45,6 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__linux__)
 #define SPECDECODE_AMX 1
@@ -60,10 +54,10 @@
 #include <cstdlib>
 #endif
 
+namespace specdecode {
 namespace {
 
-constexpr int64_t I8_PACK = 4;            // int8 values of a row per 32-bit lane
-constexpr int64_t BF16_PACK = 2;          // bf16 values of a row per 32-bit lane
+static_assert(ROWS == MATMUL_ROWS, "a packed block is one tile's rows");
 
 // A tile's weights: one packed block [Kp / P, GROUPS, LANES, P] (P = I8_PACK or BF16_PACK), so
 // the 32-bit lane l of vector (j, g) holds row g * LANES + l, columns j * P .. j * P + P - 1.
@@ -73,8 +67,10 @@ constexpr int64_t BF16_PACK = 2;          // bf16 values of a row per 32-bit lan
 // ---------------------------------------------------------------- int8
 
 // What dot_u8s8 adds to each sum per unit of the row's weight sum: the codes carry +128, and
-// every path but plain AVX2's sums them as they are (it sums the signed values, see below).
-#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__) && defined(__AVX2__)
+// every path but plain AVX2's and NEON's sums them as they are (those sum the signed values,
+// see below).
+#if (!defined(__AVX512VNNI__) && !defined(__AVXVNNI__) && defined(__AVX2__)) || \
+    defined(SPECDECODE_NEON)
 constexpr int32_t CODE_ZERO = 0;
 #else
 constexpr int32_t CODE_ZERO = 128;
@@ -109,7 +105,8 @@ void dot_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp,
   // s8 but saturates its pair sums at int16, which the codes (up to 255) could reach; the
   // signed values (codes - 128, |q| <= 127) cannot: |w| times q with w's sign, pairs summed
   // (vpmaddubsw), then pairs of pairs (vpmaddwd by ones).
-  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // without AVX-VNNI
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
   for (int g = 0; g < GROUPS; ++g) {
     __m256i sum[2][T];
     UNROLL for (int h = 0; h < 2; ++h)
@@ -140,6 +137,29 @@ void dot_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp,
     UNROLL for (int h = 0; h < 2; ++h)
       UNROLL for (int t = 0; t < T; ++t)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[g][t] + h * 8), sum[h][t]);
+  }
+#elif defined(SPECDECODE_NEON)
+  // sdot (s8 x s8, 4 products into each int32 lane) on the signed values (codes - 128), a row
+  // group (four 4-lane quarters) at a time so that T tokens' sums stay in registers.
+  for (int g = 0; g < GROUPS; ++g) {
+    int32x4_t sum[4][T];
+    UNROLL for (int r = 0; r < 4; ++r)
+      UNROLL for (int t = 0; t < T; ++t) sum[r][t] = vdupq_n_s32(0);
+    const int8_t* bg = b + g * LANES * I8_PACK;
+    for (int64_t k = 0; k < Kp; k += I8_PACK, bg += ROWS * I8_PACK) {
+      int8x16_t av[T];  // 4 signed values of token t, in every lane
+      UNROLL for (int t = 0; t < T; ++t) {
+        uint32_t four;
+        std::memcpy(&four, a + t * lda + k, sizeof(four));
+        av[t] = vreinterpretq_s8_u32(vdupq_n_u32(four ^ 0x80808080u));
+      }
+      UNROLL for (int r = 0; r < 4; ++r) {
+        const int8x16_t bv = vld1q_s8(bg + r * 16);
+        UNROLL for (int t = 0; t < T; ++t) sum[r][t] = vdotq_s32(sum[r][t], bv, av[t]);
+      }
+    }
+    UNROLL for (int r = 0; r < 4; ++r)
+      UNROLL for (int t = 0; t < T; ++t) vst1q_s32(acc[g][t] + r * 4, sum[r][t]);
   }
 #else
   std::memset(acc, 0, sizeof(int32_t) * GROUPS * T * LANES);
@@ -225,7 +245,7 @@ void int8_epilogue(const int32_t* acc, int64_t T, int64_t n0, int64_t N, const i
 // acc[g][t] lane l = sum_k a[t][k] * b[row g * 16 + l][k] in fp32, pairs of k in order:
 // a bf16 [T, lda] (lda even).
 template <int T>
-void dot_bf16(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t Kp,
+void dot_bf16(const BFloat16* a, int64_t lda, const BFloat16* b, int64_t Kp,
               float acc[GROUPS][T][LANES]) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   __m512 sum[GROUPS][T];
@@ -254,7 +274,7 @@ void dot_bf16(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t
     __m256 sum[2][T];
     UNROLL for (int h = 0; h < 2; ++h)
       UNROLL for (int t = 0; t < T; ++t) sum[h][t] = _mm256_setzero_ps();
-    const at::BFloat16* bg = b + g * LANES * BF16_PACK;
+    const BFloat16* bg = b + g * LANES * BF16_PACK;
     for (int64_t k = 0; k < Kp; k += BF16_PACK, bg += ROWS * BF16_PACK) {
       __m256 even[T], odd[T];  // value k and k + 1 of token t, in every lane
       UNROLL for (int t = 0; t < T; ++t) {
@@ -276,6 +296,36 @@ void dot_bf16(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t
     }
     UNROLL for (int h = 0; h < 2; ++h)
       UNROLL for (int t = 0; t < T; ++t) _mm256_storeu_ps(acc[g][t] + h * 8, sum[h][t]);
+  }
+#elif defined(SPECDECODE_NEON)
+  // The AVX2 path's steps on 4 lanes (a row group's four quarters at a time): the same bits.
+  const uint32x4_t high = vdupq_n_u32(0xFFFF0000u);
+  for (int g = 0; g < GROUPS; ++g) {
+    float32x4_t sum[4][T];
+    UNROLL for (int r = 0; r < 4; ++r)
+      UNROLL for (int t = 0; t < T; ++t) sum[r][t] = vdupq_n_f32(0.f);
+    const BFloat16* bg = b + g * LANES * BF16_PACK;
+    for (int64_t k = 0; k < Kp; k += BF16_PACK, bg += ROWS * BF16_PACK) {
+      float32x4_t even[T], odd[T];  // value k and k + 1 of token t, in every lane
+      UNROLL for (int t = 0; t < T; ++t) {
+        uint32_t two;
+        std::memcpy(&two, a + t * lda + k, sizeof(two));
+        const uint32x4_t pair = vdupq_n_u32(two);
+        even[t] = vreinterpretq_f32_u32(vshlq_n_u32(pair, 16));
+        odd[t] = vreinterpretq_f32_u32(vandq_u32(pair, high));
+      }
+      UNROLL for (int r = 0; r < 4; ++r) {
+        const uint32x4_t bv = vld1q_u32(reinterpret_cast<const uint32_t*>(bg + r * 8));
+        const float32x4_t b_even = vreinterpretq_f32_u32(vshlq_n_u32(bv, 16));
+        const float32x4_t b_odd = vreinterpretq_f32_u32(vandq_u32(bv, high));
+        UNROLL for (int t = 0; t < T; ++t) {
+          sum[r][t] = vaddq_f32(sum[r][t], vmulq_f32(odd[t], b_odd));
+          sum[r][t] = vaddq_f32(sum[r][t], vmulq_f32(even[t], b_even));
+        }
+      }
+    }
+    UNROLL for (int r = 0; r < 4; ++r)
+      UNROLL for (int t = 0; t < T; ++t) vst1q_f32(acc[g][t] + r * 4, sum[r][t]);
   }
 #else
   std::memset(acc, 0, sizeof(float) * GROUPS * T * LANES);
@@ -389,24 +439,21 @@ void amx_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp, int64_
 }
 
 // acc [GROUPS, M, LANES] fp32 sums of a bf16 [M, lda] by one packed bf16 block; Kp % 32 == 0.
-void amx_bf16(const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t Kp, int64_t M,
+void amx_bf16(const BFloat16* a, int64_t lda, const BFloat16* b, int64_t Kp, int64_t M,
               float* acc) {
-  constexpr int64_t step = AMX_K_BYTES / sizeof(at::BFloat16);
+  constexpr int64_t step = AMX_K_BYTES / sizeof(BFloat16);
   zero_accumulators();
   for (int64_t k = 0; k < Kp; k += step, b += ROWS * step) {
     prefetch_ahead(reinterpret_cast<const char*>(b));
-    _tile_loadd(4, a + k, lda * sizeof(at::BFloat16));
+    _tile_loadd(4, a + k, lda * sizeof(BFloat16));
     SPECDECODE_AMX_GROUPS(_tile_dpbf16ps, reinterpret_cast<const char*>(b));
   }
   store_accumulators(acc, M);
 }
 #else
-void amx_u8s8(const uint8_t*, int64_t, const int8_t*, int64_t, int64_t, int32_t*) {
-  TORCH_CHECK(false, "specdecode's kernels were built without AMX");
-}
-void amx_bf16(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64_t, float*) {
-  TORCH_CHECK(false, "specdecode's kernels were built without AMX");
-}
+// never called: use_amx is false without AMX
+void amx_u8s8(const uint8_t*, int64_t, const int8_t*, int64_t, int64_t, int32_t*) {}
+void amx_bf16(const BFloat16*, int64_t, const BFloat16*, int64_t, int64_t, float*) {}
 #endif
 
 // Whether a weight of Kp packed bytes per row runs on AMX here.
@@ -427,7 +474,7 @@ bool use_amx(int64_t row_bytes) {
 template <class Tile>
 void for_each_amx_tile(int64_t blocks, int64_t M, int64_t block_bytes, const Tile& tile) {
   const int64_t grain = std::max<int64_t>(1, TASK_BYTES / block_bytes);
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
 #if defined(SPECDECODE_AMX)
     int64_t configured = 0;
     for (int64_t block = begin; block < end; ++block)
@@ -444,119 +491,66 @@ void for_each_amx_tile(int64_t blocks, int64_t M, int64_t block_bytes, const Til
   });
 }
 
-// Checks a packed weight [Np / ROWS, Kp / pack, ROWS, pack] against x [..., K], out_features
-// N and bias; returns Kp.
-int64_t check_packed(const at::Tensor& x, const at::Tensor& w, at::ScalarType wtype,
-                     int64_t pack, int64_t N, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "specdecode kernels run on the CPU");
-  TORCH_CHECK(w.dim() == 4 && w.size(2) == ROWS && w.size(3) == pack &&
-                  w.scalar_type() == wtype && w.is_contiguous(),
-              "weight must be packed as a contiguous [Np/", ROWS, ", Kp/", pack, ", ", ROWS,
-              ", ", pack, "] ", wtype, " tensor, got ", w.sizes(), " ", w.scalar_type());
-  const int64_t Kp = w.size(1) * pack;
-  TORCH_CHECK(x.size(-1) <= Kp && Kp - x.size(-1) < pack, "x has ", x.size(-1),
-              " features, the packed weight ", Kp);
-  TORCH_CHECK(N <= w.size(0) * ROWS && w.size(0) * ROWS - N < ROWS, "out_features ", N,
-              " does not fit the packed weight's ", w.size(0) * ROWS, " rows");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat &&
-                                    bias->is_contiguous() && bias->numel() == N),
-              "bias must be a contiguous fp32 [", N, "] tensor");
-  return Kp;
-}
-
 }  // namespace
 
-// x [..., K] fp32 or bf16; w int8 packed [Np/64, Kp/4, 64, 4]; w_scale fp32 [Np];
-// w_sum int32 [Np] (row sums of w); bias fp32 [N] or None. Returns [..., N] in x's dtype.
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
-                       const at::Tensor& w_sum, const c10::optional<at::Tensor>& bias,
-                       int64_t N) {
-  const int64_t Kp = check_packed(x, w, at::kChar, I8_PACK, N, bias);
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_sum.scalar_type() == at::kInt &&
-                  w_scale.numel() == w.size(0) * ROWS && w_sum.numel() == w.size(0) * ROWS,
-              "w_scale must be fp32 and w_sum int32, one per packed row");
-  const int64_t K = x.size(-1);
-  const at::Tensor rows = x.reshape({-1, K}).contiguous();  // [M, K]
-  const int64_t M = rows.size(0);
+template <typename scalar_t>
+void int8_matmul(const scalar_t* x, int64_t M, int64_t K, const int8_t* w, int64_t blocks,
+                 int64_t Kp, const float* w_scale, const int32_t* w_sum, const float* bias,
+                 int64_t N, scalar_t* y) {
   std::vector<uint8_t> codes(M * Kp);  // [M, Kp] u8
   std::vector<float> x_scale(M);       // [M]
-  auto quantize = [&](auto type_tag) {
-    using scalar_t = decltype(type_tag);
-    const scalar_t* data = rows.data_ptr<scalar_t>();
-    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m)
-        quantize_row(data + m * K, K, Kp, codes.data() + m * Kp, x_scale.data() + m);
-    });
+  parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      quantize_row(x + m * K, K, Kp, codes.data() + m * Kp, x_scale.data() + m);
+  });
+  // acc [GROUPS, T, LANES]: the integer sums of tokens m0 .. m0 + T - 1 by rows of `block`
+  auto store = [&](int64_t block, int64_t m0, int64_t T, const int32_t* acc) {
+    for (int64_t g = 0; g < GROUPS && block * ROWS + g * LANES < N; ++g)
+      int8_epilogue(acc + g * T * LANES, T, block * ROWS + g * LANES, N, w_sum, w_scale, bias,
+                    x_scale.data() + m0, y + m0 * N);
   };
-  fp32_or_bf16(rows.scalar_type(), "int8_linear", quantize);
-  at::Tensor y = at::empty({M, N}, rows.options());  // [M, N] in x's dtype
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* ws = w_scale.data_ptr<float>();
-  const int32_t* wsum = w_sum.data_ptr<int32_t>();
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  auto run = [&](auto type_tag) {
-    using out_t = decltype(type_tag);
-    out_t* yp = y.data_ptr<out_t>();
-    // acc [GROUPS, T, LANES]: the integer sums of tokens m0 .. m0 + T - 1 by rows of `block`
-    auto store = [&](int64_t block, int64_t m0, int64_t T, const int32_t* acc) {
-      for (int64_t g = 0; g < GROUPS && block * ROWS + g * LANES < N; ++g)
-        int8_epilogue(acc + g * T * LANES, T, block * ROWS + g * LANES, N, wsum, ws, b,
-                      x_scale.data() + m0, yp + m0 * N);
-    };
-    if (M > 1 && use_amx(Kp)) {  // one token: the vector path (see the header)
-      for_each_amx_tile(w.size(0), M, ROWS * Kp, [&](int64_t block, int64_t m0, int64_t T) {
-        alignas(64) int32_t acc[GROUPS * AMX_TOKENS * LANES];
-        amx_u8s8(codes.data() + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, T, acc);
-        store(block, m0, T, acc);
-      });
-      return;
-    }
-    for_each_tile<TOKENS>(w.size(0), M, ROWS * Kp, [&](auto tokens, int64_t block, int64_t m0) {
-      constexpr int T = decltype(tokens)::value;
-      int32_t acc[GROUPS][T][LANES];
-      dot_u8s8<T>(codes.data() + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, acc);
-      store(block, m0, T, &acc[0][0][0]);
+  if (M > 1 && use_amx(Kp)) {  // one token: the vector path (see the header)
+    for_each_amx_tile(blocks, M, ROWS * Kp, [&](int64_t block, int64_t m0, int64_t T) {
+      alignas(64) int32_t acc[GROUPS * AMX_TOKENS * LANES];
+      amx_u8s8(codes.data() + m0 * Kp, Kp, w + block * ROWS * Kp, Kp, T, acc);
+      store(block, m0, T, acc);
     });
-  };
-  fp32_or_bf16(rows.scalar_type(), "int8_linear", run);
-  return y.view(out_shape(x, N));
+    return;
+  }
+  for_each_tile<TOKENS>(blocks, M, ROWS * Kp, [&](auto tokens, int64_t block, int64_t m0) {
+    constexpr int T = decltype(tokens)::value;
+    int32_t acc[GROUPS][T][LANES];
+    dot_u8s8<T>(codes.data() + m0 * Kp, Kp, w + block * ROWS * Kp, Kp, acc);
+    store(block, m0, T, &acc[0][0][0]);
+  });
 }
 
-// x [..., K] bf16; w bf16 packed [Np/64, Kp/2, 64, 2]; bias fp32 [N] or None.
-// Returns [..., N] bf16.
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w,
-                       const c10::optional<at::Tensor>& bias, int64_t N) {
-  const int64_t Kp = check_packed(x, w, at::kBFloat16, BF16_PACK, N, bias);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bf16, got ", x.scalar_type());
-  const int64_t K = x.size(-1);
-  at::Tensor rows = x.reshape({-1, K});  // [M, K]
-  rows = K == Kp ? rows.contiguous() : at::constant_pad_nd(rows, {0, Kp - K});  // [M, Kp]
-  const int64_t M = rows.size(0);
-  at::Tensor y = at::empty({M, N}, rows.options());  // [M, N] bf16
-  const at::BFloat16* xp = rows.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+template void int8_matmul(const float*, int64_t, int64_t, const int8_t*, int64_t, int64_t,
+                          const float*, const int32_t*, const float*, int64_t, float*);
+template void int8_matmul(const BFloat16*, int64_t, int64_t, const int8_t*, int64_t, int64_t,
+                          const float*, const int32_t*, const float*, int64_t, BFloat16*);
+
+void bf16_matmul(const BFloat16* x, int64_t M, const BFloat16* w, int64_t blocks, int64_t Kp,
+                 const float* bias, int64_t N, BFloat16* y) {
   // acc [GROUPS, T, LANES]: the fp32 sums of tokens m0 .. m0 + T - 1 by rows of `block`
   auto store = [&](int64_t block, int64_t m0, int64_t T, const float* acc) {
     for (int64_t g = 0; g < GROUPS && block * ROWS + g * LANES < N; ++g)
-      store_rows(acc + g * T * LANES, T, block * ROWS + g * LANES, N, b, yp + m0 * N, N);
+      store_rows(acc + g * T * LANES, T, block * ROWS + g * LANES, N, bias, y + m0 * N, N);
   };
-  if (use_amx(Kp * sizeof(at::BFloat16))) {
-    for_each_amx_tile(w.size(0), M, ROWS * Kp * 2, [&](int64_t block, int64_t m0, int64_t T) {
+  if (use_amx(Kp * sizeof(BFloat16))) {
+    for_each_amx_tile(blocks, M, ROWS * Kp * 2, [&](int64_t block, int64_t m0, int64_t T) {
       alignas(64) float acc[GROUPS * AMX_TOKENS * LANES];
-      amx_bf16(xp + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, T, acc);
+      amx_bf16(x + m0 * Kp, Kp, w + block * ROWS * Kp, Kp, T, acc);
       store(block, m0, T, acc);
     });
   } else {
-    for_each_tile<TOKENS>(w.size(0), M, ROWS * Kp * 2, [&](auto tokens, int64_t block, int64_t m0) {
+    for_each_tile<TOKENS>(blocks, M, ROWS * Kp * 2, [&](auto tokens, int64_t block, int64_t m0) {
       constexpr int T = decltype(tokens)::value;
       float acc[GROUPS][T][LANES];
-      dot_bf16<T>(xp + m0 * Kp, Kp, wp + block * ROWS * Kp, Kp, acc);
+      dot_bf16<T>(x + m0 * Kp, Kp, w + block * ROWS * Kp, Kp, acc);
       store(block, m0, T, &acc[0][0][0]);
     });
   }
-  return y.view(out_shape(x, N));
 }
 
 // Selects (true) or leaves (false) the AMX path; returns whether AMX is now used where it can be
@@ -572,7 +566,8 @@ bool set_amx(bool wanted) {
 }
 
 // What the kernels run on, per format: "amx", "avx512-vnni" / "avx512-bf16", "avx-vnni",
-// "avx2" or "portable" (AMX only for weights whose input width is a multiple of 64 int8 / 32 bf16 values).
+// "avx2", "neon-dotprod" / "neon" or "portable" (AMX only for weights whose input width is a
+// multiple of 64 int8 / 32 bf16 values).
 std::string isa() {
   std::string int8 = "portable", bf16 = "portable";
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -581,12 +576,18 @@ std::string isa() {
   int8 = "avx-vnni";
 #elif defined(__AVX2__)
   int8 = "avx2";
+#elif defined(SPECDECODE_NEON)
+  int8 = "neon-dotprod";
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   bf16 = "avx512-bf16";
 #elif defined(__AVX2__)
   bf16 = "avx2";
+#elif defined(SPECDECODE_NEON)
+  bf16 = "neon";
 #endif
   if (use_amx(AMX_K_BYTES)) int8 = bf16 = "amx";
   return "int8: " + int8 + ", bf16: " + bf16;
 }
+
+}  // namespace specdecode

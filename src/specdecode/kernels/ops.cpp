@@ -1,8 +1,9 @@
-// Python bindings of specdecode's CPU kernels (matmul.cpp, gguf.cpp, attention.cpp, pointwise.cpp,
-// layer.cpp).
+// Python bindings of specdecode's CPU kernels (tensors.cpp, layer.cpp, and core.h's isa and
+// set_amx).
 
 #include <torch/extension.h>
 
+#include "core.h"
 #include "ops.h"
 
 #include <string>
@@ -28,10 +29,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "per-query causal or tree attention over the cache");
   m.def("rms_norm", &rms_norm, "weight * x / rms(x), rms in fp32, row by row");
   m.def("rope_", &rope_, "RoPE in place on the first heads of each token of x [B, T, W]");
-  m.def("isa", &isa, "the instruction sets the matmuls run on");
+  m.def("isa", &specdecode::isa, "the instruction sets the matmuls run on");
   m.attr("variant") = SPECDECODE_QUOTE(SPECDECODE_VARIANT);
   m.attr("source_hash") = SPECDECODE_QUOTE(SPECDECODE_SOURCE_HASH);
-  m.def("set_amx", &set_amx, "select or leave the AMX matmul path; returns whether it is used");
+  m.def("set_amx", &specdecode::set_amx, "select or leave the AMX matmul path; returns whether it is used");
   // module_local: every variant's module binds these classes; each keeps its own
   pybind11::class_<Projection>(m, "Projection", pybind11::module_local())
       .def_static("int8", &Projection::int8, "an int8_linear projection")

@@ -1,10 +1,10 @@
-// What the kernels export (matmul.cpp, gguf.cpp, attention.cpp, pointwise.cpp, layer.cpp): the
-// functions ops.cpp binds, and the projection and decoder-layer objects of layer.cpp.
+// What the kernels export to Python on torch tensors: the functions of tensors.cpp (each checks
+// its tensors and calls its core, core.h) that ops.cpp binds, and the projection and
+// decoder-layer objects of layer.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
 
-#include <string>
 #include <tuple>
 #include <vector>
 
@@ -25,8 +25,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const c10::optional<at::Tensor>& tree_mask);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
-std::string isa();
-bool set_amx(bool wanted);
 
 // One row segment of a GGUF projection: its packed blocks (gguf_blocks.pack), its layout
 // (bits, sub, subs, off, mins), its row count and its first output column.

@@ -2,39 +2,36 @@
 // 16-lane loads and stores that round as torch does, and the store of a tile's fp32 sums.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include "core.h"
+#include "isa.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
-#include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 // Full unrolling of the tile loops lets the compiler keep every accumulator in a register.
 #define UNROLL _Pragma("GCC unroll 16")
 
+namespace specdecode {
 namespace {
 
 constexpr int64_t LANES = 16;             // fp32 / int32 lanes per vector: rows per group
 constexpr int64_t GROUPS = 4;             // row groups per tile
-constexpr int64_t ROWS = GROUPS * LANES;  // output rows per tile
+constexpr int64_t ROWS = GROUPS * LANES;  // output rows per tile (MATMUL_ROWS)
 constexpr int64_t TOKENS = 4;             // tokens per tile, at most
 constexpr int64_t TASK_BYTES = 1 << 16;   // weight bytes per parallel task, at least
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define SPECDECODE_VECTOR_EPILOGUE 1
 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {  // bf16 -> fp32: a 16-bit shift
+inline __m512 load16(const BFloat16* p, __mmask16 mask) {  // bf16 -> fp32: a 16-bit shift
   const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
 // Rounds to bf16 as c10::BFloat16 does (nearest even; NaN -> 0x7FC0), denormals included.
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
+inline void store16(BFloat16* p, __m512 v, __mmask16 mask) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i top = _mm512_srli_epi32(
@@ -91,7 +88,7 @@ template <int MAX, class Tile>
 void for_each_tile(int64_t blocks, int64_t M, int64_t block_bytes, const Tile& tile) {
   const int64_t grain = std::max<int64_t>(1, TASK_BYTES / block_bytes);
   const int64_t groups = (M + MAX - 1) / MAX;
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block)
       for (int64_t g = 0, m0 = 0; g < groups; ++g) {
         const int64_t count = M / groups + (g < M % groups ? 1 : 0);
@@ -101,11 +98,5 @@ void for_each_tile(int64_t blocks, int64_t M, int64_t block_bytes, const Tile& t
   });
 }
 
-// x's shape [..., K] with the last dimension N: the shape of y = x @ W^T.
-std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return shape;
-}
-
 }  // namespace
+}  // namespace specdecode

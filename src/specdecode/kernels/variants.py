@@ -53,6 +53,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("avx512", "x86_64", _AVX512_FLAGS, _AVX512),
     Variant("avxvnni", "x86_64", ("-march=x86-64-v3", "-mavxvnni"), _V3 | {"avx_vnni"}),
     Variant("avx2", "x86_64", ("-march=x86-64-v3",), _V3),
+    # ARM64 with the dot-product instructions (Graviton 2+, Ampere, Apple M1+, Cortex-A76+)
+    Variant("neon", "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimd", "asimddp"})),
     Variant("portable", "", (), frozenset()),
 )
 NAMES = tuple(v.name for v in VARIANTS)

@@ -1,0 +1,278 @@
+// The torch side of the kernels (ops.h): each function checks its tensors, allocates the
+// output and calls its core (core.h) on the raw data; the cores run on torch's thread pool.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "core.h"
+#include "dispatch.h"
+#include "ops.h"
+
+#include <cstdint>
+#include <functional>
+#include <tuple>
+#include <vector>
+
+namespace sd = specdecode;
+
+void specdecode::parallel_for(int64_t begin, int64_t end, int64_t grain,
+                              const std::function<void(int64_t, int64_t)>& body) {
+  at::parallel_for(begin, end, grain, body);
+}
+
+namespace {
+
+void check_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat &&
+                                    bias->is_contiguous() && bias->numel() == N),
+              "bias must be a contiguous fp32 [", N, "] tensor");
+}
+
+const float* bias_data(const c10::optional<at::Tensor>& bias) {
+  return bias.has_value() ? bias->data_ptr<float>() : nullptr;
+}
+
+// Checks a packed weight [Np / 64, Kp / pack, 64, pack] against x [..., K], out_features N and
+// bias; returns Kp.
+int64_t check_packed(const at::Tensor& x, const at::Tensor& w, at::ScalarType wtype,
+                     int64_t pack, int64_t N, const c10::optional<at::Tensor>& bias) {
+  constexpr int64_t ROWS = sd::MATMUL_ROWS;
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "specdecode kernels run on the CPU");
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == ROWS && w.size(3) == pack &&
+                  w.scalar_type() == wtype && w.is_contiguous(),
+              "weight must be packed as a contiguous [Np/", ROWS, ", Kp/", pack, ", ", ROWS,
+              ", ", pack, "] ", wtype, " tensor, got ", w.sizes(), " ", w.scalar_type());
+  const int64_t Kp = w.size(1) * pack;
+  TORCH_CHECK(x.size(-1) <= Kp && Kp - x.size(-1) < pack, "x has ", x.size(-1),
+              " features, the packed weight ", Kp);
+  TORCH_CHECK(N <= w.size(0) * ROWS && w.size(0) * ROWS - N < ROWS, "out_features ", N,
+              " does not fit the packed weight's ", w.size(0) * ROWS, " rows");
+  check_bias(bias, N);
+  return Kp;
+}
+
+}  // namespace
+
+// x [..., K] fp32 or bf16; w int8 packed [Np/64, Kp/4, 64, 4]; w_scale fp32 [Np];
+// w_sum int32 [Np] (row sums of w); bias fp32 [N] or None. Returns [..., N] in x's dtype.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       const at::Tensor& w_sum, const c10::optional<at::Tensor>& bias,
+                       int64_t N) {
+  const int64_t Kp = check_packed(x, w, at::kChar, sd::I8_PACK, N, bias);
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_sum.scalar_type() == at::kInt &&
+                  w_scale.numel() == w.size(0) * sd::MATMUL_ROWS &&
+                  w_sum.numel() == w.size(0) * sd::MATMUL_ROWS,
+              "w_scale must be fp32 and w_sum int32, one per packed row");
+  const int64_t K = x.size(-1);
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();  // [M, K]
+  at::Tensor y = at::empty({rows.size(0), N}, rows.options());  // [M, N] in x's dtype
+  fp32_or_bf16(rows.scalar_type(), "int8_linear", [&](auto type_tag) {
+    using T = decltype(type_tag);
+    sd::int8_matmul(data<const T>(rows), rows.size(0), K, w.data_ptr<int8_t>(), w.size(0), Kp,
+                    w_scale.data_ptr<float>(), w_sum.data_ptr<int32_t>(), bias_data(bias), N,
+                    data<T>(y));
+  });
+  return y.view(out_shape(x, N));
+}
+
+// x [..., K] bf16; w bf16 packed [Np/64, Kp/2, 64, 2]; bias fp32 [N] or None.
+// Returns [..., N] bf16.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w,
+                       const c10::optional<at::Tensor>& bias, int64_t N) {
+  const int64_t Kp = check_packed(x, w, at::kBFloat16, sd::BF16_PACK, N, bias);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bf16, got ", x.scalar_type());
+  const int64_t K = x.size(-1);
+  at::Tensor rows = x.reshape({-1, K});  // [M, K]
+  rows = K == Kp ? rows.contiguous() : at::constant_pad_nd(rows, {0, Kp - K});  // [M, Kp]
+  at::Tensor y = at::empty({rows.size(0), N}, rows.options());  // [M, N] bf16
+  sd::bf16_matmul(data<const sd::BFloat16>(rows), rows.size(0),
+                  data<const sd::BFloat16>(w), w.size(0), Kp, bias_data(bias), N,
+                  data<sd::BFloat16>(y));
+  return y.view(out_shape(x, N));
+}
+
+// x [..., K] fp32 or bf16 in blocks of `block` (32 or 256; K % block == 0) -> (x8 int8 [M, K],
+// dx fp32 [M, K / block], sx fp32 [M, K / block] (block 32; [M, 0] for 256), bsum16 int16
+// [M, K / 16], bsum32 int16 [M, K / 32]) with M the number of rows of x; see gguf.cpp.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_quantize(
+    const at::Tensor& x, int64_t block) {
+  TORCH_CHECK(x.device().is_cpu(), "specdecode kernels run on the CPU");
+  TORCH_CHECK(block == 32 || block == 256, "gguf_quantize blocks are 32 or 256, got ", block);
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K % block == 0, "gguf_quantize needs K % ", block, " == 0, got ", K);
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();  // [M, K]
+  const int64_t M = rows.size(0);
+  at::Tensor x8 = at::empty({M, K}, rows.options().dtype(at::kChar));
+  const auto f32 = rows.options().dtype(at::kFloat), i16 = rows.options().dtype(at::kShort);
+  at::Tensor dx = at::empty({M, K / block}, f32);
+  at::Tensor sx = at::empty({M, block == 32 ? K / block : 0}, f32);
+  at::Tensor bsum16 = at::empty({M, K / 16}, i16), bsum32 = at::empty({M, K / 32}, i16);
+  fp32_or_bf16(rows.scalar_type(), "gguf_quantize", [&](auto type_tag) {
+    using T = decltype(type_tag);
+    sd::gguf_quantize(data<const T>(rows), M, K, block, x8.data_ptr<int8_t>(),
+                      dx.data_ptr<float>(), sx.data_ptr<float>(), bsum16.data_ptr<int16_t>(),
+                      bsum32.data_ptr<int16_t>());
+  });
+  return {x8, dx, sx, bsum16, bsum32};
+}
+
+// y[:, offset : offset + N] = acts @ W^T (+ bias) for one packed GGUF weight w uint8
+// [Np / 16, K / (S * SUBS), superblock bytes] of layout (bits, sub, subs, off, mins); acts
+// (x8, dx, sx, bsum16, bsum32) from gguf_quantize with block S * SUBS; y [M, ldy] fp32 or bf16,
+// contiguous; bias fp32 [N] or None.
+void gguf_linear(const at::Tensor& x8, const at::Tensor& dx, const at::Tensor& sx,
+                 const at::Tensor& bsum16, const at::Tensor& bsum32, const at::Tensor& w,
+                 int64_t bits, int64_t sub, int64_t subs, int64_t off, int64_t mins, int64_t N,
+                 const c10::optional<at::Tensor>& bias, at::Tensor& y, int64_t offset) {
+  const sd::GgufLayout layout{bits, sub, subs, off, mins};
+  TORCH_CHECK(sd::gguf_supported(layout), "no GGUF kernel for the layout bits=", bits,
+              " sub=", sub, " subs=", subs, " off=", off, " mins=", mins);
+  const int64_t M = x8.size(0), K = x8.size(1), B = layout.superblock_values();
+  TORCH_CHECK(x8.scalar_type() == at::kChar && x8.dim() == 2 && x8.is_contiguous(),
+              "x8 must be a contiguous int8 [M, K] tensor from gguf_quantize");
+  TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.size(0) == M &&
+                  dx.size(1) * B == K && bsum16.scalar_type() == at::kShort &&
+                  bsum16.is_contiguous() && bsum16.numel() == M * (K / 16) &&
+                  bsum32.scalar_type() == at::kShort && bsum32.is_contiguous() &&
+                  bsum32.numel() == M * (K / 32) &&
+                  (mins != 2 || (sx.scalar_type() == at::kFloat && sx.is_contiguous() &&
+                                 sx.numel() == dx.numel())),
+              "activations must come from gguf_quantize with block ", B);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() &&
+                  w.size(1) * B == K && w.size(2) == layout.superblock_bytes(),
+              "packed GGUF weight must be a contiguous uint8 [Np/16, K/", B, ", ",
+              layout.superblock_bytes(), "] tensor for K = ", K, ", got ", w.sizes());
+  TORCH_CHECK(N <= w.size(0) * sd::GGUF_ROWS && w.size(0) * sd::GGUF_ROWS - N < sd::GGUF_ROWS,
+              "out_features ", N, " does not fit the packed weight's ",
+              w.size(0) * sd::GGUF_ROWS, " rows");
+  TORCH_CHECK(y.is_contiguous() && y.dim() == 2 && y.size(0) == M && offset >= 0 &&
+                  offset + N <= y.size(1),
+              "y must be a contiguous [M, >= offset + N] tensor");
+  check_bias(bias, N);
+  const sd::GgufActs acts{x8.data_ptr<int8_t>(),      dx.data_ptr<float>(),
+                          mins == 2 ? sx.data_ptr<float>() : nullptr,
+                          bsum16.data_ptr<int16_t>(), bsum32.data_ptr<int16_t>(), K};
+  fp32_or_bf16(y.scalar_type(), "gguf_linear", [&](auto type_tag) {
+    using T = decltype(type_tag);
+    sd::gguf_matmul(acts, M, w.data_ptr<uint8_t>(), w.size(0), layout, bias_data(bias), N,
+                    data<T>(y) + offset, y.size(1));
+  });
+}
+
+// q uint8 [Np, K] (Np % 16 == 0; codes of BITS bits, K % (sub * subs) == 0) -> the codes of
+// every tile's sub-blocks in the kernel's layout, uint8 [Np / 16, K / (sub * subs),
+// subs * 16 * sub * BITS / 8] (the packed weight less its scale tables; gguf_blocks.pack).
+at::Tensor gguf_pack_codes(const at::Tensor& q, int64_t bits, int64_t sub, int64_t subs) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous() &&
+                  q.size(0) % sd::GGUF_ROWS == 0 && q.size(1) % (sub * subs) == 0 &&
+                  sub % 8 == 0,
+              "codes must be a contiguous uint8 [Np, K] tensor, Np % 16 == 0 and K % ",
+              sub * subs, " == 0");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "no code layout for ", bits,
+              " bits");
+  const int64_t Np = q.size(0), K = q.size(1), nsb = K / (sub * subs);
+  const int64_t sub_bytes = sd::GGUF_ROWS * sub * bits / 8;
+  at::Tensor out = at::empty({Np / sd::GGUF_ROWS, nsb, subs * sub_bytes}, q.options());
+  sd::gguf_pack_codes(q.data_ptr<uint8_t>(), Np, K, bits, sub, subs, out.data_ptr<uint8_t>());
+  return out;
+}
+
+// q [B, H, T, D]; k, v [B, Hkv, S, D] (any strides but a contiguous last dim); starts [B]:
+// query t of row b attends to slots 0 .. starts[b] + t. Tree passes also give tree_starts [B]
+// and tree_mask [B, T, M] bool: query t of row b then attends to slots 0 .. tree_starts[b] - 1
+// and to tree_starts[b] + r wherever tree_mask[b, t, r] (which must hold for its own slot
+// starts[b] + t and for no later slot). Returns [B, H, T, D] in q's dtype.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::vector<int64_t>& starts,
+                            const std::vector<int64_t>& tree_starts,
+                            const c10::optional<at::Tensor>& tree_mask) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "specdecode kernels run on the CPU");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "q, k, v must share a dtype");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.sizes() == k.sizes() && k.size(3) == D && H % Hkv == 0,
+              "k, v must be [", B, ", Hkv, S, ", D, "] with H % Hkv == 0; got q ", q.sizes(),
+              ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v need a contiguous last dim");
+  TORCH_CHECK(int64_t(starts.size()) == B, "one start per batch row");
+  for (const int64_t start : starts)
+    TORCH_CHECK(start >= 0 && start + T <= S, "start ", start, " + ", T,
+                " new tokens exceed the ", S, " cached slots");
+  // Tree passes: per (row, query), the increasing offsets r past tree_starts[b] it may read.
+  const bool tree = tree_mask.has_value();
+  std::vector<int64_t> extra, extra_begin(B * T + 1, 0);
+  if (tree) {
+    const at::Tensor mask = tree_mask->to(at::kBool).contiguous();
+    TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == T,
+                "tree_mask must be [B, T, M] = [", B, ", ", T, ", M], got ", mask.sizes());
+    TORCH_CHECK(int64_t(tree_starts.size()) == B, "one tree start per batch row");
+    const int64_t M = mask.size(2);
+    const bool* mp = mask.data_ptr<bool>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t offset = starts[b] - tree_starts[b];  // tree slots cached before the pass
+      TORCH_CHECK(offset >= 0 && offset + T <= M, "row ", b, ": tree start ", tree_starts[b],
+                  " must lie in 0 .. start ", starts[b], " and the mask must cover ",
+                  offset + T, " slots, got ", M);
+      for (int64_t t = 0; t < T; ++t) {
+        const bool* row = mp + (b * T + t) * M;
+        TORCH_CHECK(row[offset + t], "row ", b, ", query ", t, ": a query must see itself");
+        for (int64_t r = 0; r < M; ++r) {
+          if (!row[r]) continue;
+          TORCH_CHECK(r <= offset + t, "row ", b, ", query ", t, " may not see the later slot ",
+                      tree_starts[b] + r);
+          extra.push_back(r);
+        }
+        extra_begin[b * T + t + 1] = int64_t(extra.size());
+      }
+    }
+  }
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty_like(qc);  // [B, H, T, D]
+  const sd::AttentionShape shape{
+      B, H, T, D, Hkv, {k.stride(0), k.stride(1), k.stride(2)},
+      {v.stride(0), v.stride(1), v.stride(2)}};
+  fp32_or_bf16(q.scalar_type(), "decode_attention", [&](auto type_tag) {
+    using T_ = decltype(type_tag);
+    sd::attention(data<const T_>(qc), data<const T_>(k), data<const T_>(v), shape, starts.data(),
+                  tree ? tree_starts.data() : nullptr, extra.data(), extra_begin.data(),
+                  data<T_>(out));
+  });
+  return out;
+}
+
+// RoPE in place on the first `heads` heads of every token: x [B, T, W] contiguous, W >= heads * D
+// (a fused q/k/v projection's output: q and k heads first); cos, sin fp32 [B, T, D].
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.is_contiguous(),
+              "x must be a contiguous 3-D CPU tensor");
+  const int64_t tokens = x.size(0) * x.size(1), D = cos.size(-1);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * D &&
+                  sin.numel() == tokens * D && D % 2 == 0 && heads * D <= x.size(2),
+              "cos and sin must be contiguous fp32 [B, T, D] (D even) for x ", x.sizes(),
+              " and ", heads, " heads");
+  fp32_or_bf16(x.scalar_type(), "rope_", [&](auto type_tag) {
+    using T = decltype(type_tag);
+    sd::rope(data<T>(x), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens, x.size(2), heads,
+             D);
+  });
+}
+
+// x [..., D] and weight [D] of one dtype (fp32 or bf16) -> [..., D].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu(), "specdecode kernels run on the CPU");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D && weight.scalar_type() == x.scalar_type(),
+              "weight must be [", D, "] in x's dtype, got ", weight.sizes(), " ",
+              weight.scalar_type());
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  fp32_or_bf16(x.scalar_type(), "rms_norm", [&](auto type_tag) {
+    using T = decltype(type_tag);
+    sd::rms_norm(data<const T>(xc), data<const T>(wc), xc.numel() / D, D, float(eps), data<T>(y));
+  });
+  return y;
+}
