@@ -237,6 +237,39 @@ def test_no_probe_where_not_even_perfect_drafts_would_pay() -> None:
         assert length.limits([str(i) for i in range(8)]) == [0] * 8
 
 
+def test_a_catch_up_is_drafted_only_where_the_drafts_would_repay_it() -> None:
+    """A draft model prefills a request's prompt before its first draft: the cost rule lets a
+    request draft only if its drafts would save more over its remaining tokens than the
+    catch-up costs (s per token, learned from the steps that paid one)."""
+    seconds = {1: 0.070, 2: 0.071, 3: 0.072, 4: 0.074}
+    length = _costs("cost", 3, seconds, 0.010)
+    assert length.best_k(0.5) >= 1  # the prior rate pays, once caught up
+    # nothing measured yet: the first request pays its prompt's catch-up, and it is learned
+    assert length.limits(["a"], [200], [64])[0] >= 1
+    _step(length, "a", 3, 1)  # observe: the draft passes, then the one-time work below
+    length.observe(["a"], [Draft(torch.zeros(0, dtype=torch.long))],
+                   [Verdict(0, torch.zeros(1, dtype=torch.long))], 0.0, 0.07,
+                   setup_s=2.0)  # fmt: skip
+    assert length.setup_s_per_token == 0.0  # "a" was not offered a draft in that step
+    assert length.limits(["a"], [200], [64])[0] >= 1  # caught up: a backlog of 0
+    length.observe(["a"], [Draft(torch.zeros(3, dtype=torch.long))],
+                   [Verdict(1, torch.zeros(2, dtype=torch.long))], 0.03, 0.072,
+                   setup_s=0.0)  # fmt: skip
+    assert length.setup_s_per_token == 0.0
+    b = length.limits(["b"], [200], [64])  # a new request: 200 tokens to catch up
+    assert b[0] >= 1
+    length.observe(["b"], [Draft(torch.zeros(3, dtype=torch.long))],
+                   [Verdict(1, torch.zeros(2, dtype=torch.long))], 0.03, 0.072,
+                   setup_s=2.0)  # fmt: skip
+    assert length.setup_s_per_token == pytest.approx(0.01)  # 2 s over 200 tokens
+    # each draft saves a few ms a token: 2 s of catch-up pays back only over many tokens
+    assert length.limits(["c"], [200], [16]) == [0]
+    assert length.limits(["d"], [200], [100_000])[0] >= 1
+    assert length.limits(["b"], [203], [60])[0] >= 1  # b is caught up: 3 tokens behind
+    assert length.limits(["c"], [220], [16]) == [0]  # still not worth it
+    assert length._requests["c"].catch_up == 0  # declined: nothing to catch up on
+
+
 class SlowSetup(LimitSpy):
     """A drafter that spends `SETUP_S` on one-time work in every propose, and says so."""
 

@@ -21,6 +21,16 @@ request and per step, a limit k in 0..K (0 = decode one token without a draft):
   this batch size. A tree draft's limit is its node count; its acceptance is counted along
   its depth, so the rule treats it as a chain (an approximation).
 
+A drafter with one-time work per sequence (a draft model prefilling a prompt, or catching up
+on the tokens committed while it did not draft: `Drafter.setup_s`) makes a request pay for its
+catch-up before its first draft. The cost rule prices it: a request's catch-up tokens are its
+tokens since it last drafted, where more than K + 1 (fewer are fed with the draft's first pass,
+priced as drafting); their seconds per token are learned from the steps that paid them (s).
+Such a request drafts only if the time its drafts would save over the tokens it may still
+generate, R * B * (1 / rate(0) - 1 / rate(k)) with the batch's k, is at least the catch-up's
+s * n seconds; otherwise its limit is 0 (a short answer after a long prompt is not worth the
+draft model's prefill). Before any catch-up was measured, s = 0: the first request pays it.
+
 Worked example ("cost", B = 1): a = 0.6, d = 25 ms, t(1, 1) = t(1, 2) = 70 ms,
 t(1, 3) = 72 ms, t(1, 4) = 75 ms: k = 0 gives 1 / 70 = 14.3 tok/s; k = 1 gives
 1.6 / 95 = 16.8; k = 2 gives 1.96 / 122 = 16.1; k = 3 gives 2.18 / 150 = 14.5. So k = 1.
@@ -61,6 +71,8 @@ class _Request:
     offers: float = 1.0  # steps it could draft (decayed)
     hits: float = 1.0  # of those, steps it did draft (decayed)
     offered: bool = False  # its limit this step was > 0
+    synced: int = 0  # its length when it last drafted (0: never)
+    catch_up: int = 0  # catch-up tokens this step's draft pays for (module docstring)
 
 
 class DraftLength:
@@ -81,17 +93,28 @@ class DraftLength:
         self._requests: dict[str, _Request] = {}
         self.last_limits: list[int] = []  # the latest step's limits (reported as a metric)
         self._idle_steps = 0  # "cost": steps in a row in which the batch drafted nothing
+        self.setup_s_per_token = 0.0  # "cost": running average seconds per catch-up token
 
-    def limits(self, request_ids: list[str]) -> list[int]:
-        """This step's draft limit per request (0..K), in order."""
+    def limits(
+        self,
+        request_ids: list[str],
+        lengths: Sequence[int] | None = None,
+        remaining: Sequence[int] | None = None,
+    ) -> list[int]:
+        """This step's draft limit per request (0..K), in order. `lengths` (each request's
+        tokens so far) and `remaining` (the new tokens it may still generate) let the cost
+        rule price a drafter's catch-up (module docstring); without them it is left out."""
         if self.policy == "fixed":
             chosen = [self.max_tokens] * len(request_ids)
         elif self.policy == "heuristic":
             chosen = [self._request(r).limit for r in request_ids]
         else:
-            chosen = self._cost_limits([self._request(r) for r in request_ids])
-            for request_id, k in zip(request_ids, chosen, strict=True):
-                self._requests[request_id].offered = k > 0
+            reqs = [self._request(r) for r in request_ids]
+            chosen = self._cost_limits(reqs)
+            if lengths is not None and remaining is not None:
+                chosen = self._priced_catch_up(reqs, chosen, lengths, remaining)
+            for req, k in zip(reqs, chosen, strict=True):
+                req.offered = k > 0
         self.last_limits = chosen
         return chosen
 
@@ -102,12 +125,15 @@ class DraftLength:
         verdicts: Sequence[Verdict],
         draft_s: float,
         verify_s: float,
+        setup_s: float = 0.0,
     ) -> None:
         """Learn from one step: drafting took `draft_s` seconds (one-time work such as a
-        draft model's prompt prefills left out: `Drafter.setup_s`), the verification pass over
-        every row's [last token, draft...] (padded to the longest) `verify_s`."""
+        draft model's prompt prefills left out: `Drafter.setup_s`, here `setup_s`), the
+        verification pass over every row's [last token, draft...] (padded to the longest)
+        `verify_s`."""
         if self.policy == "fixed":
             return
+        self._observe_catch_up([self._request(r) for r in request_ids], setup_s)
         longest = max(int(d.tokens.numel()) for d in drafts)
         self.passes.observe(len(drafts), 1 + longest, verify_s)
         drafted = sum(int(d.tokens.numel()) for d in drafts)
@@ -135,6 +161,16 @@ class DraftLength:
         if self.policy == "heuristic":
             step = 2 if accepted == drafted else -1
             req.limit = max(1, min(self.max_tokens, req.limit + step))
+
+    def _observe_catch_up(self, reqs: list[_Request], setup_s: float) -> None:
+        """The catch-up this step's drafts paid for: `setup_s` seconds over the catch-up
+        tokens of the requests offered a draft (a running average per token)."""
+        tokens = sum(r.catch_up for r in reqs if r.offered)
+        if tokens and setup_s > 0:
+            per_token, old = setup_s / tokens, self.setup_s_per_token
+            self.setup_s_per_token = old + PASS_AVERAGE * (per_token - old) if old else per_token
+        for req in reqs:
+            req.catch_up = 0
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (unknown ids are ignored)."""
@@ -165,6 +201,48 @@ class DraftLength:
             self._idle_steps = 0
         return [best] * len(reqs)
 
+    def _priced_catch_up(
+        self,
+        reqs: list[_Request],
+        chosen: list[int],
+        lengths: Sequence[int],
+        remaining: Sequence[int],
+    ) -> list[int]:
+        """`chosen` with 0 for each request whose catch-up costs more than its drafts would
+        save (module docstring); records what the others' drafts catch up on."""
+        k = max(chosen, default=0)
+        if k == 0:
+            return chosen
+        batch = len(reqs)
+        rates = [r.successes / (r.successes + r.failures) for r in reqs]
+        available = [r.hits / r.offers for r in reqs]
+        slow, fast = self._rate(0, rates, available), self._rate(k, rates, available)
+        saved_per_token = batch * (1.0 / slow - 1.0 / fast) if slow and fast else 0.0
+        out = []
+        for req, limit, length, left in zip(reqs, chosen, lengths, remaining, strict=True):
+            backlog = length - req.synced
+            tokens = backlog if backlog > self.max_tokens + 1 else 0
+            if limit and tokens and left * saved_per_token < self.setup_s_per_token * tokens:
+                limit = 0
+            if limit:
+                req.catch_up, req.synced = tokens, length
+            out.append(limit)
+        return out
+
+    def _rate(
+        self, k: int, acceptance: Sequence[float], available: Sequence[float]
+    ) -> float | None:
+        """Expected tokens per second of a step of k draft tokens per row, for requests
+        accepting at `acceptance` and drafting in the share `available` of their steps; None
+        before any pass was measured."""
+        verify = self.passes.estimate(len(acceptance), k + 1)
+        if verify is None:
+            return None
+        pairs = zip(acceptance, available, strict=True)
+        gains = (v * (expected_tokens(a, k) - 1) for a, v in pairs)
+        seconds = sum(available) * k * self.draft_s_per_token + verify
+        return (len(acceptance) + sum(gains)) / seconds
+
     def best_k(
         self,
         acceptance: float | Sequence[float],
@@ -177,18 +255,12 @@ class DraftLength:
         prompt-lookup drafter finds no match in some); K before any pass was measured."""
         if isinstance(acceptance, float | int):
             acceptance = [float(acceptance)] * (rows or 1)
-        batch = len(acceptance)
-        share = [1.0] * batch if available is None else list(available)
-        drafting = sum(share)
+        share = [1.0] * len(acceptance) if available is None else list(available)
         best, best_rate = self.max_tokens, 0.0
         for k in range(self.max_tokens + 1):
-            verify = self.passes.estimate(batch, k + 1)
-            if verify is None:
+            rate = self._rate(k, acceptance, share)
+            if rate is None:
                 return self.max_tokens
-            gains = (
-                v * (expected_tokens(a, k) - 1) for a, v in zip(acceptance, share, strict=True)
-            )
-            rate = (batch + sum(gains)) / (drafting * k * self.draft_s_per_token + verify)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

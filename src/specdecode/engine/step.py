@@ -215,10 +215,10 @@ def speculative_step(
     requests against their grammars, verify and commit once for every request; returns each
     one's new text."""
     ids = [r.request_id for r in reqs]
-    chosen = draft_length.limits(ids)
+    remaining = [r.max_new - len(r.output_ids) for r in reqs]  # new tokens each may still take
+    chosen = draft_length.limits(ids, [len(r.token_ids) for r in reqs], remaining)
     limits = [
-        min(k, draft_cap(r), r.max_new - len(r.output_ids) - 1)
-        for r, k in zip(reqs, chosen, strict=True)
+        min(k, draft_cap(r), left - 1) for r, k, left in zip(reqs, chosen, remaining, strict=True)
     ]
     start = time.perf_counter()
     drafts = drafter.propose(reqs, limits)
@@ -233,6 +233,6 @@ def speculative_step(
     verified = verify(model, cache, reqs, drafts, st, needs, masks)
     verify_s = time.perf_counter() - drafted
     per_token_s = drafted - start - drafter.setup_s  # prompts' prefills aside
-    draft_length.observe(ids, drafts, verified.verdicts, per_token_s, verify_s)
+    draft_length.observe(ids, drafts, verified.verdicts, per_token_s, verify_s, drafter.setup_s)
     draft_s = (drafted - start) / len(reqs)
     return commit(reqs, drafts, verified, drafter, outputs, draft_s, verify_s)
