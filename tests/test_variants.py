@@ -75,6 +75,16 @@ def test_cpu_features_read_x86_and_arm64_cpuinfo(tmp_path: Path) -> None:
     assert variants.cpu_features(tmp_path / "missing") == frozenset()
 
 
+def test_each_architecture_builds_its_own_variants() -> None:
+    """x86-64 builds the four x86 levels, ARM64 the NEON one (dot product), both portable;
+    an ARM64 CPU without the dot product (Cortex-A72) runs portable."""
+    assert tuple(v.name for v in variants.for_machine("x86_64")) == ALL_X86
+    assert [v.name for v in variants.for_machine("aarch64")] == ["neon", "portable"]
+    neon = variants.for_machine("aarch64")[0]
+    assert variants.missing(neon, frozenset({"fp", "asimd"})) == ["asimddp"]
+    assert variants.missing(neon, frozenset({"fp", "asimd", "asimddp", "i8mm"})) == []
+
+
 def test_the_install_builds_the_variants_it_is_told_to() -> None:
     assert variants.to_build({}) == variants.for_machine()
     assert [v.name for v in variants.to_build({variants.BUILD_ENV: "portable"})] == ["portable"]
