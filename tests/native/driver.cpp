@@ -519,6 +519,6 @@ int main() {
   }
   check_pointwise<float>(7, 64);
   check_pointwise<sd::BFloat16>(7, 128);
-  std::printf("%s: %d failed\n", failures ? "FAILED" : "passed", failures);
+  std::printf("%s (%d checks failed)\n", failures ? "FAILED" : "passed", failures);
   return failures ? 1 : 0;
 }
