@@ -110,9 +110,7 @@ class DraftLength:
             chosen = [self._request(r).limit for r in request_ids]
         else:
             reqs = [self._request(r) for r in request_ids]
-            chosen = self._cost_limits(reqs)
-            if lengths is not None and remaining is not None:
-                chosen = self._priced_catch_up(reqs, chosen, lengths, remaining)
+            chosen = self._cost_limits(reqs, lengths, remaining)
             for req, k in zip(reqs, chosen, strict=True):
                 req.offered = k > 0
         self.last_limits = chosen
@@ -184,13 +182,20 @@ class DraftLength:
             self._requests[request_id] = req
         return req
 
-    def _cost_limits(self, reqs: list[_Request]) -> list[int]:
+    def _cost_limits(
+        self,
+        reqs: list[_Request],
+        lengths: Sequence[int] | None,
+        remaining: Sequence[int] | None,
+    ) -> list[int]:
         """The cost rule's limits: one k for the whole batch (module docstring); after
         PROBE_EVERY x B steps in which the batch of B drafted nothing, the whole batch drafts
         once (a probe costs every row a draft, so a bigger batch probes less often), unless
-        not even drafts that are always accepted would pay at this batch size."""
+        not even drafts that are always accepted would pay at this batch size. With `lengths`
+        and `remaining`, a request whose catch-up would not pay gets 0 (`_priced_catch_up`)."""
         rates = [r.successes / (r.successes + r.failures) for r in reqs]
-        best = self.best_k(rates, available=[r.hits / r.offers for r in reqs])
+        available = [r.hits / r.offers for r in reqs]
+        best = self.best_k(rates, available=available)
         if best == 0 and self.best_k([1.0] * len(reqs)) > 0:  # else no rate could pay
             self._idle_steps += 1
             if self._idle_steps > PROBE_EVERY * len(reqs):
@@ -199,34 +204,34 @@ class DraftLength:
                 best = max(1, self.best_k([prior] * len(reqs)))
         else:
             self._idle_steps = 0
+        if best and lengths is not None and remaining is not None:
+            return self._priced_catch_up(reqs, best, rates, available, lengths, remaining)
         return [best] * len(reqs)
 
     def _priced_catch_up(
         self,
         reqs: list[_Request],
-        chosen: list[int],
+        k: int,
+        rates: Sequence[float],
+        available: Sequence[float],
         lengths: Sequence[int],
         remaining: Sequence[int],
     ) -> list[int]:
-        """`chosen` with 0 for each request whose catch-up costs more than its drafts would
-        save (module docstring); records what the others' drafts catch up on."""
-        k = max(chosen, default=0)
-        if k == 0:
-            return chosen
-        batch = len(reqs)
-        rates = [r.successes / (r.successes + r.failures) for r in reqs]
-        available = [r.hits / r.offers for r in reqs]
+        """The batch's k (> 0) per request, or 0 for each request whose catch-up costs more
+        than its drafts would save (module docstring), its requests accepting at `rates` and
+        drafting in the share `available` of their steps; records what the others' drafts
+        catch up on."""
         slow, fast = self._rate(0, rates, available), self._rate(k, rates, available)
-        saved_per_token = batch * (1.0 / slow - 1.0 / fast) if slow and fast else 0.0
+        saved_per_token = len(reqs) * (1.0 / slow - 1.0 / fast) if slow and fast else 0.0
         out = []
-        for req, limit, length, left in zip(reqs, chosen, lengths, remaining, strict=True):
+        for req, length, left in zip(reqs, lengths, remaining, strict=True):
             backlog = length - req.synced
             tokens = backlog if backlog > self.max_tokens + 1 else 0
-            if limit and tokens and left * saved_per_token < self.setup_s_per_token * tokens:
-                limit = 0
-            if limit:
-                req.catch_up, req.synced = tokens, length
-            out.append(limit)
+            if tokens and left * saved_per_token < self.setup_s_per_token * tokens:
+                out.append(0)
+                continue
+            req.catch_up, req.synced = tokens, length
+            out.append(k)
         return out
 
     def _rate(
