@@ -349,16 +349,14 @@ inline void prefetch_part(const uint8_t* p, int64_t bytes, int64_t part, int64_t
 }
 #endif
 
-// A tile's tokens' activations (see the header): T rows of x8 (stride K), dx and sx (stride
-// K / B), bsum16 (stride K / 16), bsum32 (stride K / 32).
-using Acts = GgufActs;
-
 // acc[t][l] = sum over the superblocks of row l's by token t's contributions (see the header);
+// `a` holds the tile's T tokens' activations: rows of x8 (stride K), dx and sx (stride K / B),
+// bsum16 (stride K / 16), bsum32 (stride K / 32);
 // blk is one packed tile (16 rows) of nsb superblocks. While it computes, the tile at `next`
 // (nullptr: none) is prefetched, superblock by superblock: the hardware prefetchers alone leave
 // the memory stream idle while a multi-token tile computes.
 template <int BITS, int S, int SUBS, int OFF, int MINS, int T>
-void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, const uint8_t* next,
+void gguf_tile(const uint8_t* blk, int64_t nsb, const GgufActs& a, const uint8_t* next,
                float acc[T][LANES]) {
   static_assert(OFF == 0 || (OFF & (OFF - 1)) == 0, "OFF is a power of two");
   [[maybe_unused]] constexpr int SHIFT = OFF == 0 ? 0 : __builtin_ctz(OFF);  // OFF = 1 << SHIFT
@@ -657,16 +655,16 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const Acts& a, const uint8_t* ne
 // Runs gguf_tile<BITS, S, SUBS, OFF, MINS> over every tile of 16 rows and group of up to
 // GGUF_TOKENS tokens (tiles split across threads) and stores into y.
 template <int BITS, int S, int SUBS, int OFF, int MINS, typename out_t>
-void gguf_tiles(const uint8_t* w, int64_t tiles, int64_t nsb, const Acts& acts, int64_t M,
-                 int64_t N, const float* b, out_t* y, int64_t ldy) {
+void gguf_tiles(const uint8_t* w, int64_t tiles, int64_t nsb, const GgufActs& acts, int64_t M,
+                int64_t N, const float* b, out_t* y, int64_t ldy) {
   const int64_t tile_bytes = nsb * GgufLayout{BITS, S, SUBS, OFF, MINS}.superblock_bytes();
   const int64_t B = S * SUBS;
   auto run = [&](auto tokens, int64_t tile, int64_t m0) {
     constexpr int T = decltype(tokens)::value;
     float acc[T][LANES];
-    const Acts a{acts.x8 + m0 * acts.K,          acts.dx + m0 * (acts.K / B),
-                 acts.sx + m0 * (acts.K / B),    acts.bsum16 + m0 * (acts.K / 16),
-                 acts.bsum32 + m0 * (acts.K / 32), acts.K};
+    const GgufActs a{acts.x8 + m0 * acts.K,           acts.dx + m0 * (acts.K / B),
+                     acts.sx + m0 * (acts.K / B),      acts.bsum16 + m0 * (acts.K / 16),
+                     acts.bsum32 + m0 * (acts.K / 32), acts.K};
     const uint8_t* next = m0 == 0 && tile + 1 < tiles ? w + (tile + 1) * tile_bytes : nullptr;
     gguf_tile<BITS, S, SUBS, OFF, MINS, T>(w + tile * tile_bytes, nsb, a, next, acc);
     store_rows(&acc[0][0], T, tile * LANES, N, b, y + m0 * ldy, ldy);
