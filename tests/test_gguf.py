@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import runnable_variants, select_variant
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 from gguf_cases import build_tiny_gguf, random_blocks
 from spec_cases import GREEDY, PROMPTS
 
@@ -23,7 +23,7 @@ from specdecode.drafters.medusa import MedusaConfig
 from specdecode.llm import LLM
 from specdecode.model.config import ModelConfig
 from specdecode.model.gguf_blocks import LAYOUTS, decode, pack, unpack
-from specdecode.model.gguf_linear import GgufLinear, GgufSegment, GgufWeight
+from specdecode.model.gguf_linear import GgufLinear, GgufSegment, GgufWeight, requantize
 from specdecode.model.gguf_tensors import read_tensors
 from specdecode.model.loading import load_model
 from specdecode.model.transformer import Transformer
@@ -38,7 +38,7 @@ def _linear(types: list[GGMLQuantizationType], rows: list[int], cols: int, bias:
         for i, (t, n) in enumerate(zip(types, rows, strict=True))
     )
     b = torch.randn(sum(rows), generator=torch.Generator().manual_seed(3)) if bias else None
-    return GgufLinear(GgufWeight(segments, cols), b)
+    return GgufLinear.from_blocks(GgufWeight(segments, cols), b)
 
 
 def _quantized(x: torch.Tensor, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -161,13 +161,41 @@ def test_a_fused_weight_mixes_types_in_segments() -> None:
     assert len(merged.segments) == 1 and merged.out_features == 8
 
 
+def test_rows_keeps_the_blocks_of_the_kept_rows_across_segments() -> None:
+    """`rows(kept)` (a trimmed head) gives the full projection's kept outputs bit for bit, rows
+    picked from several segments and a segment with none kept left out."""
+    module = _linear([T.Q8_0, T.Q4_0, T.Q6_K], [16, 32, 20], 256, bias=True)
+    kept = torch.tensor([0, 5, 15, 40, 66])  # none of the Q4_0 rows 16..47 but 40
+    cut = module.rows(kept)
+    assert cut.out_features == 5 and len(cut.layouts) == 3
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(cut(x), module(x)[:, kept])
+    only_q8 = module.rows(torch.tensor([1, 2]))
+    assert len(only_q8.layouts) == 1 and torch.equal(only_q8(x), module(x)[:, [1, 2]])
+
+
+@pytest.mark.parametrize("tensor_type", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0])
+def test_requantized_blocks_are_llama_cpps(tensor_type) -> None:
+    """A dense weight requantized at load is the gguf package's reference quantization of it
+    (llama.cpp's rounding), in chunks of rows as in one call, and multiplies as that."""
+    weight = torch.randn(70, 96, generator=torch.Generator().manual_seed(6))
+    blocks = requantize(weight, tensor_type)
+    (segment,) = blocks.segments
+    want = quantize(weight.numpy(), tensor_type)
+    assert segment.tensor_type == tensor_type and np.array_equal(segment.raw, want)
+    module = GgufLinear.from_blocks(blocks)
+    assert np.array_equal(module.dequantized().numpy(), dequantize(want, tensor_type))
+    with pytest.raises(ValueError, match="in_features % 32 == 0, got 40"):
+        requantize(torch.zeros(4, 40), tensor_type)
+
+
 def test_unsupported_block_types_are_refused_clearly() -> None:
     with pytest.raises(
         ValueError, match="GGUF tensor type Q2_K has no kernel here; supported: Q4_0"
     ):
         decode(T.Q2_K, np.zeros((4, 84), np.uint8), 256)
     with pytest.raises(ValueError, match="in_features % 32 == 0"):
-        GgufLinear(GgufWeight((GgufSegment(T.F32, np.zeros((4, 64), np.uint8)),), 16))
+        GgufLinear.from_blocks(GgufWeight((GgufSegment(T.F32, np.zeros((4, 64), np.uint8)),), 16))
 
 
 # --- whole models ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from spec_cases import GREEDY, PROMPTS
 
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.llm import LLM
+from specdecode.model.gguf_linear import GgufLinear
 from specdecode.model.linear import Bf16Linear, make_linear
 from specdecode.model.loading import load_model
 from specdecode.model.quant import (
@@ -21,7 +22,7 @@ from specdecode.model.quant import (
     parse_quantization,
 )
 
-FORMATS = ["int8", "int4"]
+FORMATS = ["int8", "int4", "q4_0"]
 
 
 def _weights(out: int = 96, inp: int = 256, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +34,9 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).abs().max() / want.abs().max())
 
 
-@pytest.mark.parametrize(("quantization", "bound"), [("int8", 0.03), ("int4", 0.15)])
+@pytest.mark.parametrize(
+    ("quantization", "bound"), [("int8", 0.03), ("int4", 0.15), ("q4_0", 0.15), ("q8_0", 0.03)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_formats_approximate_the_dense_product(
     quantization: str, bound: float, dtype: torch.dtype
@@ -109,7 +112,8 @@ def test_a_pass_over_k_tokens_equals_k_decode_steps_bit_for_bit(
 def test_quantization_names_and_errors() -> None:
     assert parse_quantization(None) is None and parse_quantization("none") is None
     assert parse_quantization("int8") == "int8"
-    allowed = "allowed: auto, none, int8, int4, gguf"
+    assert parse_quantization("q4_0") == "q4_0"
+    allowed = "allowed: auto, none, int8, int4, gguf, q4_0, q4_1, q5_0, q5_1, q8_0"
     with pytest.raises(ValueError, match=f"unknown quantization .fp8.; {allowed}"):
         parse_quantization("fp8")
     assert int4_group(256) == 128 and int4_group(64) == 64 and int4_group(96) == 32
@@ -117,16 +121,18 @@ def test_quantization_names_and_errors() -> None:
         int4_group(100)
     with pytest.raises(ValueError, match="'int8' has CPU kernels only; the weights are on meta"):
         Int8DynamicLinear(torch.empty(4, 32, device="meta"))
+    with pytest.raises(ValueError, match="'q4_0' has CPU kernels only; the weights are on meta"):
+        make_linear(torch.empty(4, 32, device="meta"), quantization="q4_0")
 
 
 # --- whole models ---------------------------------------------------------------------------
 
 
 # (quantization, dtype): each quantized format, and bf16 on the native bf16 kernel
-MODEL_FORMATS = [("int8", "float32"), ("int4", "float32"), (None, "bfloat16")]
+MODEL_FORMATS = [("int8", "float32"), ("int4", "float32"), ("q4_0", "bfloat16"), (None, "bfloat16")]
 
 
-@pytest.fixture(scope="module", params=MODEL_FORMATS, ids=["int8", "int4", "bf16"])
+@pytest.fixture(scope="module", params=MODEL_FORMATS, ids=["int8", "int4", "q4_0", "bf16"])
 def quantized(request: pytest.FixtureRequest, tiny_model_dir: Path) -> tuple[str | None, LLM]:
     quantization, dtype = request.param
     return quantization, LLM(str(tiny_model_dir), dtype=dtype, quantization=quantization)
@@ -138,14 +144,15 @@ def test_quantized_model_stays_close_to_the_dense_one(
     quantization, llm = quantized
     dense = LLM(str(tiny_model_dir), dtype="float32").model
     assert llm.model.quantization == quantization
-    head = Bf16Linear if quantization is None else Int8DynamicLinear  # int8 in both formats
+    # int8 under int8 and int4; the block type under a requantized format
+    head = {None: Bf16Linear, "q4_0": GgufLinear}.get(quantization, Int8DynamicLinear)
     assert isinstance(llm.model.lm_head, head)
     tokens = torch.tensor([PROMPTS[1]["prompt_token_ids"]])
     meta = AttentionMetadata.prefill([tokens.shape[1]], "cpu")
     want, _ = dense(tokens, meta, dense.new_cache(1, 64))
     got, _ = llm.model(tokens, meta, llm.model.new_cache(1, 64))
     cosine = F.cosine_similarity(got.float().flatten(), want.flatten(), dim=0)
-    assert cosine > {"int8": 0.999, "int4": 0.9, None: 0.999}[quantization], cosine
+    assert cosine > {"int8": 0.999, "int4": 0.9, "q4_0": 0.9, None: 0.999}[quantization], cosine
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -182,9 +189,27 @@ def test_draft_model_takes_the_target_format_unless_told(tiny_model_dir: Path) -
     assert target.with_speculative_config(inherit).draft_model is same.draft_model  # loaded once
 
 
+def test_a_draft_model_requantized_to_4_bits_speculates_exactly(tiny_model_dir: Path) -> None:
+    """A draft in "q4_0" under a bf16 target: every projection and the head in Q4_0 blocks,
+    greedy output that of plain decoding."""
+    plain = LLM(str(tiny_model_dir), dtype="bfloat16")
+    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 3, "quantization": "q4_0"}
+    spec = plain.with_speculative_config(config)
+    draft = spec.draft_model
+    assert draft is not None and draft.quantization == "q4_0"
+    blocks = [m for m in draft.modules() if isinstance(m, GgufLinear)]
+    assert len(blocks) == 4 * draft.config.num_layers + 1  # qkv, o, gate|up, down + head
+    assert {layout.bits for m in blocks for layout, _, _ in m.layouts} == {4}
+    for prompt in PROMPTS:
+        want = list(plain.generate(prompt, GREEDY)[0].token_ids)
+        assert list(spec.generate(prompt, GREEDY)[0].token_ids) == want
+
+
 def test_bad_quantization_is_refused_before_loading(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         LLM(str(tiny_model_dir), quantization="int3")
     config = {"model": str(tiny_model_dir), "num_speculative_tokens": 2, "quantization": "q4"}
     with pytest.raises(ValueError, match="unknown quantization 'q4'"):
         LLM(str(tiny_model_dir), speculative_config=config)
+    with pytest.raises(ValueError, match="'q4_0' runs with dtype bfloat16 or float32, not"):
+        load_model(tiny_model_dir, "float16", quantization="q4_0")

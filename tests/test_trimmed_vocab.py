@@ -90,10 +90,12 @@ def test_sampling_matches_the_target_and_a_biased_verifier_fails(
     check_certify(llm, tiny_model_dir, monkeypatch, biased)
 
 
-@pytest.mark.parametrize("fmt", [("float32", None), ("bfloat16", None), ("float32", "int8")])
+@pytest.mark.parametrize(
+    "fmt", [("float32", None), ("bfloat16", None), ("float32", "int8"), ("bfloat16", "q4_0")]
+)
 def test_trimmed_head_gives_the_full_heads_rows(tiny_model_dir: Path, fmt: tuple) -> None:
     """The trimmed logits are the full head's at the kept tokens (bit for bit in the row-exact
-    bf16 and int8 formats) and -inf elsewhere; the hidden states are the model's."""
+    bf16, int8 and GGUF formats) and -inf elsewhere; the hidden states are the model's."""
     dtype, quantization = fmt
     model = load_model(tiny_model_dir, dtype=dtype, quantization=quantization)
     trimmed = TrimmedHeadLM(model, KEPT)

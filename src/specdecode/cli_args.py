@@ -71,7 +71,8 @@ def add_quantization(p: argparse.ArgumentParser) -> None:
         help="weight format of the target (and of a draft model, unless speculative_config "
         "sets its own): auto (default) = gguf where the model has a GGUF file and runs on the "
         "CPU, else none; none = --dtype, int8 = dynamic int8, int4 = weight-only int4, "
-        "gguf = the GGUF file's own blocks (pulled aliases and .gguf files)",
+        "gguf = the GGUF file's own blocks (pulled aliases and .gguf files), q4_0 .. q8_0 = "
+        "the dense weights requantized into those GGUF blocks as the model loads",
     )
 
 

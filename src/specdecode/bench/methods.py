@@ -107,7 +107,7 @@ class MethodSpec:
     kind: "plain", a speculative method's bench name (OURS) or a peer's kind (PEER_OF).
     model: the positional MODEL (a draft model) where the kind takes one, else None.
     options: a peer's integer options, e.g. {"k": 8, "max": 4}; ours: as written.
-    quantization: our target's weight format for this method ("none", "int8", "int4", "gguf");
+    quantization: our target's weight format for this method ("none", "int8", "gguf", "q4_0" ...);
         None = the run's.
     config: our speculative method's validated drafter config (None for plain and peers).
     constrained: whether a prompt's JSON schema constrains this method's output (`schema=off`

@@ -97,7 +97,8 @@ class ModelDrafterConfig:
 
     model: the draft model or head folder.
     num_speculative_tokens: draft at most this many tokens per step (K, 1..64; a tree's nodes).
-    quantization: the drafter's weight format ("none", "int8", "int4", "gguf"); None = the target's.
+    quantization: the drafter's weight format ("none", "int8", "int4", "gguf", or a GGUF block
+        type to requantize into: "q4_0", "q4_1", "q5_0", "q5_1", "q8_0"); None = the target's.
     tree_width: children per expanded node of a dynamic tree (1 = a chain).
     tree_depth: levels of the tree, one drafting pass each (default: K).
     draft_length: how many of the K tokens a step drafts ("fixed", "heuristic", "cost"; see

@@ -75,8 +75,8 @@ class CrossTokenizerConfig(ModelDrafterConfig):
     model: the draft model (alias, Hugging Face folder or .gguf), whose vocabulary differs from
         the target's (a model sharing it is method "draft_model").
     num_speculative_tokens: propose at most this many target tokens per step (K, 1..64).
-    quantization: the draft model's weight format ("none", "int8", "int4", "gguf"); None = the
-        target's.
+    quantization: the draft model's weight format ("none", "int8", "int4", "gguf", "q4_0" ...:
+        `model.quant`); None = the target's.
     tree_width: must be 1 (the draft is a chain).
     tree_depth: must be None.
     draft_length: how many of the K tokens a step drafts ("fixed", "heuristic", "cost"; see

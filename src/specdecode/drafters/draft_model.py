@@ -108,8 +108,8 @@ class DraftModelConfig(ModelDrafterConfig):
 
     model: the draft model (alias, Hugging Face folder or .gguf), with the target's vocabulary.
     num_speculative_tokens: draft at most this many tokens per step (K, 1..64; a tree's nodes).
-    quantization: the draft model's weight format ("none", "int8", "int4", "gguf"); None = the
-        target's.
+    quantization: the draft model's weight format ("none", "int8", "int4", "gguf", "q4_0" ...:
+        `model.quant`); None = the target's. "q4_0" with draft_vocab_size is the cheapest.
     tree_width: children per expanded node of a dynamic tree (1 = a chain of sampled tokens).
     tree_depth: levels of the tree, one draft pass each (default: K).
     draft_vocab_size: keep only this many of the draft model's output rows, those of the most

@@ -43,6 +43,7 @@ from specdecode.corpus.sharegpt import HELD_OUT_CONVERSATIONS
 from specdecode.corpus.vocab import draft_vocabulary
 from specdecode.drafters.base import spread_logits
 from specdecode.errors import UserError
+from specdecode.model.gguf_linear import GgufLinear
 from specdecode.model.linear import Bf16Linear, DenseLinear
 from specdecode.model.quant import Int8DynamicLinear
 from specdecode.model.registry import cache_root
@@ -112,8 +113,8 @@ def check_kept(kept: Tensor, vocab_size: int) -> None:
 def trimmed_linear(head: nn.Module, kept: Tensor) -> nn.Module:
     """The rows `kept` ([Vk] int64) of the output projection `head`, in its own format, so that
     `trimmed(x) == head(x)[..., kept]`: bit for bit for the row-exact formats (bf16 on the CPU
-    kernel, int8: the same int8 rows and scales). fp32 `DenseLinear` rows are copied as they
-    are (BLAS may round a narrower matrix differently)."""
+    kernel, int8: the same int8 rows and scales, GGUF: the same blocks). fp32 `DenseLinear`
+    rows are copied as they are (BLAS may round a narrower matrix differently)."""
     bias = getattr(head, "bias", None)
     bias = None if bias is None else bias[kept]  # [Vk]
     if isinstance(head, Int8DynamicLinear):
@@ -128,9 +129,11 @@ def trimmed_linear(head: nn.Module, kept: Tensor) -> nn.Module:
         return Bf16Linear(weight[kept], bias)
     if isinstance(head, DenseLinear):
         return DenseLinear(head.weight[kept], bias)
+    if isinstance(head, GgufLinear):
+        return head.rows(kept)
     raise UserError(
         f"draft_vocab_size cannot trim an output head of type {type(head).__name__}; it trims "
-        "int8, bf16 (with specdecode's CPU kernels) and fp32 heads (leave draft_vocab_size "
+        "int8, GGUF, bf16 (with specdecode's CPU kernels) and fp32 heads (leave draft_vocab_size "
         "unset for this model)"
     )
 

@@ -72,6 +72,11 @@ class Codes:
             w = w - ms[..., None]
         return w.reshape(rows, cols)
 
+    def take(self, rows: np.ndarray) -> Codes:
+        """The codes of the weight's rows `rows` ([n] int indices), in that order."""
+        part = [None if a is None else a[rows] for a in (self.M, self.sc, self.mn)]
+        return Codes(self.layout, self.q[rows], self.D[rows], *part)
+
 
 def _half(raw: np.ndarray) -> np.ndarray:
     """[..., 2] uint8 -> [...] fp16."""

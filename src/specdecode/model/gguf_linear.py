@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, quants
 from torch import Tensor, nn
 
 from specdecode import kernels
@@ -27,6 +27,19 @@ from specdecode.model.config import ModelConfig
 from specdecode.model.convert import _unpermute_rope, iter_hf_tensors
 from specdecode.model.gguf_blocks import Codes, check_supported, decode, pack, unpack
 from specdecode.model.gguf_tensors import read_tensors
+
+T = GGMLQuantizationType
+# The formats a dense weight is requantized into as it loads (`quantization="q4_0"`, ...): the
+# GGUF block types with a reference quantizer in the gguf package (llama.cpp's own rounding)
+# and a kernel here. E.g. a draft model in "q4_0" reads 4.5 bits a weight, its head included.
+REQUANTIZED: dict[str, GGMLQuantizationType] = {
+    "q4_0": T.Q4_0,
+    "q4_1": T.Q4_1,
+    "q5_0": T.Q5_0,
+    "q5_1": T.Q5_1,
+    "q8_0": T.Q8_0,
+}
+_CHUNK_ROWS = 4096  # rows quantized at once (the quantizer slows down on very large arrays)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +82,21 @@ class GgufWeight:
         return torch.from_numpy(np.concatenate(parts))
 
 
+def requantize(weight: Tensor, tensor_type: GGMLQuantizationType) -> GgufWeight:
+    """The dense [out, in] `weight` in GGUF blocks of `tensor_type` (one of `REQUANTIZED`'s),
+    rounded as llama.cpp's reference quantizer rounds (`gguf.quants.quantize`, from fp32); a
+    clear error where `in` is not a multiple of 32."""
+    out, cols = weight.shape
+    if cols % 32:
+        raise UserError(f"GGUF weights need in_features % 32 == 0, got {cols}")
+    dense = weight.detach().float().cpu().numpy()  # [out, in]
+    chunks = [
+        quants.quantize(dense[i : i + _CHUNK_ROWS], tensor_type)  # [rows, row bytes]
+        for i in range(0, out, _CHUNK_ROWS)
+    ]
+    return GgufWeight((GgufSegment(tensor_type, np.concatenate(chunks)),), cols)
+
+
 def cat_weights(weights: Sequence[Tensor | GgufWeight]) -> Tensor | GgufWeight:
     """The rows of dense weights (torch.cat) or of GGUF weights (`GgufWeight.cat`)."""
     if all(isinstance(w, GgufWeight) for w in weights):
@@ -77,22 +105,26 @@ def cat_weights(weights: Sequence[Tensor | GgufWeight]) -> Tensor | GgufWeight:
 
 
 class GgufLinear(nn.Module):
-    """y = x @ W^T + b for W in GGUF blocks; x [..., in] fp32 or bf16 -> y in x's dtype."""
+    """y = x @ W^T + b for W in GGUF blocks; x [..., in] fp32 or bf16 -> y in x's dtype.
+
+    Args:
+        codes: the weight's row segments, one block type each (`gguf_blocks.Codes`, e.g. from
+            `decode`), stacked in order: [out, in] in all.
+        bias: [out] or None.
+    """
 
     row_exact = True
 
-    def __init__(self, weight: GgufWeight, bias: Tensor | None = None) -> None:
+    def __init__(self, codes: Sequence[Codes], bias: Tensor | None = None) -> None:
         super().__init__()
-        if weight.in_features % 32:
-            raise UserError(f"GGUF weights need in_features % 32 == 0, got {weight.in_features}")
-        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.in_features = codes[0].q.shape[1]
+        self.out_features = sum(c.q.shape[0] for c in codes)
         self.layouts = []  # per segment: (Layout, rows, first output column)
         offset = 0
-        for index, seg in enumerate(weight.segments):
-            codes = decode(seg.tensor_type, seg.raw, weight.in_features)
-            self.register_buffer(f"packed{index}", torch.from_numpy(pack(codes)))
-            self.layouts.append((codes.layout, seg.raw.shape[0], offset))
-            offset += seg.raw.shape[0]
+        for index, seg in enumerate(codes):
+            self.register_buffer(f"packed{index}", torch.from_numpy(pack(seg)))
+            self.layouts.append((seg.layout, seg.q.shape[0], offset))
+            offset += seg.q.shape[0]
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         # one native object over the segments (a clear error now if the kernels cannot build)
         self.projection = kernels.gguf_projection(
@@ -103,6 +135,28 @@ class GgufLinear(nn.Module):
             self.bias,
             self.out_features,
         )
+
+    @classmethod
+    def from_blocks(cls, weight: GgufWeight, bias: Tensor | None = None) -> GgufLinear:
+        """The projection of a GGUF file's blocks (`weight`), every value and scale kept; a
+        clear error where `weight.in_features` is not a multiple of 32 or a type has no
+        kernel."""
+        if weight.in_features % 32:
+            raise UserError(f"GGUF weights need in_features % 32 == 0, got {weight.in_features}")
+        cols = weight.in_features
+        return cls([decode(s.tensor_type, s.raw, cols) for s in weight.segments], bias)
+
+    def rows(self, kept: Tensor) -> GgufLinear:
+        """The projection of the output rows `kept` ([Vk] int64, sorted, distinct), their
+        blocks unchanged: `rows(kept)(x) == self(x)[..., kept]` bit for bit (row-exact)."""
+        wanted = kept.cpu().numpy()
+        codes = []
+        for seg, (_, rows, first) in zip(self.codes(), self.layouts, strict=True):
+            local = wanted[(wanted >= first) & (wanted < first + rows)] - first
+            if len(local):
+                codes.append(seg.take(local))
+        bias = None if self.bias is None else self.bias[kept]
+        return GgufLinear(codes, bias)
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., in] -> [..., out]
         return self.projection(x)

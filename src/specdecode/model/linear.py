@@ -105,7 +105,7 @@ def make_linear(
     blocks run as they are; a dense weight in its dtype (`quantization` None) or a quantized
     format ("int8" | "int4" | "gguf", see `model.quant`)."""
     if isinstance(weight, GgufWeight):
-        return GgufLinear(weight, bias)
+        return GgufLinear.from_blocks(weight, bias)
     if quantization is not None:
         return quantized_linear(weight, bias, quantization)
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":

@@ -13,7 +13,7 @@ from torch import Tensor
 from specdecode.errors import ModelNotFoundError, UserError
 from specdecode.model.config import ModelConfig
 from specdecode.model.gguf_blocks import UnsupportedBlockType
-from specdecode.model.gguf_linear import GgufWeight, read_gguf_weights
+from specdecode.model.gguf_linear import REQUANTIZED, GgufWeight, read_gguf_weights
 from specdecode.model.quant import AUTO, parse_quantization
 from specdecode.model.transformer import Transformer
 
@@ -116,14 +116,20 @@ def load_model(
     quantization: str | None = None,
 ) -> Transformer:
     """Build a `Transformer` from a Hugging Face folder, its projections in `dtype` or in a
-    quantized format (`quantization`: None | "none" | "int8" | "int4" | "gguf" | "auto", see
-    `model.quant`; "gguf" keeps the blocks of the folder's model.gguf; "auto" is "gguf" where
-    that runs, on the CPU in bfloat16 or float32 with every block type supported, else None)."""
+    quantized format (`quantization`: None | "none" | "int8" | "int4" | "gguf" | "auto" | a
+    GGUF block type such as "q4_0", see `model.quant`; "gguf" keeps the blocks of the folder's
+    model.gguf; "auto" is "gguf" where that runs, on the CPU in bfloat16 or float32 with every
+    block type supported, else None; a block type requantizes the dense weights, on the CPU in
+    bfloat16 or float32)."""
     quantization = parse_quantization(quantization)  # a bad name fails before any reading
     if not path.is_dir():
         raise ModelNotFoundError(f"no such model folder: {path}")
     cfg = ModelConfig.from_folder(path)
     torch_dtype = parse_dtype(dtype)
+    if quantization in REQUANTIZED and torch_dtype not in (torch.float32, torch.bfloat16):
+        raise UserError(
+            f"quantization {quantization!r} runs with dtype bfloat16 or float32, not {torch_dtype}"
+        )
     auto = quantization == AUTO
     if auto:
         quantization = "gguf" if _gguf_problem(path, device, torch_dtype) is None else None

@@ -9,6 +9,11 @@
   quantizes them (per 32 or 256 values; `model/gguf_linear.py`, `kernels/gguf.cpp`); weights
   that come dense take int8. "auto" (`AUTO`, the default of `LLM` and the CLI) is resolved at
   load time (`model.loading.load_model`) to "gguf" or None.
+- "q4_0", "q4_1", "q5_0", "q5_1", "q8_0" (`REQUANTIZED`): the dense weights requantized into
+  GGUF blocks of that type as the model loads (llama.cpp's reference rounding), then run as
+  "gguf" runs a file's blocks, the output head in the same type. What a cheap draft model
+  takes: a 0.5B draft in "q4_0" reads 4.5 bits a weight where its GGUF file has Q5_0 blocks
+  and a Q8_0 head.
 - "int4": weight-only int4. Weights: 4-bit with a scale and an offset per group of `INT4_GROUP`
   input channels (asymmetric). Activations stay in the model's dtype; the kernel
   (`aten._weight_int4pack_mm_for_cpu`) dequantizes groups as it multiplies.
@@ -18,7 +23,7 @@ docs/history/formats-and-kernels-issues-5-17.md.
 
 Every format is a module mapping [..., in] -> [..., out] in the activations' dtype, with
 `dequantized()` (the [out, in] fp32 weight it stands for), `weight_bytes` (what one pass reads)
-and `row_exact` (whether a token's output is independent of the rest of the pass). Both
+and `row_exact` (whether a token's output is independent of the rest of the pass). All the
 kernels run on the CPU; another device gets a clear error.
 """
 
@@ -29,8 +34,9 @@ from torch import Tensor, nn
 
 from specdecode import kernels
 from specdecode.errors import UserError
+from specdecode.model.gguf_linear import REQUANTIZED, GgufLinear, requantize
 
-QUANTIZATIONS = ("int8", "int4", "gguf")
+QUANTIZATIONS = ("int8", "int4", "gguf", *REQUANTIZED)
 # The default: "gguf" for a model with a GGUF file whose block types all have kernels, on the
 # CPU, in bfloat16 or float32 (the fastest format that keeps the file's quality); else None.
 AUTO = "auto"
@@ -164,9 +170,13 @@ class Int4Linear(nn.Module):
 
 
 def quantized_linear(weight: Tensor, bias: Tensor | None, quantization: str) -> nn.Module:
-    """The module of format `quantization` ("int8" | "int4" | "gguf") for the dense `weight`
-    ([out, in]). "gguf" runs a GGUF file's blocks (`model.gguf_linear`); a weight that comes
-    dense (a trained head) takes int8 under it."""
+    """The module of format `quantization` ("int8" | "int4" | "gguf" | a `REQUANTIZED` block
+    type such as "q4_0") for the dense `weight` ([out, in]). "gguf" runs a GGUF file's blocks
+    (`model.gguf_linear`); a weight that comes dense (a trained head) takes int8 under it. A
+    block type requantizes the weight into GGUF blocks of that type."""
+    if quantization in REQUANTIZED:
+        _check_cpu(weight, quantization)
+        return GgufLinear.from_blocks(requantize(weight, REQUANTIZED[quantization]), bias)
     if quantization in ("int8", "gguf"):
         return Int8DynamicLinear(weight, bias)
     if quantization == "int4":

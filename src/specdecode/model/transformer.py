@@ -18,7 +18,7 @@ from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
 from specdecode.errors import UserError
 from specdecode.model.config import ModelConfig
-from specdecode.model.gguf_linear import GgufWeight, cat_weights
+from specdecode.model.gguf_linear import REQUANTIZED, GgufWeight, cat_weights
 from specdecode.model.linear import make_linear
 from specdecode.model.quant import AUTO, parse_quantization
 
@@ -288,6 +288,7 @@ HEAD_FORMAT: dict[str | None, str | None] = {
     "int8": "int8",
     "int4": "int8",
     "gguf": "gguf",
+    **{name: name for name in REQUANTIZED},  # requantized: the head in the same block type
 }
 
 
@@ -295,11 +296,13 @@ class Transformer(nn.Module):
     """Llama-family decoder built from Hugging Face-named weights.
 
     Weights must already have the wanted dtype and device; the RoPE tables stay fp32.
-    quantization: None (every projection in the weights' dtype), "int8", "int4" or "gguf" (see
-    `specdecode.model.quant`). The embedding and norms stay in the weights' dtype; the head is
-    int8 under int8 and int4 (like llama.cpp's Q4_K_M, which keeps its output matrix at 6 bits).
+    quantization: None (every projection in the weights' dtype), "int8", "int4", "gguf" or a
+    GGUF block type to requantize into ("q4_0", ...; see `specdecode.model.quant`). The
+    embedding and norms stay in the weights' dtype; the head is int8 under int8 and int4
+    (like llama.cpp's Q4_K_M, which keeps its output matrix at 6 bits).
     Under "gguf" the projections and the head are `GgufWeight`s (`model.gguf_linear`), the
-    head under "lm_head.weight" even for tied embeddings.
+    head under "lm_head.weight" even for tied embeddings; under a block type such as "q4_0"
+    they come dense and are requantized, the head too.
     """
 
     def __init__(
