@@ -47,6 +47,51 @@ def test_the_docstring_example() -> None:
     assert expected_tokens(0.6, 2) == pytest.approx(1.96)
 
 
+def test_chain_bounds_price_each_further_draft_token() -> None:
+    """The module docstring's example: after 1 token (25 + 2) / (0.6 * 70), after 2
+    (25 + 3) / 42; none under the other policies, before costs, or for limits below 2."""
+    length = _costs("cost", 3, {1: 0.070, 2: 0.070, 3: 0.072, 4: 0.075}, 0.025)
+    length._request("a").successes, length._request("a").failures = 6.0, 4.0  # rate 0.6
+    length._request("b").successes, length._request("b").failures = 9.0, 1.0  # rate 0.9
+    bounds = length.chain_bounds(["a"], [3])
+    assert bounds == [pytest.approx((27 / 42, 28 / 42))]
+    assert length.chain_bounds(["a"], [1]) == [()] and length.chain_bounds(["a"], [0]) == [()]
+    # a surer request's bounds are lower: its next token is worth more
+    (sure,) = length.chain_bounds(["b"], [3])
+    assert sure == pytest.approx((27 / 63, 28 / 63))
+    assert DraftLength("fixed", 3).chain_bounds(["a"], [3]) == [()]
+    assert DraftLength("cost", 3).chain_bounds(["a"], [3]) == [()]  # nothing measured yet
+
+
+def test_a_draft_model_stops_a_chain_below_its_bound(tiny_model_dir: Path) -> None:
+    """A bound above 1 stops every chain after one token, a bound of 0 never; the second
+    bound applies to the product of both tokens' probabilities."""
+    model = load_model(tiny_model_dir, dtype="float32")
+    drafter = DraftModelDrafter(model, 4, model.config.vocab_size)
+    ids = PROMPTS[0]["prompt_token_ids"]
+
+    def drafted(bounds: tuple[float, ...], rid: str) -> int:
+        seq = FakeSeq(rid, list(ids), len(ids), GREEDY, chain_bounds=bounds)
+        return int(drafter.propose([seq], [4])[0].tokens.numel())
+
+    assert drafted((), "free") == 4
+    assert drafted((0.0, 0.0, 0.0), "zero") == 4
+    assert drafted((1.5, 0.0, 0.0), "above-one") == 1
+    assert drafted((0.0, 1.5, 0.0), "second") == 2
+
+
+def test_the_cost_rule_measures_the_passes_of_each_new_batch_size(tiny_model_dir: Path) -> None:
+    """Before a batch is first priced, its passes are measured: 1, 2 and 4 rows for a batch
+    of 4, of 1, 2, 3 and K + 1 = 4 tokens each; a later batch of 3 measures nothing more."""
+    config = {"method": "ngram", "num_speculative_tokens": 3, "draft_length": "cost"}
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    passes = llm.engine.draft_length.passes
+    llm.generate(PROMPTS, GREEDY)
+    assert sorted(passes.seeded) == [(r, w) for r in (1, 2, 4) for w in (1, 2, 3, 4)]
+    assert passes.unseeded(3) == [] and passes.unseeded(6) == [6]
+    assert PassCosts().unseeded(5) == [1, 2, 4, 5]
+
+
 def test_pass_costs_interpolate_between_measured_shapes() -> None:
     costs = PassCosts()
     assert costs.estimate(1, 3) is None

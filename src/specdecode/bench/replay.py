@@ -32,6 +32,7 @@ class _Seq:
     token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
+    chain_bounds: tuple[float, ...] = ()  # replayed drafts go to the limit
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,15 @@ class SeqView(Protocol):
         """The sequence's random generator (None = torch's default)."""
         ...
 
+    @property
+    def chain_bounds(self) -> tuple[float, ...]:
+        """This step's stopping rule for a drafter that knows how sure it is: after j + 1
+        draft tokens (j = 0, 1, ...), draft another only if the chance that all of them are
+        accepted (the product of the drafter's own probabilities of its tokens) is at least
+        chain_bounds[j]; () = draft up to the limit (the draft-length policy's, see
+        `engine.draft_length`)."""
+        ...
+
 
 def is_positive_int(value: object) -> bool:
     """An int >= 1 (a bool is not)."""

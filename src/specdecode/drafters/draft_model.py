@@ -29,13 +29,16 @@ cache holds the committed tokens); the next propose feeds the accepted tokens an
 With `draft_vocab_size` the draft model's output head keeps only the rows of the most frequent
 target tokens (FR-Spec, `drafters.trimmed_head`): its logits are -inf elsewhere, so q is exactly
 0 there and nothing else here changes. With `confidence_threshold` a chain stops after a token
-the draft model itself gives a lower probability (HF's assistant_confidence_threshold).
+the draft model itself gives a lower probability (HF's assistant_confidence_threshold); without
+one, a chain stops where the draft model's probability of the whole chain so far falls below
+the sequence's `chain_bounds` (what the "cost" draft-length policy sets each step).
 `staged` (`drafters.staged`) and `ssd` (`drafters.overlap`) build on this drafter; the
 registry's factory puts the pieces together (`drafters.draft_model_build`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -277,6 +280,7 @@ class DraftModelDrafter(DrafterBase):
         tokens: list[list[int]] = [[] for _ in seqs]
         probs = [torch.empty(k, vocab) for k in sizes]  # each [k_i, V]
         live = [i for i, k in enumerate(sizes) if k > 0]  # the sequences still drafting
+        chains: list[list[float]] = [[] for _ in seqs]  # the draft model's token probabilities
         row_of, new, ready = self._catch_up_all(seqs, sizes, live)
         while live:
             feeding = [i for i in live if i not in ready]
@@ -293,7 +297,9 @@ class DraftModelDrafter(DrafterBase):
                 probs[i][len(tokens[i])] = q[f]
                 tokens[i].append(drawn[f])
                 new[i] = [drawn[f]]
-                if len(tokens[i]) < sizes[i] and not self._unsure(logits[f], drawn[f]):
+                if len(tokens[i]) < sizes[i] and self._goes_on(
+                    seqs[i], logits[f], drawn[f], chains[i]
+                ):
                     still.append(i)
             live = still
         return [
@@ -344,11 +350,21 @@ class DraftModelDrafter(DrafterBase):
     def _positions(self) -> int:
         return self.model.config.max_position_embeddings
 
-    def _unsure(self, logits: Tensor, token: int) -> bool:
-        """With a confidence_threshold: the draft model's own probability of `token`
-        (softmax of its raw logits [V], whatever the sampling parameters) is below it."""
+    def _goes_on(self, seq: SeqView, logits: Tensor, token: int, chain: list[float]) -> bool:
+        """Whether `seq`'s chain, which has just drawn `token` (from `logits` [V]), drafts
+        another token: with a confidence_threshold, if the draft model's own probability of
+        `token` (softmax of its raw logits, whatever the sampling parameters) is at least
+        that; else if the product of those probabilities over the chain (`chain`: the
+        earlier tokens' probabilities, `token`'s appended here) is at least the sequence's
+        bound for its length (`SeqView.chain_bounds`; none: always)."""
         bound = self.confidence_threshold
-        return bound is not None and float(torch.softmax(logits.float(), -1)[token]) < bound
+        bounds = seq.chain_bounds
+        if bound is None and len(chain) >= len(bounds):
+            return True
+        chain.append(float(torch.softmax(logits.float(), -1)[token]))
+        if bound is not None:
+            return chain[-1] >= bound
+        return math.prod(chain) >= bounds[len(chain) - 1]
 
     def _propose_tree(self, seq: SeqView, max_tokens: int) -> Draft:
         """Catch up on the committed tokens, then grow a dynamic tree (module docstring)."""

@@ -41,6 +41,7 @@ class _Hypothesis:
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator | None = None
+    chain_bounds: tuple[float, ...] = ()  # prepared drafts go to the limit (cut later)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.model.transformer import Transformer
 
 PASS_AVERAGE = 0.2  # weight of a new pass's seconds in its shape's running average
+PASS_CONTEXT = 256  # cached tokens before the passes measured to seed the table (`seed_rows`)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -80,6 +81,17 @@ def pass_seconds(
 Shape = tuple[int, int]  # a verification pass: (rows, tokens per row)
 
 
+def seed_rows(model: Transformer, costs: PassCosts, max_tokens: int, rows: Sequence[int]) -> None:
+    """Measure verification passes of each row count in `rows` and of 1, 2, 3, powers of two
+    + 1 and K + 1 tokens per row (K = `max_tokens`) after PASS_CONTEXT cached tokens (the
+    least of 3 timings, `pass_seconds`), and seed `costs` with them."""
+    widest = max_tokens + 1
+    widths = sorted({w for w in (1, 2, 3, *((1 << i) + 1 for i in range(7))) if w < widest})
+    shapes = [(r, w) for r in rows for w in [*widths, widest]]
+    context = min(PASS_CONTEXT, model.config.max_position_embeddings - widest)
+    costs.seed(pass_seconds(model, context, shapes, 3, fastest=True))
+
+
 def _along(points: dict[int, float], x: int) -> float:
     """points (x -> seconds, not empty) read at x: linear between the nearest, flat beyond."""
     if x in points:
@@ -140,6 +152,15 @@ class PassCosts:
             widths = sorted(n for r, n in self.seeded if r == rows)
             fitted = nondecreasing([self.seeded[(rows, n)] for n in widths])
             self.seeded.update(((rows, n), t) for n, t in zip(widths, fitted, strict=True))
+
+    def unseeded(self, rows: int) -> list[int]:
+        """The row counts to measure (`seed_rows`) before a batch of `rows` rows is priced:
+        none once a count of at least `rows` was seeded, else the powers of two above the
+        largest one seeded, up to `rows`, and `rows` itself."""
+        top = max((r for r, _ in self.seeded), default=0)
+        if top >= rows:
+            return []
+        return sorted({1 << i for i in range(rows.bit_length()) if 1 << i > top} | {rows})
 
     def observe(self, rows: int, per_row: int, seconds: float) -> None:
         old = self.seconds.get((rows, per_row))

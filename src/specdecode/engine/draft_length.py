@@ -31,6 +31,15 @@ generate, R * B * (1 / rate(0) - 1 / rate(k)) with the batch's k, is at least th
 s * n seconds; otherwise its limit is 0 (a short answer after a long prompt is not worth the
 draft model's prefill). Before any catch-up was measured, s = 0: the first request pays it.
 
+Within the step's limit, the cost rule also tells a drafter that knows how sure it is (a draft
+model) where a chain stops paying (`chain_bounds`, handed over as `SeqView.chain_bounds`): a
+chain of j + 1 tokens that all stand with probability P (the product of the draft model's own
+probabilities of them) drafts another token only if P * a_i * t(B, 1) / B >= d + t(B, j + 3)
+- t(B, j + 2): the token it may add, worth a token's plain decoding time, must cover its
+drafting and the wider pass. E.g. with the worked example's costs below (a = 0.6, d = 25 ms,
+t(1, 1) = 70 ms, t(1, 3) = 72, t(1, 4) = 75): after 1 token the bound is (25 + 2) / 42 = 0.64,
+after 2 it is (25 + 3) / 42 = 0.67. Before any pass or draft was measured there are no bounds.
+
 Worked example ("cost", B = 1): a = 0.6, d = 25 ms, t(1, 1) = t(1, 2) = 70 ms,
 t(1, 3) = 72 ms, t(1, 4) = 75 ms: k = 0 gives 1 / 70 = 14.3 tok/s; k = 1 gives
 1.6 / 95 = 16.8; k = 2 gives 1.96 / 122 = 16.1; k = 3 gives 2.18 / 150 = 14.5. So k = 1.
@@ -115,6 +124,33 @@ class DraftLength:
                 req.offered = k > 0
         self.last_limits = chosen
         return chosen
+
+    def chain_bounds(
+        self, request_ids: Sequence[str], limits: Sequence[int]
+    ) -> list[tuple[float, ...]]:
+        """Under "cost", per request, the least probability a chain of j + 1 draft tokens
+        must have to draft another (j = 0 .. limit - 2; module docstring); () under the other
+        policies, before the costs are measured, or for a limit below 2."""
+        rows = len(request_ids)
+        if self.policy != "cost" or not rows or not self.draft_s_per_token:
+            return [()] * rows
+        passes: list[float] = []  # t(B, n) for n = 1 .. the longest limit + 1
+        for n in range(1, max(limits, default=0) + 2):
+            seconds = self.passes.estimate(rows, n)
+            if seconds is None:
+                return [()] * rows
+            passes.append(seconds)
+        token_s = passes[0] / rows  # a token's seconds in plain decoding
+        costs = [  # seconds that drafting token j + 2 adds, j = 0 .. longest - 2
+            self.draft_s_per_token + max(0.0, passes[j + 2] - passes[j + 1])
+            for j in range(len(passes) - 2)
+        ]
+        out = []
+        for request_id, limit in zip(request_ids, limits, strict=True):
+            req = self._request(request_id)
+            worth = req.successes / (req.successes + req.failures) * token_s
+            out.append(tuple(c / worth if worth else float("inf") for c in costs[: limit - 1]))
+        return out
 
     def observe(
         self,

@@ -22,6 +22,7 @@ from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
 from specdecode.drafters.plain import EMPTY_DRAFT, PlainDrafter
 from specdecode.energy import cpu_seconds
+from specdecode.engine.costs import seed_rows
 from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.request import Request
@@ -163,6 +164,7 @@ class Engine:
         self._drop_finished()  # requests done at their first token
         running = self.scheduler.running
         if running:
+            self._seed_pass_costs(len(running))
             cpu = cpu_seconds()
             st = SamplingTensors.from_params([r.params for r in running], self.model.device)
             texts = speculative_step(
@@ -173,6 +175,15 @@ class Engine:
                 req.cpu_s += share
             events += [self._event(r, t) for r, t in zip(running, texts, strict=True)]
         return [e for e in events if e.text or e.output.finished]
+
+    def _seed_pass_costs(self, rows: int) -> None:
+        """Under the "cost" draft-length policy, measure the passes a batch of `rows` rows
+        may run before it is first priced (`PassCosts.unseeded`, `seed_rows`: ~1 s for one
+        row of the 1.5B in gguf at K = 3), so the rule does not read the costs of widths it
+        has not run off the one it has."""
+        policy = self.draft_length
+        if policy.policy == "cost" and (missing := policy.passes.unseeded(rows)):
+            seed_rows(self.model, policy.passes, policy.max_tokens, missing)
 
     def stream(self, reqs: list[Request]) -> Iterator[Event]:
         """Add `reqs` and step until every one has finished, yielding their events (and those

@@ -62,6 +62,7 @@ class Request:
         self.steps: list[StepEvent] = []  # with params.step_events: one per step
         self.cpu_s = 0.0  # CPU seconds of its prefill and its share of each batch step
         self.grammar: GrammarState | None = None  # with params.structured_outputs (the engine's)
+        self.chain_bounds: tuple[float, ...] = ()  # this step's (`SeqView.chain_bounds`)
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
         self.stop_reason: str | int | None = None  # the stop string or EOS id
         self.t_start = time.perf_counter()

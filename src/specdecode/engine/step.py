@@ -220,6 +220,8 @@ def speculative_step(
     limits = [
         min(k, draft_cap(r), left - 1) for r, k, left in zip(reqs, chosen, remaining, strict=True)
     ]
+    for req, bounds in zip(reqs, draft_length.chain_bounds(ids, limits), strict=True):
+        req.chain_bounds = bounds
     start = time.perf_counter()
     drafts = drafter.propose(reqs, limits)
     drafted = time.perf_counter()

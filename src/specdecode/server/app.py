@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from specdecode import energy
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.engine.async_engine import AsyncEngine
-from specdecode.engine.costs import pass_seconds
+from specdecode.engine.costs import seed_rows
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import Request as EngineRequest
 from specdecode.errors import UserError, context_overflow
@@ -46,7 +46,6 @@ from specdecode.types import RequestOutput
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is there
 REPLICA_HEADER = "x-specdecode-replica"  # which replica answered (ServeConfig.replica_id)
-PASS_CONTEXT = 256  # cached tokens before the passes measured at start (`seed_pass_costs`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,20 +173,14 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
 
 def seed_pass_costs(engine: Engine, max_num_seqs: int) -> dict[tuple[int, int], float]:
     """With the "cost" draft-length policy, measure verification passes of 1 .. max_num_seqs
-    rows (powers of two and the most) of 1 .. K + 1 tokens each (1, 2, 3, powers of two + 1
-    and K + 1) before serving, so the rule picks K for every batch size from measured costs
-    (`DraftLength`); returns them, (rows, tokens per row) -> seconds (empty otherwise)."""
+    rows (powers of two and the most; `seed_rows`) before serving, so the rule picks K for
+    every batch size from measured costs (`DraftLength`); returns the seeded table, (rows,
+    tokens per row) -> seconds (empty otherwise)."""
     policy = engine.draft_length
     if policy.policy != "cost":
         return {}
-    widest = policy.max_tokens + 1
-    rows = sorted({1 << i for i in range(max_num_seqs.bit_length())} | {max_num_seqs})
-    widths = sorted({w for w in (1, 2, 3, *((1 << i) + 1 for i in range(7))) if w < widest})
-    shapes = [(r, w) for r in rows for w in [*widths, widest]]
-    context = min(PASS_CONTEXT, engine.model.config.max_position_embeddings - widest)
-    seconds = pass_seconds(engine.model, context, shapes, 3, fastest=True)
-    policy.passes.seed(seconds)
-    return seconds
+    seed_rows(engine.model, policy.passes, policy.max_tokens, policy.passes.unseeded(max_num_seqs))
+    return dict(policy.passes.seeded)
 
 
 def _validation_error(error: RequestValidationError) -> APIError:
