@@ -88,7 +88,7 @@ def test_method_specs_parse_into_speculative_configs() -> None:
         "model": "qwen2.5-coder-0.5b",
         "num_speculative_tokens": 4,
         "tree_width": 1,
-        "draft_length": "fixed",
+        "draft_length": "cost",
         "ssd": False,
     }
     tree = MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=8:w=3:d=4").speculative_config()
@@ -173,7 +173,7 @@ def test_our_methods_take_a_weight_format() -> None:
         "model": "m",
         "num_speculative_tokens": 3,
         "tree_width": 1,
-        "draft_length": "fixed",
+        "draft_length": "cost",
         "ssd": False,
     }
     assert MethodSpec.parse("draft:m:k=3:q=int8:dq=int4").speculative_config() == {
@@ -182,7 +182,7 @@ def test_our_methods_take_a_weight_format() -> None:
         "num_speculative_tokens": 3,
         "quantization": "int4",
         "tree_width": 1,
-        "draft_length": "fixed",
+        "draft_length": "cost",
         "ssd": False,
     }
     with pytest.raises(ValueError, match="bad option 'dq=int4'"):
@@ -585,7 +585,8 @@ def test_bench_end_to_end_on_a_tiny_model(
     tiny_model_dir: Path, tiny_prompts: Path, tmp_path: Path
 ) -> None:
     model = str(tiny_model_dir)
-    methods = f"plain,ngram:k=3,draft:{model}:k=2,hf,hf-lookup:k=3,hf-assisted:{model}:k=2"
+    draft = f"draft:{model}:k=2:dl=fixed"  # fixed: a pass count the test can predict
+    methods = f"plain,ngram:k=3,{draft},hf,hf-lookup:k=3,hf-assisted:{model}:k=2"
     config = BenchConfig(
         model=model,
         methods=methods,
@@ -607,21 +608,21 @@ def test_bench_end_to_end_on_a_tiny_model(
     assert all(r.arrivals[-1][1] == 12 and r.arrivals[0][0] == r.ttft_s for r in report["runs"])
     summary = report["summary"]
     assert summary["categories"] == ["echo", "other"]
-    for name in ("ngram:k=3", f"draft:{model}:k=2"):  # ours is exact in fp32
+    for name in ("ngram:k=3", draft):  # ours is exact in fp32
         assert summary["methods"][name]["exactness"]["share_identical"] == 1.0
     # the draft model is the target itself: everything drafted is accepted
-    assert summary["methods"][f"draft:{model}:k=2"]["cells"][ALL]["acceptance_rate"] == 1.0
+    assert summary["methods"][draft]["cells"][ALL]["acceptance_rate"] == 1.0
     assert [(p["ours"], p["peer"]) for p in summary["peers"]] == [
         ("plain", "hf"),
         ("ngram:k=3", "hf-lookup:k=3"),
-        (f"draft:{model}:k=2", f"hf-assisted:{model}:k=2"),
+        (draft, f"hf-assisted:{model}:k=2"),
     ]
     costs = report["costs"]["none"]  # target passes over 1..16 tokens (the table), one draft
     assert len(costs["target_ms"]) == PASS_TABLE_WIDTH and list(costs["draft_ms"]) == [model]
     assert costs["kernels"].startswith(f"{kernels.variant()} kernels, int8: ")
     predicted = {n: m["predicted_speedup"] for n, m in summary["methods"].items()}
     assert predicted["plain"] is None and predicted["hf"] is None
-    for name in ("ngram:k=3", f"draft:{model}:k=2"):  # one prediction per run of the method
+    for name in ("ngram:k=3", draft):  # one prediction per run of the method
         assert predicted[name]["n"] == 4 * 2 and predicted[name]["min"] > 0
     assert report["roofline"]["none"]["measured_ms"] == costs["target_ms"][0]
     shares = {n: m["share_of_floor"] for n, m in summary["methods"].items()}

@@ -39,7 +39,7 @@ def llms(tiny_model_dir: Path, other_draft_dir: Path) -> dict[str, LLM]:
     rejected, so rollback runs) on one target."""
     plain = LLM(model=str(tiny_model_dir), dtype="float32")
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
-    draft = {"model": str(other_draft_dir), "num_speculative_tokens": 3}
+    draft = {"model": str(other_draft_dir), "num_speculative_tokens": 3, "draft_length": "fixed"}
     return {
         "plain": plain,
         "ngram": plain.with_speculative_config(ngram),

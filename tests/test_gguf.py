@@ -245,7 +245,7 @@ def test_speculative_greedy_equals_plain_in_gguf(gguf_dir: Path, method: str) ->
     config = (
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
         if method == "ngram"
-        else {"model": str(gguf_dir), "num_speculative_tokens": 3}
+        else {"model": str(gguf_dir), "num_speculative_tokens": 3, "draft_length": "fixed"}
     )
     spec = plain.with_speculative_config(config)
     if method == "draft_model":
@@ -275,7 +275,9 @@ def test_auto_runs_the_gguf_blocks_where_they_run(
     assert load_model(gguf_dir, "float16", quantization="auto").quantization is None
     plain = LLM(str(tiny_model_dir))
     assert plain.model.quantization is None and plain.weight_format == "bfloat16"
-    spec = plain.with_speculative_config({"model": str(gguf_dir), "num_speculative_tokens": 2})
+    spec = plain.with_speculative_config(
+        {"model": str(gguf_dir), "num_speculative_tokens": 2, "draft_length": "fixed"}
+    )
     assert spec.draft_model is not None and spec.draft_model.quantization == "gguf"
     odd = shutil.copytree(tiny_model_dir, tmp_path / "odd")
     writer = GGUFWriter(odd / "model.gguf", arch="llama")

@@ -64,7 +64,12 @@ def test_sampled_sequences_are_not_prepared() -> None:
 def test_greedy_output_is_identical_with_and_without_the_overlap(tiny_model_dir: Path) -> None:
     plain = LLM(model=str(tiny_model_dir), dtype="float32")
     expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
-    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 3, "ssd": True}
+    config = {
+        "model": str(tiny_model_dir),
+        "num_speculative_tokens": 3,
+        "ssd": True,
+        "draft_length": "fixed",
+    }
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert [o.token_ids for o in llm.generate(PROMPTS[1], GREEDY)] == expected[1:2]

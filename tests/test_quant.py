@@ -164,7 +164,7 @@ def test_speculative_greedy_equals_plain_in_each_format(
     config = (
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
         if method == "ngram"
-        else {"model": str(tiny_model_dir), "num_speculative_tokens": 3}
+        else {"model": str(tiny_model_dir), "num_speculative_tokens": 3, "draft_length": "fixed"}
     )
     spec = plain.with_speculative_config(config)
     assert [list(o.token_ids) for o in spec.generate(PROMPTS, GREEDY)] == expected

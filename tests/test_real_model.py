@@ -93,7 +93,11 @@ def test_chat_answers_coherently() -> None:
 
 
 def test_draft_model_speculative_greedy_equals_plain_on_real_model(llm32: LLM) -> None:
-    config = {"model": "smollm2-135m", "num_speculative_tokens": 4}  # draft = target
+    config = {
+        "model": "smollm2-135m",
+        "num_speculative_tokens": 4,
+        "draft_length": "fixed",
+    }  # draft = target
     spec = LLM(
         model="smollm2-135m", dtype="float32", quantization="none", speculative_config=config
     )
@@ -109,7 +113,13 @@ def test_draft_model_speculative_greedy_equals_plain_on_real_model(llm32: LLM) -
     [
         {"method": "ngram", "num_speculative_tokens": 6},
         {"method": "ngram", "num_speculative_tokens": 8, "tree_width": 3, "tree_depth": 4},
-        {"model": "smollm2-135m", "num_speculative_tokens": 8, "tree_width": 3, "tree_depth": 3},
+        {
+            "model": "smollm2-135m",
+            "num_speculative_tokens": 8,
+            "tree_width": 3,
+            "tree_depth": 3,
+            "draft_length": "fixed",
+        },
     ],
     ids=["ngram", "ngram_tree", "draft_model_tree"],
 )

@@ -156,7 +156,11 @@ def test_bad_speculative_configs(tiny_model_dir: Path, config, message: str) -> 
 def test_draft_model_config_greedy_equals_plain(
     tiny_model_dir: Path, expected: list[list[int]]
 ) -> None:
-    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 3}  # draft = target
+    config = {
+        "model": str(tiny_model_dir),
+        "num_speculative_tokens": 3,
+        "draft_length": "fixed",
+    }  # = target
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [list(o.token_ids) for o in outs] == expected

@@ -20,7 +20,12 @@ REPEATING = {"prompt_token_ids": [5, 17, 42, 8, 5, 17, 42, 8, 5, 17, 42, 8, 5]}
 
 
 def _llm(model_dir: Path, **extra: object) -> LLM:
-    config = {"model": str(model_dir), "num_speculative_tokens": 6, **extra}
+    config = {
+        "model": str(model_dir),
+        "num_speculative_tokens": 6,
+        "draft_length": "fixed",
+        **extra,
+    }
     return LLM(model=str(model_dir), dtype="float32", speculative_config=config)
 
 

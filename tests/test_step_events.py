@@ -20,7 +20,7 @@ from specdecode.types import CompletionOutput, StepEvent
 
 SPEC_CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2},
-    "draft": {"num_speculative_tokens": 3},  # the target drafting for itself: deep accepts
+    "draft": {"num_speculative_tokens": 3, "draft_length": "fixed"},  # drafting for itself
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1,
                    "tree_width": 3, "tree_depth": 4},
     "tree": {},  # TreeOracle: random trees with the target's continuation on one branch

@@ -121,7 +121,7 @@ def test_a_draft_model_tree_on_itself_accepts_deep_paths(
     tiny_model_dir: Path, expected: list[list[int]]
 ) -> None:
     config = {"model": str(tiny_model_dir), "num_speculative_tokens": 6, "tree_width": 2,
-              "tree_depth": 3}  # fmt: skip
+              "tree_depth": 3, "draft_length": "fixed"}  # fmt: skip
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
     outs = llm.generate(BRANCHY, GREEDY)
     assert [list(o.token_ids) for o in outs] == expected

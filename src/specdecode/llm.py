@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.base import Drafter, check_drafter
+from specdecode.drafters.base import Drafter, check_drafter, default_draft_length
 from specdecode.drafters.mux import DrafterMux
 from specdecode.drafters.registry import (
     DrafterConfig,
@@ -138,7 +138,10 @@ class LLM:
                     f"drafter name {name!r} is taken or not a string; give each "
                     'speculative_config its own "name"'
                 )
-            if len(configs) > 1 and config.draft_length != "fixed":
+            if len(configs) > 1 and config.draft_length not in (
+                "fixed",
+                default_draft_length(config),
+            ):
                 raise UserError(
                     f"drafter {name!r}: draft_length {config.draft_length!r} needs the "
                     'drafter alone; drafters served together use "fixed"'

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar, Protocol
 
 import torch
@@ -77,6 +77,13 @@ def check_draft_length_policy(policy: object) -> None:
     if policy not in DRAFT_LENGTH_POLICIES:
         choices = ", ".join(DRAFT_LENGTH_POLICIES)
         raise UserError(f"draft_length must be one of {choices}, got {policy!r}")
+
+
+def default_draft_length(config: object) -> str:
+    """The draft_length a drafter config takes when none is given (its dataclass field's
+    default: "cost" for a draft model, "fixed" for the others)."""
+    named = {f.name: f for f in fields(config)}  # type: ignore[arg-type]
+    return str(named["draft_length"].default)
 
 
 def check_tree_shape(width: object, depth: object, k: int) -> None:

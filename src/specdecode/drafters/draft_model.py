@@ -125,11 +125,14 @@ class DraftModelConfig(ModelDrafterConfig):
         speculative decoding, `drafters.overlap`; chains, greedy requests, K <= 63).
     confidence_threshold: stop a chain after a token the draft model gives a probability below
         this (0..1; HF's assistant_confidence_threshold); None = always K tokens.
+    draft_length: as for every drafter, but "cost" by default: a draft model costs enough
+        that a fixed K loses where its drafts are rarely accepted (docs/drafters.md).
     """
 
     method: ClassVar[str] = "draft_model"
     WHAT: ClassVar[str] = "a draft_model"
 
+    draft_length: str = "cost"
     draft_vocab_size: int | None = None
     staged: str | None = None
     ssd: bool = False

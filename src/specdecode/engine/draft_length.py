@@ -51,9 +51,10 @@ all requests so far. Pass seconds are learned from the engine's own passes (an e
 average per pass shape, `PassCosts`); a shape never run is read off its neighbours (linear
 between them, flat beyond), which is optimistic about untried long drafts (trying them
 measures them) but would keep a busy batch at long drafts it cannot afford, read off one
-narrow pass. A server therefore seeds the table with passes of 1 .. max_num_seqs rows of
-1 .. K + 1 tokens measured at its start (`PassCosts.seed`), and scales the seeded costs by
-how the passes it runs compare with them (contexts grow; the seeds are measured at one).
+narrow pass. The engine therefore seeds the table with passes of 1 .. K + 1 tokens for each
+new batch size before it is first priced (a server, for 1 .. max_num_seqs rows at its start;
+`costs.seed_rows`), and scales the seeded costs by how the passes it runs compare with them
+(contexts grow; the seeds are measured at one).
 """
 
 from __future__ import annotations
@@ -109,10 +110,13 @@ class DraftLength:
         request_ids: list[str],
         lengths: Sequence[int] | None = None,
         remaining: Sequence[int] | None = None,
+        pinned: Sequence[bool] | None = None,
     ) -> list[int]:
         """This step's draft limit per request (0..K), in order. `lengths` (each request's
         tokens so far) and `remaining` (the new tokens it may still generate) let the cost
-        rule price a drafter's catch-up (module docstring); without them it is left out."""
+        rule price a drafter's catch-up (module docstring); without them it is left out.
+        Under "cost" the `pinned` requests (seeded sampling: the same seed must give the same
+        output, and the rule's choices follow measured seconds) always get K."""
         if self.policy == "fixed":
             chosen = [self.max_tokens] * len(request_ids)
         elif self.policy == "heuristic":
@@ -120,17 +124,27 @@ class DraftLength:
         else:
             reqs = [self._request(r) for r in request_ids]
             chosen = self._cost_limits(reqs, lengths, remaining)
+            for i in [i for i, pin in enumerate(pinned or ()) if pin]:
+                chosen[i] = self.max_tokens
+                if lengths is not None and not reqs[i].catch_up:
+                    backlog = lengths[i] - reqs[i].synced
+                    reqs[i].catch_up = backlog if backlog > self.max_tokens + 1 else 0
+                    reqs[i].synced = lengths[i]
             for req, k in zip(reqs, chosen, strict=True):
                 req.offered = k > 0
         self.last_limits = chosen
         return chosen
 
     def chain_bounds(
-        self, request_ids: Sequence[str], limits: Sequence[int]
+        self,
+        request_ids: Sequence[str],
+        limits: Sequence[int],
+        pinned: Sequence[bool] | None = None,
     ) -> list[tuple[float, ...]]:
         """Under "cost", per request, the least probability a chain of j + 1 draft tokens
         must have to draft another (j = 0 .. limit - 2; module docstring); () under the other
-        policies, before the costs are measured, or for a limit below 2."""
+        policies, before the costs are measured, for a limit below 2, or for the `pinned`
+        requests (see `limits`)."""
         rows = len(request_ids)
         if self.policy != "cost" or not rows or not self.draft_s_per_token:
             return [()] * rows
@@ -145,8 +159,11 @@ class DraftLength:
             self.draft_s_per_token + max(0.0, passes[j + 2] - passes[j + 1])
             for j in range(len(passes) - 2)
         ]
-        out = []
-        for request_id, limit in zip(request_ids, limits, strict=True):
+        out: list[tuple[float, ...]] = []
+        for i, (request_id, limit) in enumerate(zip(request_ids, limits, strict=True)):
+            if pinned is not None and pinned[i]:
+                out.append(())
+                continue
             req = self._request(request_id)
             worth = req.successes / (req.successes + req.failures) * token_s
             out.append(tuple(c / worth if worth else float("inf") for c in costs[: limit - 1]))

@@ -216,11 +216,13 @@ def speculative_step(
     one's new text."""
     ids = [r.request_id for r in reqs]
     remaining = [r.max_new - len(r.output_ids) for r in reqs]  # new tokens each may still take
-    chosen = draft_length.limits(ids, [len(r.token_ids) for r in reqs], remaining)
+    # seeded sampling keeps its draws whatever the measured costs (`DraftLength.limits`)
+    pinned = [r.params.seed is not None and not r.params.greedy for r in reqs]
+    chosen = draft_length.limits(ids, [len(r.token_ids) for r in reqs], remaining, pinned)
     limits = [
         min(k, draft_cap(r), left - 1) for r, k, left in zip(reqs, chosen, remaining, strict=True)
     ]
-    for req, bounds in zip(reqs, draft_length.chain_bounds(ids, limits), strict=True):
+    for req, bounds in zip(reqs, draft_length.chain_bounds(ids, limits, pinned), strict=True):
         req.chain_bounds = bounds
     start = time.perf_counter()
     drafts = drafter.propose(reqs, limits)
