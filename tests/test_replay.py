@@ -25,7 +25,7 @@ def test_replay_walks_drafts_as_a_greedy_run_would(tiny_model_dir: Path) -> None
     for config in (
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
         {"model": str(tiny_model_dir), "num_speculative_tokens": 6, "tree_width": 2,
-         "tree_depth": 3},
+         "tree_depth": 3, "draft_length": "fixed"},
     ):  # fmt: skip
         spec = llm.with_speculative_config(config)
         real = spec.generate({"prompt_token_ids": prompt}, params)[0].metrics.spec

@@ -178,8 +178,8 @@ class Engine:
 
     def _seed_pass_costs(self, rows: int) -> None:
         """Under the "cost" draft-length policy, measure the passes a batch of `rows` rows
-        may run before it is first priced (`PassCosts.unseeded`, `seed_rows`: ~1 s for one
-        row of the 1.5B in gguf at K = 3), so the rule does not read the costs of widths it
+        may run before it is first priced (`PassCosts.unseeded`, `seed_rows`: at K = 3, 4 widths
+        x 4 passes for each new row count), so the rule does not read the costs of widths it
         has not run off the one it has."""
         policy = self.draft_length
         if policy.policy == "cost" and (missing := policy.passes.unseeded(rows)):
