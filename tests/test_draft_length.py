@@ -56,6 +56,7 @@ def test_chain_bounds_price_each_further_draft_token() -> None:
     bounds = length.chain_bounds(["a"], [3])
     assert bounds == [pytest.approx((27 / 42, 28 / 42))]
     assert length.chain_bounds(["a"], [1]) == [()] and length.chain_bounds(["a"], [0]) == [()]
+    assert length.chain_bounds(["a", "b"], [3, 0])[1] == ()  # a batch of mixed limits
     # a surer request's bounds are lower: its next token is worth more
     (sure,) = length.chain_bounds(["b"], [3])
     assert sure == pytest.approx((27 / 63, 28 / 63))

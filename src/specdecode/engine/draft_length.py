@@ -166,7 +166,9 @@ class DraftLength:
                 continue
             req = self._request(request_id)
             worth = req.successes / (req.successes + req.failures) * token_s
-            out.append(tuple(c / worth if worth else float("inf") for c in costs[: limit - 1]))
+            out.append(
+                tuple(c / worth if worth else float("inf") for c in costs[: max(limit - 1, 0)])
+            )
         return out
 
     def observe(
