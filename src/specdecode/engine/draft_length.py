@@ -84,6 +84,11 @@ class _Request:
     synced: int = 0  # its length when it last drafted (0: never)
     catch_up: int = 0  # catch-up tokens this step's draft pays for (module docstring)
 
+    @property
+    def rate(self) -> float:
+        """Its acceptance rate: the decayed successes over all its decayed positions."""
+        return self.successes / (self.successes + self.failures)
+
 
 class DraftLength:
     """Chooses each request's draft limit (module docstring) and learns from every step.
@@ -123,13 +128,8 @@ class DraftLength:
             chosen = [self._request(r).limit for r in request_ids]
         else:
             reqs = [self._request(r) for r in request_ids]
-            chosen = self._cost_limits(reqs, lengths, remaining)
-            for i in [i for i, pin in enumerate(pinned or ()) if pin]:
-                chosen[i] = self.max_tokens
-                if lengths is not None and not reqs[i].catch_up:
-                    backlog = lengths[i] - reqs[i].synced
-                    reqs[i].catch_up = backlog if backlog > self.max_tokens + 1 else 0
-                    reqs[i].synced = lengths[i]
+            pins = list(pinned) if pinned is not None else [False] * len(reqs)
+            chosen = self._cost_limits(reqs, lengths, remaining, pins)
             for req, k in zip(reqs, chosen, strict=True):
                 req.offered = k > 0
         self.last_limits = chosen
@@ -165,7 +165,7 @@ class DraftLength:
                 out.append(())
                 continue
             req = self._request(request_id)
-            worth = req.successes / (req.successes + req.failures) * token_s
+            worth = req.rate * token_s
             out.append(
                 tuple(c / worth if worth else float("inf") for c in costs[: max(limit - 1, 0)])
             )
@@ -242,13 +242,15 @@ class DraftLength:
         reqs: list[_Request],
         lengths: Sequence[int] | None,
         remaining: Sequence[int] | None,
+        pinned: Sequence[bool],
     ) -> list[int]:
-        """The cost rule's limits: one k for the whole batch (module docstring); after
-        PROBE_EVERY x B steps in which the batch of B drafted nothing, the whole batch drafts
-        once (a probe costs every row a draft, so a bigger batch probes less often), unless
-        not even drafts that are always accepted would pay at this batch size. With `lengths`
-        and `remaining`, a request whose catch-up would not pay gets 0 (`_priced_catch_up`)."""
-        rates = [r.successes / (r.successes + r.failures) for r in reqs]
+        """The cost rule's limits: one k for the whole batch (module docstring), K for the
+        `pinned` requests (`limits`); after PROBE_EVERY x B steps in which the batch of B
+        drafted nothing, the whole batch drafts once (a probe costs every row a draft, so a
+        bigger batch probes less often), unless not even drafts that are always accepted would
+        pay at this batch size. With `lengths` and `remaining`, a request not pinned whose
+        catch-up would not pay gets 0 (`_priced_catch_up`)."""
+        rates = [r.rate for r in reqs]
         available = [r.hits / r.offers for r in reqs]
         best = self.best_k(rates, available=available)
         if best == 0 and self.best_k([1.0] * len(reqs)) > 0:  # else no rate could pay
@@ -259,9 +261,9 @@ class DraftLength:
                 best = max(1, self.best_k([prior] * len(reqs)))
         else:
             self._idle_steps = 0
-        if best and lengths is not None and remaining is not None:
-            return self._priced_catch_up(reqs, best, rates, available, lengths, remaining)
-        return [best] * len(reqs)
+        if (best or any(pinned)) and lengths is not None and remaining is not None:
+            return self._priced_catch_up(reqs, best, rates, available, lengths, remaining, pinned)
+        return [self.max_tokens if pin else best for pin in pinned]
 
     def _priced_catch_up(
         self,
@@ -271,22 +273,25 @@ class DraftLength:
         available: Sequence[float],
         lengths: Sequence[int],
         remaining: Sequence[int],
+        pinned: Sequence[bool],
     ) -> list[int]:
-        """The batch's k (> 0) per request, or 0 for each request whose catch-up costs more
-        than its drafts would save (module docstring), its requests accepting at `rates` and
-        drafting in the share `available` of their steps; records what the others' drafts
-        catch up on."""
+        """The batch's k per request (K for the `pinned`), or 0 for each request not pinned
+        whose catch-up costs more than its drafts would save (module docstring), its requests
+        accepting at `rates` and drafting in the share `available` of their steps; records
+        what the drafting requests' drafts catch up on."""
         slow, fast = self._rate(0, rates, available), self._rate(k, rates, available)
         saved_per_token = len(reqs) * (1.0 / slow - 1.0 / fast) if slow and fast else 0.0
         out = []
-        for req, length, left in zip(reqs, lengths, remaining, strict=True):
+        for req, length, left, pin in zip(reqs, lengths, remaining, pinned, strict=True):
+            limit = self.max_tokens if pin else k
             backlog = length - req.synced
             tokens = backlog if backlog > self.max_tokens + 1 else 0
-            if tokens and left * saved_per_token < self.setup_s_per_token * tokens:
+            unpaid = tokens and left * saved_per_token < self.setup_s_per_token * tokens
+            if not limit or (unpaid and not pin):
                 out.append(0)
                 continue
             req.catch_up, req.synced = tokens, length
-            out.append(k)
+            out.append(limit)
         return out
 
     def _rate(

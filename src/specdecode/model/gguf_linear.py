@@ -87,14 +87,20 @@ def requantize(weight: Tensor, tensor_type: GGMLQuantizationType) -> GgufWeight:
     rounded as llama.cpp's reference quantizer rounds (`gguf.quants.quantize`, from fp32); a
     clear error where `in` is not a multiple of 32."""
     out, cols = weight.shape
-    if cols % 32:
-        raise UserError(f"GGUF weights need in_features % 32 == 0, got {cols}")
+    _check_width(cols)
     dense = weight.detach().float().cpu().numpy()  # [out, in]
     chunks = [
         quants.quantize(dense[i : i + _CHUNK_ROWS], tensor_type)  # [rows, row bytes]
         for i in range(0, out, _CHUNK_ROWS)
     ]
     return GgufWeight((GgufSegment(tensor_type, np.concatenate(chunks)),), cols)
+
+
+def _check_width(in_features: int) -> None:
+    """GGUF blocks hold 32 or 256 values of a row: a clear error for a width not a multiple
+    of 32."""
+    if in_features % 32:
+        raise UserError(f"GGUF weights need in_features % 32 == 0, got {in_features}")
 
 
 def cat_weights(weights: Sequence[Tensor | GgufWeight]) -> Tensor | GgufWeight:
@@ -141,9 +147,8 @@ class GgufLinear(nn.Module):
         """The projection of a GGUF file's blocks (`weight`), every value and scale kept; a
         clear error where `weight.in_features` is not a multiple of 32 or a type has no
         kernel."""
-        if weight.in_features % 32:
-            raise UserError(f"GGUF weights need in_features % 32 == 0, got {weight.in_features}")
         cols = weight.in_features
+        _check_width(cols)
         return cls([decode(s.tensor_type, s.raw, cols) for s in weight.segments], bias)
 
     def rows(self, kept: Tensor) -> GgufLinear:
