@@ -7,7 +7,8 @@ MODEL ?= smollm2-135m
 PROMPT ?= Add type hints to this Python function. Reply with the whole function only.\n\ndef is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n        if n %% d == 0:\n            return False\n    return True\n
 SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
-.PHONY: install kernels demo serve browser test test-native test-arm64 lint bench bench-docs
+.PHONY: install kernels demo serve browser test test-native test-arm64 lint bench bench-docs \
+    openvino-exporter
 
 install: $(VENV)/.installed
 
@@ -89,3 +90,15 @@ bench-docs: install
 	    --methods plain,draft:$(DRAFT):k=3,ngram:k=8,hf,hf-assisted:$(DRAFT):k=3,hf-lookup:k=8,llamacpp,llamacpp-lookup:k=8
 	$(BENCH) --model smollm2-135m --out bench_out/docs/smollm2-135m \
 	    --methods plain,ngram:k=8,hf,hf-lookup:k=8,llamacpp,llamacpp-lookup:k=8
+
+# The OpenVINO GenAI peer (`bench --methods openvino,...`): the runtime goes into the main venv
+# (no torch); optimum-intel, which exports a model folder to OpenVINO IR once, pulls its own
+# torch and transformers, so it gets a venv of its own, where `specdecode bench` looks for
+# .venv-optimum/bin/optimum-cli. Its torchvision (a PyPI build that does not load with the
+# local CPU torch) is not needed to export a text model and is removed.
+OPTIMUM_VENV := .venv-optimum
+openvino-exporter: install
+	$(PY) -m pip install --quiet openvino-genai==2026.4.1.0
+	test -x $(OPTIMUM_VENV)/bin/python || python3 -m venv $(OPTIMUM_VENV)
+	$(OPTIMUM_VENV)/bin/pip install --quiet "optimum-intel[openvino]==2.2.0" torch==2.13.0
+	$(OPTIMUM_VENV)/bin/pip uninstall --quiet --yes torchvision

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -178,3 +179,17 @@ def build_tiny_exit_head(
     weights["lm_head.weight"] *= 40.0
     save_exit_head(out, cfg, weights)
     return out
+
+
+@pytest.fixture
+def tiny_prompts(tmp_path: Path) -> Path:
+    """A prompt set of 4 chat prompts in two categories ("echo": copy-heavy, "other")."""
+    path = tmp_path / "tiny.jsonl"
+    texts = {"echo": ["abcabcabc abcabc", "hello hello hello"], "other": ["why?", "tell me"]}
+    rows = [
+        {"id": f"{cat}-{i}", "category": cat, "messages": [{"role": "user", "content": text}]}
+        for cat, items in texts.items()
+        for i, text in enumerate(items)
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path

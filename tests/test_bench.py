@@ -568,19 +568,6 @@ def test_bench_help_spells_out_each_preset(capsys: pytest.CaptureFixture) -> Non
 # --- end to end on a tiny model -------------------------------------------------------------
 
 
-@pytest.fixture
-def tiny_prompts(tmp_path: Path) -> Path:
-    path = tmp_path / "tiny.jsonl"
-    texts = {"echo": ["abcabcabc abcabc", "hello hello hello"], "other": ["why?", "tell me"]}
-    rows = [
-        {"id": f"{cat}-{i}", "category": cat, "messages": [{"role": "user", "content": text}]}
-        for cat, items in texts.items()
-        for i, text in enumerate(items)
-    ]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
 def test_bench_end_to_end_on_a_tiny_model(
     tiny_model_dir: Path, tiny_prompts: Path, tmp_path: Path
 ) -> None:

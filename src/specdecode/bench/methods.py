@@ -42,38 +42,76 @@ class Kind:
     about: what it runs (its line in `bench --help`).
     takes_model: whether a positional MODEL follows its name (`hf-assisted:MODEL:k=4`).
     options: its options (positive integers) -> default, None = required.
+    choices: the values an option allows where not every positive integer is one.
     peer_of: for a peer, the bench name of our corresponding method ("ours / peer" ratios).
+    engine: the library that runs it ("ours", "hf", "llamacpp", "openvino"); a peer's
+        speculative method is exact against its engine's plain method (`ENGINE_PLAIN`).
     """
 
     about: str
     takes_model: bool = False
     options: Mapping[str, int | None] = field(default_factory=dict)
+    choices: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     peer_of: str | None = None
+    engine: str = "ours"
 
 
+_BITS = {"bits": (4, 8)}  # the OpenVINO export's weight bits
 KINDS: dict[str, Kind] = {
     "plain": Kind("our plain decoding"),
-    "hf": Kind("Hugging Face transformers' generate() on the same weights", peer_of="plain"),
+    "hf": Kind(
+        "Hugging Face transformers' generate() on the same weights", peer_of="plain", engine="hf"
+    ),
     "hf-assisted": Kind(
         "HF assisted generation with a draft MODEL (assistant_model=, K draft tokens)",
         takes_model=True,
         options={"k": None},
         peer_of="draft",
+        engine="hf",
     ),
     "hf-lookup": Kind(
         "HF prompt lookup (prompt_lookup_num_tokens=K, max_matching_ngram_size=max)",
         options={"k": None, "max": 2},
         peer_of="ngram",
+        engine="hf",
     ),
-    "llamacpp": Kind("llama.cpp (llama-cpp-python) on the model's GGUF file", peer_of="plain"),
+    "llamacpp": Kind(
+        "llama.cpp (llama-cpp-python) on the model's GGUF file", peer_of="plain", engine="llamacpp"
+    ),
     "llamacpp-lookup": Kind(
         "llama.cpp with its prompt lookup (num_pred_tokens=K, max_ngram_size=max)",
         options={"k": None, "max": 2},
         peer_of="ngram",
+        engine="llamacpp",
+    ),
+    "openvino": Kind(
+        "OpenVINO GenAI's LLMPipeline on the model exported by optimum-intel (bits=4: int4 "
+        "weights, 8: int8)",
+        options={"bits": 4},
+        choices=_BITS,
+        peer_of="plain",
+        engine="openvino",
+    ),
+    "openvino-draft": Kind(
+        "OpenVINO GenAI with a draft MODEL (draft_model=, num_assistant_tokens=K)",
+        takes_model=True,
+        options={"k": None, "bits": 4},
+        choices=_BITS,
+        peer_of="draft",
+        engine="openvino",
+    ),
+    "openvino-lookup": Kind(
+        "OpenVINO GenAI's prompt lookup (num_assistant_tokens=K, max_ngram_size=max)",
+        options={"k": None, "max": 2, "bits": 4},
+        choices=_BITS,
+        peer_of="ngram",
+        engine="openvino",
     ),
 }
 # Our method that a peer's method corresponds to (for "ours / peer" ratios).
 PEER_OF = {name: kind.peer_of for name, kind in KINDS.items() if kind.peer_of is not None}
+# Each peer library's plain decoding (its speculative methods' greedy output must equal it).
+ENGINE_PLAIN = {kind.engine: name for name, kind in KINDS.items() if kind.peer_of == "plain"}
 # Options every method of ours takes (plain included) besides its drafter's: key -> (values,
 # what it does). Peers take neither.
 OUR_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -96,6 +134,7 @@ EXAMPLES = (
     "plain:schema=off",
     "hf-lookup:k=8",
     "llamacpp-lookup:k=8:max=2",
+    "openvino-draft:qwen2.5-coder-0.5b:k=4:bits=4",
 )
 
 
@@ -165,6 +204,10 @@ class MethodSpec:
                     + ("" if kind in PEER_OF else f", and {_our_options()}")
                 )
             options[key] = _number(value)
+            choices = KINDS[kind].choices.get(key) if kind in KINDS else None
+            if choices is not None and options[key] not in choices:
+                allowed_values = ", ".join(map(str, choices))
+                raise UserError(f"bad {item!r} in {text!r}; {key} is one of {allowed_values}")
         missing = sorted(required - set(options))
         if missing:
             raise UserError(f"method {text!r} needs {', '.join(f'{m}=N' for m in missing)}")
@@ -192,6 +235,23 @@ class MethodSpec:
         """A peer's option as given, else its default (`KINDS`); None if it has neither."""
         value = self.options.get(key, KINDS[self.kind].options.get(key))
         return None if value is None else int(value)
+
+    @property
+    def engine(self) -> str:
+        """The library that runs this method: "ours" or a peer's (`Kind.engine`)."""
+        return KINDS[self.kind].engine if self.kind in KINDS else "ours"
+
+    def plain_of_engine(self, specs: list[MethodSpec]) -> MethodSpec | None:
+        """For a peer's speculative method, its engine's plain method among `specs` with the
+        same options (e.g. `openvino:bits=4` for `openvino-lookup:k=8`), else None."""
+        plain = ENGINE_PLAIN.get(self.engine)
+        if not self.is_peer or plain is None or plain == self.kind:
+            return None
+        shared = [key for key in KINDS[plain].options if key in KINDS[self.kind].options]
+        for spec in specs:
+            if spec.kind == plain and all(spec.option(k) == self.option(k) for k in shared):
+                return spec
+        return None
 
     def weight_format(self, default: str) -> str:
         """Our target's format for this method: its q= or the run's `default` ("none" ...)."""

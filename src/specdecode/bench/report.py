@@ -6,6 +6,7 @@ from typing import Any
 
 from specdecode import energy
 from specdecode.bench.costs import pass_ratios
+from specdecode.bench.methods import KINDS
 from specdecode.bench.roofline import roofline_text
 from specdecode.bench.stats import ALL
 
@@ -58,8 +59,8 @@ def detail_table(summary: dict[str, Any]) -> list[str]:
 
 
 def exactness_table(summary: dict[str, Any]) -> list[str]:
-    """Greedy: share of prompts identical to our plain decoding in the same weight format, and
-    where the others diverge."""
+    """Greedy: share of prompts identical to plain decoding (ours in the same weight format; a
+    peer's speculative method: its own engine's), and where the others diverge."""
     lines = [
         "| method | identical to | share | first divergence (prompt: index) |",
         "|---|---|---|---|",
@@ -164,11 +165,17 @@ def token_table(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-ENGINES = {"ours": "ours", "hf": "HF transformers", "llamacpp": "llama.cpp"}
+ENGINES = {
+    "ours": "ours",
+    "hf": "HF transformers",
+    "llamacpp": "llama.cpp",
+    "openvino": "OpenVINO GenAI",
+}
 
 
 def _engine(kind: str) -> str:
-    return kind.split("-")[0] if kind.startswith(("hf", "llamacpp")) else "ours"
+    """The library behind a method kind (`Kind.engine`; "ours" for our speculative methods)."""
+    return KINDS[kind].engine if kind in KINDS else "ours"
 
 
 def best_table(summary: dict[str, Any]) -> list[str]:
@@ -256,5 +263,5 @@ def markdown(report: dict[str, Any]) -> str:
     parts += ["", f"J/token: {energy.method()}; the process's CPU seconds over each run."]
     exact = exactness_table(summary)
     if len(exact) > 2:
-        parts += ["", "Greedy output vs our plain decoding (first repeat):", "", *exact]
+        parts += ["", "Greedy output vs plain decoding (first repeat):", "", *exact]
     return "\n".join(parts) + "\n"

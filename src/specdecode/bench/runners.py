@@ -15,6 +15,7 @@ import torch
 
 from specdecode.bench.llamacpp import LlamaCppRunner
 from specdecode.bench.methods import MethodSpec
+from specdecode.bench.openvino import OpenVinoRunner
 from specdecode.bench.records import Timing
 from specdecode.errors import MissingDependencyError
 from specdecode.llm import LLM
@@ -179,7 +180,10 @@ def build_runners(
 
 
 def _peer_runner(spec: MethodSpec, llm: LLM, hf: Any, eos: list[int], n_ctx: int) -> Runner:
-    if spec.kind.startswith("llamacpp"):
+    if spec.engine == "llamacpp":
         return LlamaCppRunner(spec, llm.model_name, llm.model_path, n_ctx, eos)
+    if spec.engine == "openvino":
+        draft = resolve_model(spec.model) if spec.model is not None else None
+        return OpenVinoRunner(spec, llm.model_path, eos, draft)
     assistant = hf(spec.model) if spec.model is not None else None
     return HFRunner(spec, hf(llm.model_path), eos, assistant)

@@ -192,9 +192,13 @@ def exactness(runs: list[Run], method: str, base_method: str) -> dict[str, Any] 
 
 def _plain_of(spec: MethodSpec, specs: list[MethodSpec], default_format: str) -> str:
     """Our plain decoding in `spec`'s weight format and constraint (what its greedy output must
-    equal), else BASELINE (for a peer, for plain decoding itself: how far the format moves it,
-    and for a format without plain decoding in the run)."""
-    if spec.is_peer or spec.kind == "plain":
+    equal); for a peer's speculative method, its own engine's plain method (`plain_of_engine`);
+    else BASELINE (for a peer's plain decoding and ours: how far the engine or the format moves
+    it, and where the run has no such plain method)."""
+    if spec.is_peer:
+        own = spec.plain_of_engine(specs)
+        return BASELINE if own is None else own.name
+    if spec.kind == "plain":
         return BASELINE
     fmt = spec.weight_format(default_format)
     same = [
