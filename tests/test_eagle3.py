@@ -27,8 +27,11 @@ from specdecode.heads.eagle3_config import Eagle3HeadConfig
 from specdecode.llm import LLM
 from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
+from specdecode.train.compute import head_compute_dtype
 from specdecode.train.eagle3_model import TrainableEagle3
-from specdecode.train.trainer import TrainConfig, train
+from specdecode.train.objective import batch_loss
+from specdecode.train.target_pass import run_target
+from specdecode.train.trainer import TrainConfig, _new_head, train
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +256,40 @@ def test_bad_training_configs_and_bench_prompts_are_refused(tmp_path: Path) -> N
         TrainConfig(model="x", out=tmp_path, budget_minutes=None)
     with pytest.raises(UserError, match="responses"):
         TrainConfig(model="x", out=tmp_path, responses="teacher")
+    with pytest.raises(UserError, match="unknown head dtype 'fp8'; allowed: auto, bfloat16"):
+        TrainConfig(model="x", out=tmp_path, head_dtype="fp8")
+
+
+def test_the_heads_compute_dtype_follows_the_cpus_bf16_support() -> None:
+    assert head_compute_dtype("auto", frozenset({"avx2", "fma"})) == torch.float32
+    assert head_compute_dtype("auto", frozenset({"avx512f", "avx512_bf16"})) == torch.bfloat16
+    assert head_compute_dtype("auto", frozenset({"amx_bf16"})) == torch.bfloat16
+    assert head_compute_dtype("auto", frozenset({"asimd", "bf16"})) == torch.bfloat16  # ARM64
+    assert head_compute_dtype("bfloat16", frozenset()) == torch.bfloat16
+    assert head_compute_dtype("float32", frozenset({"amx_bf16"})) == torch.float32
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_the_loss_is_the_same_in_either_compute_dtype(
+    trained: tuple[Path, Path], compute: torch.dtype
+) -> None:
+    """fp32 matmuls (CPUs without native bf16) and bf16 autocast train the same objective:
+    the loss of one batch agrees to bf16's precision, and its gradient flows in both."""
+    model_dir, _ = trained
+    llm = LLM(str(model_dir), dtype="float32")
+    config = train_config(model_dir, Path("unused"))
+    head = _new_head(config, llm, torch.arange(120))
+    ids = chat_prompts(model_dir, examples(2, 3000))
+    passes = [
+        run_target(llm.model, p["prompt_token_ids"] + [5, 6, 7, 8], len(p["prompt_token_ids"]),
+                   head.feature_layers, torch.arange(120))
+        for p in ids
+    ]  # fmt: skip
+    reference, _ = batch_loss(head, passes, 3, torch.arange(120), torch.float32)
+    loss, _ = batch_loss(head, passes, 3, torch.arange(120), compute)
+    loss.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=2e-2)
+    assert head.p("fc.weight").grad is not None and head.p("fc.weight").grad.abs().sum() > 0
 
 
 def test_a_bench_prompt_in_the_training_data_is_refused(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from specdecode.model.loading import DTYPES
 from specdecode.model.quant import QUANTIZATIONS
+from specdecode.train.compute import HEAD_DTYPES
 from specdecode.train.init import INITS
 from specdecode.train.trainer import LOG, METHODS, RESPONSES, TrainConfig, train
 
@@ -40,6 +41,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--responses", default=d["responses"], choices=RESPONSES)
     p.add_argument("--quantization", default=d["quantization"], choices=["none", *QUANTIZATIONS])
     p.add_argument("--dtype", default=d["dtype"], choices=sorted(DTYPES))
+    p.add_argument(
+        "--head-dtype",
+        default=d["head_dtype"],
+        choices=HEAD_DTYPES,
+        help="the head's matmuls: auto = bfloat16 where the CPU has native bf16 dot products "
+        "(AVX-512 BF16, AMX), else float32 (default auto)",
+    )
     p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"])
     p.add_argument("--max-length", type=int, default=d["max_length"], help="tokens per example")
     p.add_argument("--max-answer-tokens", type=int, default=d["max_answer_tokens"])

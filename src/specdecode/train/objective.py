@@ -77,14 +77,20 @@ def padded_batch(passes: Sequence[TargetPass]) -> tuple[Tensor, Tensor, Tensor, 
 
 
 def batch_loss(
-    head: TrainableHead, passes: Sequence[TargetPass], steps: int, target_ids: Tensor
+    head: TrainableHead,
+    passes: Sequence[TargetPass],
+    steps: int,
+    target_ids: Tensor,
+    compute: torch.dtype,
 ) -> tuple[Tensor, tuple[list[int], list[int]]]:
     """The loss over a batch (`steps`: EAGLE-3's TTT steps), and per output (agreeing,
-    counted) answer positions. Logits are computed for answer positions only."""
+    counted) answer positions. Logits are computed for answer positions only. `compute`: the
+    head's matmul dtype (bfloat16: autocast; float32: none; `compute.head_compute_dtype`)."""
     tokens, features, teacher, argmax, answer = padded_batch(passes)
     total = torch.zeros(())
     agree, counted = [], []
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    autocast = compute != torch.float32
+    with torch.autocast("cpu", dtype=compute, enabled=autocast):
         outputs = head(features, tokens, steps)
     for j, hidden in enumerate(outputs):
         ahead = j + head.shift  # column t predicts token t + ahead + 1: teacher row t + ahead
@@ -96,7 +102,7 @@ def batch_loss(
         padded = -(-n // ROW_BUCKET) * ROW_BUCKET
         rows = torch.cat([rows, rows[:1].expand(padded - n)])
         cols_at = torch.cat([cols_at, cols_at[:1].expand(padded - n)])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=compute, enabled=autocast):
             logits = head.logits(hidden[rows, cols_at])  # [padded, Vd]
         logp = F.log_softmax(logits.float(), dim=-1)[:n]  # [n, Vd]
         target_p = F.softmax(teacher[rows[:n], cols_at[:n] + ahead].float(), dim=-1)  # [n, Vd]
@@ -110,14 +116,18 @@ def batch_loss(
 
 @torch.no_grad()
 def evaluate(
-    head: TrainableHead, held: Sequence[TargetPass], steps: int, target_ids: Tensor
+    head: TrainableHead,
+    held: Sequence[TargetPass],
+    steps: int,
+    target_ids: Tensor,
+    compute: torch.dtype,
 ) -> Evaluation:
-    """Score the head on held-out sequences (module docstring)."""
+    """Score the head on held-out sequences (module docstring), its matmuls in `compute`."""
     agree: list[int] = []
     counted: list[int] = []
     losses = []
     for p in held:
-        loss, (a, c) = batch_loss(head, [p], steps, target_ids)
+        loss, (a, c) = batch_loss(head, [p], steps, target_ids, compute)
         losses.append(float(loss))
         for j in range(len(a)):
             if j == len(agree):

@@ -6,8 +6,9 @@ and standard-library code, never the bench's prompts: `train.data`), let the tar
 them (responses "target": self-distillation) or keep the dataset's answers ("dataset": teacher
 forcing), run the target once over each sequence (`run_target`: the states the head reads and
 its logits), and fit the head's outputs (EAGLE-3's `unroll` TTT steps, Medusa's heads, the
-exit) to the target's distribution over the draft vocabulary (`train.objective`). Matmuls
-run in bf16 (AMX where the CPU has it), weights and optimizer state in fp32.
+exit) to the target's distribution over the draft vocabulary (`train.objective`). The head's
+matmuls run in bf16 where the CPU multiplies bf16 natively (AVX-512 BF16, AMX), else in fp32
+(`compute.head_compute_dtype`); weights and optimizer state are fp32.
 
 Every `eval_every` steps the head is scored on held-out ShareGPT exchanges
 (`objective.evaluate`: top-1 agreement per TTT step and the tau it implies). Checkpoints
@@ -45,6 +46,7 @@ from specdecode.model.loading import parse_dtype
 from specdecode.model.quant import parse_quantization
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.sampling_params import SamplingParams
+from specdecode.train.compute import HEAD_DTYPES, head_compute_dtype
 from specdecode.train.data import encode_example
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.exit_model import TrainableExitHead
@@ -70,6 +72,8 @@ class TrainConfig:
     responses: "dataset" (teacher forcing on the dataset's answers) or "target" (the target
         answers each prompt greedily, up to max_answer_tokens: self-distillation, slower).
     quantization / dtype: the target's format for its passes (int8: fast prefill).
+    head_dtype: the head's matmuls: "auto" (bfloat16 where the CPU has native bf16 dot
+        products, else float32), "bfloat16" or "float32".
     draft_vocab_size: the head's vocabulary (the most frequent answer tokens of the first
         vocab_examples examples). max_length: tokens per sequence (prompt + answer).
     batch_size: sequences per optimizer step. unroll: EAGLE-3's TTT steps (and the chain
@@ -91,6 +95,7 @@ class TrainConfig:
     responses: str = "dataset"
     quantization: str | None = "int8"
     dtype: str = "bfloat16"
+    head_dtype: str = "auto"
     draft_vocab_size: int = 32000
     vocab_examples: int = 2000
     max_length: int = 512
@@ -119,6 +124,10 @@ class TrainConfig:
         if self.responses not in RESPONSES:
             raise UserError(
                 f"unknown responses {self.responses!r}; allowed: {', '.join(RESPONSES)}"
+            )
+        if self.head_dtype not in HEAD_DTYPES:
+            raise UserError(
+                f"unknown head dtype {self.head_dtype!r}; allowed: {', '.join(HEAD_DTYPES)}"
             )
         if self.init not in INITS:
             raise UserError(f"unknown init {self.init!r}; allowed: {', '.join(INITS)}")
@@ -210,8 +219,9 @@ def train(
         draft_ids,
         config,
     )
+    compute = head_compute_dtype(config.head_dtype)
     if state.step == 0:
-        _record(state, evaluate(head, held, config.unroll, draft_ids), 0.0)
+        _record(state, evaluate(head, held, config.unroll, draft_ids, compute), 0.0)
     base = state.seconds - (time.perf_counter() - started)  # setup is not budgeted
 
     def elapsed() -> float:
@@ -234,14 +244,14 @@ def train(
         passes = [
             run_target(llm.model, ids, n, head.feature_layers, draft_ids) for _, ids, n in batch
         ]
-        loss = _optimizer_step(head, optimizer, passes, state.step, config, draft_ids)
+        loss = _optimizer_step(head, optimizer, passes, state.step, config, draft_ids, compute)
         state.step += 1
         state.examples = batch[-1][0] + 1
         state.tokens += sum(len(p.tokens) for p in passes)
         state.answer_tokens += sum(len(p.tokens) - p.prompt_length for p in passes)
         postfix = {"loss": f"{loss:.3f}", "tokens": state.tokens}
         if state.step % config.eval_every == 0:
-            ev = evaluate(head, held, config.unroll, draft_ids)
+            ev = evaluate(head, held, config.unroll, draft_ids, compute)
             _record(state, ev, elapsed())
             postfix |= {"agree": f"{ev.agreement[0]:.2f}", "tau~": f"{ev.tau:.2f}"}
         bar.set_postfix(postfix, refresh=False)
@@ -252,7 +262,7 @@ def train(
             _save_checkpoint(config.out / CHECKPOINT, head, optimizer, state, draft_ids)
             last_checkpoint = time.perf_counter()
     bar.close()
-    ev = evaluate(head, held, config.unroll, draft_ids)
+    ev = evaluate(head, held, config.unroll, draft_ids, compute)
     if state.history[-1]["step"] != state.step:
         _record(state, ev, elapsed())
     state.seconds = elapsed()
@@ -326,11 +336,13 @@ def _optimizer_step(
     step: int,
     config: TrainConfig,
     draft_ids: Tensor,
+    compute: torch.dtype,
 ) -> float:
-    """One AdamW step on a batch (learning rate warmed up linearly); returns the loss."""
+    """One AdamW step on a batch (learning rate warmed up linearly, matmuls in `compute`);
+    returns the loss."""
     for group in optimizer.param_groups:
         group["lr"] = config.lr * min(1.0, (step + 1) / max(config.warmup_steps, 1))
-    loss, _ = batch_loss(head, passes, config.unroll, draft_ids)
+    loss, _ = batch_loss(head, passes, config.unroll, draft_ids, compute)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -359,6 +371,7 @@ def _save_head(
         "held_out_agreement": list(ev.agreement),
         "held_out_tau": ev.tau,
         "responses": config.responses,
+        "head_dtype": str(head_compute_dtype(config.head_dtype)).removeprefix("torch."),
         "parameters": sum(p.numel() for p in head.parameters()),
     }
     head.save(config.out, weights, summary)

@@ -1,0 +1,114 @@
+"""Where one `specdecode train` optimizer step spends its time, per part, on this CPU.
+
+Runs the trainer's own parts on the real data stream (ShareGPT + standard-library code, the
+bench filter on): the target's passes (`run_target`, per example), the head's forward (the TTT
+unroll), the loss (output head over answer positions, softmaxes), the backward, and AdamW's
+step, each timed separately over `--steps` optimizer steps (after one untimed step). The
+head's matmuls run in `--head-dtype` (auto: the trainer's choice for this CPU), the target's
+activations in `--dtype`.
+
+Prints per part the median ms per step and the target tokens per second the step reaches.
+
+Usage: python benchmarks/train_profile.py [--model qwen2.5-coder-1.5b] [--quantization int8]
+       [--batch-size 4] [--max-length 512] [--steps 3] [--head-dtype auto] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from specdecode.corpus.vocab import draft_vocabulary
+from specdecode.llm import LLM
+from specdecode.train.compute import HEAD_DTYPES, head_compute_dtype
+from specdecode.train.objective import SHAPE_BUCKET, batch_loss
+from specdecode.train.target_pass import run_target
+from specdecode.train.trainer import TrainConfig, _encoded, _new_head, default_examples
+
+PARTS = ("target passes", "head forward + loss", "backward", "optimizer")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--quantization", default="int8")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--unroll", type=int, default=3)
+    parser.add_argument("--head-dtype", default="auto", choices=HEAD_DTYPES)
+    parser.add_argument("--dtype", default="bfloat16", help="the target's activations")
+    args = parser.parse_args()
+    config = TrainConfig(
+        model=args.model,
+        out=None,  # type: ignore[arg-type]  # nothing is saved
+        quantization=args.quantization,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        unroll=args.unroll,
+        head_dtype=args.head_dtype,
+        dtype=args.dtype,
+    )
+    compute = head_compute_dtype(config.head_dtype)
+    llm = LLM(config.model, dtype=config.dtype, quantization=config.quantization)
+    stream, _, bench = default_examples()
+    encoded = _encoded(stream, llm.tokenizer, config.max_length, bench)
+    first = list(itertools.islice(encoded, 200))
+    vocab = llm.model.config.vocab_size
+    draft_ids = draft_vocabulary(
+        [ids[n:] for _, ids, n in first],
+        config.draft_vocab_size,
+        vocab,
+        llm.tokenizer.eos_token_ids,
+    )
+    head = _new_head(config, llm, draft_ids)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95))
+    times: dict[str, list[float]] = defaultdict(list)
+    tokens: list[int] = []
+    padded: list[int] = []  # the head's columns per step: examples x the bucketed longest
+    batches = itertools.islice(
+        (first[i : i + args.batch_size] for i in range(0, len(first), args.batch_size)),
+        args.steps + 1,
+    )
+    for step, batch in enumerate(batches):
+        stamps = [time.perf_counter()]
+        passes = [
+            run_target(llm.model, ids, n, head.feature_layers, draft_ids) for _, ids, n in batch
+        ]
+        stamps.append(time.perf_counter())
+        loss, _ = batch_loss(head, passes, config.unroll, draft_ids, compute)
+        stamps.append(time.perf_counter())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        stamps.append(time.perf_counter())
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        stamps.append(time.perf_counter())
+        if step > 0:  # the first step is untimed (allocations, oneDNN's first calls)
+            for part, start, end in zip(PARTS, stamps[:-1], stamps[1:], strict=True):
+                times[part].append((end - start) * 1e3)
+            tokens.append(sum(len(p.tokens) for p in passes))
+            padded.append(len(passes) * -(-max(len(p.tokens) for p in passes) // SHAPE_BUCKET))
+    total = [sum(parts) for parts in zip(*times.values(), strict=True)]
+    print(
+        f"{args.model} ({args.quantization} target passes, {args.dtype} activations), "
+        f"head {compute}, "
+        f"{args.batch_size} examples/step, {statistics.median(tokens)} tokens/step (median), "
+        f"{sum(tokens) / (sum(padded) * SHAPE_BUCKET):.0%} of the head's padded columns real"
+    )
+    for part, values in times.items():
+        print(f"  {part:22s} {statistics.median(values):9.0f} ms")
+    step_ms = statistics.median(total)
+    print(
+        f"  {'step':22s} {step_ms:9.0f} ms = {statistics.median(tokens) / step_ms * 1e3:.0f} "
+        "target tokens/s"
+    )
+
+
+if __name__ == "__main__":
+    main()
