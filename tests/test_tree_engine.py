@@ -27,7 +27,8 @@ TREE_CONFIGS = {
                "suffix_decoding_min_token_prob": 0.0, "suffix_decoding_max_cached_requests": 0},
     "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3,
                   "guess_set_size": 3},
-    "draft_model": {"num_speculative_tokens": 8, "tree_width": 3, "tree_depth": 3},
+    "draft_model": {"num_speculative_tokens": 8, "tree_width": 3, "tree_depth": 3,
+                    "draft_length": "fixed"},  # the default prices steps by measured time
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 8, "tree_width": 3,
                "tree_depth": 3},
     "medusa": {"method": "medusa", "num_speculative_tokens": 8, "tree_width": 3,
