@@ -507,7 +507,7 @@ int main() {
     check_bf16(M, 94, 100, bf16_exact);
   }
   for (const Format& f : FORMATS)
-    for (const int64_t M : {1, 2, 5, 9}) {
+    for (const int64_t M : {1, 2, 5, 9, 11, 21}) {  // one group of tokens, 2 and 3
       check_gguf<float>(f, M, 512, 40);
       if (M == 5) check_gguf<sd::BFloat16>(f, M, 256, 16);
     }

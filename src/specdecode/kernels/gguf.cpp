@@ -45,10 +45,15 @@ namespace {
 
 static_assert(LANES == GGUF_ROWS, "a GGUF tile is one row per lane");
 
-// tokens per tile, at most (AVX2 has half the vector registers: fewer tokens' sums fit; NEON
-// has 32, as AVX-512)
-#if !defined(__AVX512VNNI__) && defined(__AVX2__)
+// tokens per tile, at most: 8 where there are 32 vector registers (AVX-512, NEON). AVX-VNNI
+// keeps 4: with 16, more tokens' int32 sums do not fit. Plain AVX2 takes 10: only its int16 run
+// sums need to stay in registers (the rarer int32 and fp32 sums spill), and a 9-token
+// verification pass is then one group, not 3 (each group decodes the tile's codes again, and
+// after the first group its compute no longer overlaps the weights' stream from memory).
+#if defined(__AVXVNNI__) && !defined(__AVX512VNNI__)
 constexpr int GGUF_TOKENS = 4;
+#elif defined(__AVX2__) && !defined(__AVX512VNNI__)
+constexpr int GGUF_TOKENS = 10;
 #else
 constexpr int GGUF_TOKENS = 8;
 #endif
@@ -176,6 +181,10 @@ inline void table_sums(const int8_t* table, const int16_t* bsum, int64_t ld, __m
 
 #if !defined(__AVX512VNNI__) && defined(__AVX2__)
 // AVX2 works on half a tile at a time: rows 8 h .. 8 h + 7, one per 32-bit lane.
+
+// Keeps v in a register here: GCC would otherwise reassociate a run's exact integer sums,
+// computing every product first and spilling them to the stack (2-3x slower).
+inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
 
 // quad_codes8's tables for BITS-bit fields (5, 6): per 16-bit word f of each 128-bit lane, the
 // shuffle that puts field f's one or two bytes in it (lo: the lane's first lane pair, hi: its
@@ -470,7 +479,18 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const GgufActs& a, const uint8_t
         if (next != nullptr && half == 0) prefetch_part(next + s * sb_bytes, sb_bytes, j, SUBS);
         const int64_t k0 = (s * SUBS + j) * S;
         const uint8_t* codes = h + header + j * sub_bytes;
-        __m256i isum[T];
+        __m256i scale = _mm256_setzero_si256();  // sc_j of each row as int32 (SUBS > 1)
+        if constexpr (SUBS > 1) {
+          const __m256i pair = pair_vector8(sc, j / 2, half);
+          scale = j % 2 == 0 ? _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16)
+                             : _mm256_srai_epi32(pair, 16);
+        }
+        // Without VNNI each run's int16 pair sums go into main at once, times sc_j: vpmaddwd
+        // with sc_j in both int16 halves of a row's lane (1 without a table); the same int32
+        // sum as sc_j times the sub-block's sum.
+        [[maybe_unused]] const __m256i weight =
+            SUBS > 1 ? _mm256_blend_epi16(_mm256_slli_epi32(scale, 16), scale, 0x55) : ones;
+        __m256i isum[T];  // with VNNI: the sub-block's int32 sums
         UNROLL for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
         UNROLL for (int c0 = 0; c0 < S / 4; c0 += RUN) {
           __m256i pairs[T];  // int16 pair sums of the run's quads (without VNNI)
@@ -489,24 +509,21 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const GgufActs& a, const uint8_t
                   BITS == 8 ? _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, signed_q))
                             : _mm256_maddubs_epi16(q, x);
               pairs[t] = _mm256_add_epi16(pairs[t], products);
+              keep_in_register(pairs[t]);
 #endif
             }
           }
           if constexpr (!VNNI) {
             UNROLL for (int t = 0; t < T; ++t)
-              isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(pairs[t], ones));
+              main[t] = _mm256_add_epi32(main[t], _mm256_madd_epi16(pairs[t], weight));
           }
         }
-        __m256i scale = _mm256_setzero_si256();
-        if constexpr (SUBS > 1) {
-          const __m256i pair = pair_vector8(sc, j / 2, half);
-          scale = j % 2 == 0 ? _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16)
-                             : _mm256_srai_epi32(pair, 16);
-        }
-        UNROLL for (int t = 0; t < T; ++t) {
-          __m256i total = isum[t];
-          if constexpr (SUBS > 1) total = _mm256_mullo_epi32(total, scale);
-          main[t] = _mm256_add_epi32(main[t], total);
+        if constexpr (VNNI) {
+          UNROLL for (int t = 0; t < T; ++t) {
+            __m256i total = isum[t];
+            if constexpr (SUBS > 1) total = _mm256_mullo_epi32(total, scale);
+            main[t] = _mm256_add_epi32(main[t], total);
+          }
         }
       }
       if constexpr (OFF != 0 && !SIGNED_Q8) {  // main -= OFF * sum_j sc_j bsum_j
