@@ -198,6 +198,9 @@ class LimitSpy:
         self.seen += list(max_tokens)
         return self.inner.propose(seqs, max_tokens)
 
+    def catch_up(self, seq) -> int:
+        return self.inner.catch_up(seq)
+
     def commit(self, seq, verdict, target) -> None:
         self.inner.commit(seq, verdict, target)
 
@@ -297,12 +300,12 @@ def test_a_catch_up_is_drafted_only_where_the_drafts_would_repay_it() -> None:
                    [Verdict(0, torch.zeros(1, dtype=torch.long))], 0.0, 0.07,
                    setup_s=2.0)  # fmt: skip
     assert length.setup_s_per_token == 0.0  # "a" was not offered a draft in that step
-    assert length.limits(["a"], [200], [64])[0] >= 1  # caught up: a backlog of 0
+    assert length.limits(["a"], [0], [64])[0] >= 1  # caught up: nothing to read alone
     length.observe(["a"], [Draft(torch.zeros(3, dtype=torch.long))],
                    [Verdict(1, torch.zeros(2, dtype=torch.long))], 0.03, 0.072,
                    setup_s=0.0)  # fmt: skip
     assert length.setup_s_per_token == 0.0
-    b = length.limits(["b"], [200], [64])  # a new request: 200 tokens to catch up
+    b = length.limits(["b"], [200], [64])  # a new request: a 200-token prompt to read
     assert b[0] >= 1
     length.observe(["b"], [Draft(torch.zeros(3, dtype=torch.long))],
                    [Verdict(1, torch.zeros(2, dtype=torch.long))], 0.03, 0.072,
@@ -311,8 +314,9 @@ def test_a_catch_up_is_drafted_only_where_the_drafts_would_repay_it() -> None:
     # each draft saves a few ms a token: 2 s of catch-up pays back only over many tokens
     assert length.limits(["c"], [200], [16]) == [0]
     assert length.limits(["d"], [200], [100_000])[0] >= 1
-    assert length.limits(["b"], [203], [60])[0] >= 1  # b is caught up: 3 tokens behind
+    assert length.limits(["b"], [0], [60])[0] >= 1  # b is caught up (3 tokens ride along)
     assert length.limits(["c"], [220], [16]) == [0]  # still not worth it
+    assert length.limits(["e"], [20], [16])[0] >= 1  # a prompt window's 20 tokens are
     assert length._requests["c"].catch_up == 0  # declined: nothing to catch up on
 
 

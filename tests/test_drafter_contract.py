@@ -22,7 +22,8 @@ from specdecode.types import Draft, TargetOutputs, Verdict
 
 class Needy(DrafterBase):
     """Drafts last + 1, ...; asks for layer 1's states and the argmax, spends `SETUP_S` of
-    one-time work in every propose, answers to a name and records what each commit got."""
+    one-time work in every propose (reading the whole sequence: `catch_up`), answers to a
+    name and records what each commit got."""
 
     SETUP_S = 0.25
 
@@ -38,18 +39,23 @@ class Needy(DrafterBase):
             for s, m in zip(seqs, max_tokens, strict=True)
         ]
 
+    def catch_up(self, seq: SeqView) -> int:
+        return len(seq.token_ids)
+
     def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         self.seen.append((len(seq.token_ids), target))
 
 
 @pytest.mark.parametrize("wrap", ["overlap", "mux"])
 def test_a_wrapped_drafter_reports_what_the_bare_one_does(wrap: str) -> None:
-    """Needs and setup time pass through a wrapper (SSD's overlap, the mux); a wrapper that
-    dropped setup_s billed a draft model's prompt prefill as per-token drafting time."""
+    """Needs, setup time and catch-up pass through a wrapper (SSD's overlap, the mux); a
+    wrapper that dropped setup_s billed a draft model's prompt prefill as per-token drafting
+    time, one that dropped catch_up hid it from the cost rule's pricing."""
     bare = Needy()
     wrapped = OverlapDrafter(bare, 3) if wrap == "overlap" else DrafterMux({"a": (bare, 3)})
     assert wrapped.needs == bare.needs
     seq = FakeSeq("r", [1, 2, 3], params=SamplingParams(temperature=0.0))
+    assert wrapped.catch_up(seq) == bare.catch_up(seq) == 3
     wrapped.propose([seq], [3])
     assert wrapped.setup_s == bare.setup_s == Needy.SETUP_S
     target = TargetOutputs(argmax=(4, 5, 6, 7))

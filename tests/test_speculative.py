@@ -250,7 +250,8 @@ def test_drafter_sees_the_hidden_states_it_asks_for(
 
 
 def test_a_drafter_must_be_a_drafter(tiny_model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="lacks propose, commit, release, needs, setup_s, names"):
+    members = "propose, catch_up, commit, release, needs, setup_s, names"
+    with pytest.raises(ValueError, match=f"lacks {members}"):
         LLM(model=str(tiny_model_dir), dtype="float32", drafter=object())
     config = {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="either speculative_config or drafter"):

@@ -210,8 +210,8 @@ class Drafter(Protocol):
     names: the names a request may give as `SamplingParams.drafter` (a `DrafterMux`'s
         drafters); the engine refuses any other name.
 
-    Subclass `DrafterBase` for the defaults (no needs, 0 s, no names, nothing to commit or
-    release); a wrapper forwards all of them from the drafter it wraps.
+    Subclass `DrafterBase` for the defaults (no needs, 0 s, no names, no catch-up, nothing to
+    commit or release); a wrapper forwards all of them from the drafter it wraps.
     """
 
     needs: DrafterNeeds
@@ -225,6 +225,13 @@ class Drafter(Protocol):
         `specdecode.sampling.probs.probs_from_logits` and the sequence's own `params`, and draw
         with the sequence's `generator`.
         """
+        ...
+
+    def catch_up(self, seq: SeqView) -> int:
+        """How many of `seq`'s tokens the next `propose` would read as one-time work before
+        drafting for it (`setup_s`): a draft model's prefill of a new prompt, or the tokens
+        committed while it did not draft; 0 = none. The "cost" draft-length policy prices
+        them (`engine.draft_length`)."""
         ...
 
     def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
@@ -242,7 +249,7 @@ class Drafter(Protocol):
 
 class DrafterBase(ABC):
     """The `Drafter` protocol's typed defaults: a subclass writes `propose` and overrides
-    what it uses (`needs`, `setup_s`, `names`, `commit`, `release`)."""
+    what it uses (`needs`, `setup_s`, `names`, `catch_up`, `commit`, `release`)."""
 
     needs: DrafterNeeds = DrafterNeeds()
     setup_s: float = 0.0
@@ -251,6 +258,10 @@ class DrafterBase(ABC):
     @abstractmethod
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
         """See `Drafter.propose`."""
+
+    def catch_up(self, seq: SeqView) -> int:
+        """No one-time work (see `Drafter.catch_up`)."""
+        return 0
 
     def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:  # noqa: B027
         """Nothing to sync (see `Drafter.commit`)."""
@@ -293,7 +304,7 @@ def check_drafter(drafter: object, num_layers: int) -> None:
     """Refuse an object that lacks the `Drafter` protocol's members (naming them), or whose
     `needs` asks for hidden states of layers the target (of `num_layers` blocks) does not
     have."""
-    members = ("propose", "commit", "release", "needs", "setup_s", "names")
+    members = ("propose", "catch_up", "commit", "release", "needs", "setup_s", "names")
     missing = [name for name in members if not hasattr(drafter, name)]
     if missing:
         raise UserError(

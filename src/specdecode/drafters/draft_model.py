@@ -127,6 +127,9 @@ class DraftModelConfig(ModelDrafterConfig):
         this (0..1; HF's assistant_confidence_threshold); None = always K tokens.
     draft_length: as for every drafter, but "cost" by default: a draft model costs enough
         that a fixed K loses where its drafts are rarely accepted (docs/drafters.md).
+    prompt_window: the draft model reads only a prompt's last this many tokens (with the
+        first generated one), so its prefill costs at most that many (`drafters.window`);
+        None = the whole prompt.
     """
 
     method: ClassVar[str] = "draft_model"
@@ -137,9 +140,15 @@ class DraftModelConfig(ModelDrafterConfig):
     staged: str | None = None
     ssd: bool = False
     confidence_threshold: float | None = None
+    prompt_window: int | None = None
 
     def __post_init__(self) -> None:
         ModelDrafterConfig.__post_init__(self)  # (slots dataclasses break a bare super())
+        window = self.prompt_window
+        if window is not None and not is_positive_int(window):
+            raise UserError(
+                f"prompt_window must be None (the whole prompt) or an int >= 1, got {window!r}"
+            )
         if self.staged not in STAGERS:
             raise UserError(
                 f"staged must be one of {', '.join(repr(s) for s in STAGERS)}, got {self.staged!r}"
@@ -262,6 +271,17 @@ class DraftModelDrafter(DrafterBase):
             if self.tree_width > 1:
                 return [self._propose_tree(s, m) for s, m in zip(seqs, max_tokens, strict=True)]
             return self._propose_chains(seqs, max_tokens)
+
+    def catch_up(self, seq: SeqView) -> int:
+        """The tokens of `seq` a chain's propose would feed alone before drafting (see
+        `Drafter.catch_up`): its prompt when new, or a backlog of more than K + 1 tokens
+        (fewer ride along with the first draft pass); else 0."""
+        ids = seq.token_ids
+        cached = min(self._caches.cached(seq.request_id), len(ids) - 1)
+        backlog = len(ids) - cached
+        if backlog <= self.num_speculative_tokens + 1 and (cached > 0 or len(ids) == 1):
+            return 0
+        return backlog
 
     def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """Roll the cache back to the committed tokens but the last one.

@@ -62,6 +62,12 @@ class DraftRows:
         assert self._cache is not None  # place made it
         return self._cache.lengths[row]
 
+    def cached(self, request_id: str) -> int:
+        """Slots the request's row holds (0 before it has a row)."""
+        if self._cache is None or request_id not in self._ids:
+            return 0
+        return self._cache.lengths[self._ids.index(request_id)]
+
     def truncate(self, request_id: str, length: int) -> None:
         """Roll the request's row back to at most `length` slots (unknown ids are ignored)."""
         if self._cache is None or request_id not in self._ids:

@@ -54,6 +54,10 @@ class DrafterMux(DrafterBase):
             self.setup_s += drafter.setup_s
         return [drafts[row] for row in range(len(seqs))]
 
+    def catch_up(self, seq: SeqView) -> int:
+        """The sequence's own drafter's catch-up (`Drafter.catch_up`)."""
+        return self.drafters[self._name(seq)][0].catch_up(seq)
+
     def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """The sequence's own drafter syncs."""
         self.drafters[self._name(seq)][0].commit(seq, verdict, target)

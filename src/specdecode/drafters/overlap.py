@@ -116,6 +116,10 @@ class OverlapDrafter(DrafterBase):
             self._job = self._pool.submit(self._prepare, hypotheses)
         return done
 
+    def catch_up(self, seq: SeqView) -> int:
+        """The wrapped drafter's catch-up (`Drafter.catch_up`)."""
+        return self.inner.catch_up(seq)
+
     def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """Wait for the preparing thread, then sync the wrapped drafter."""
         self._wait()

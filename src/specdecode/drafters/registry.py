@@ -122,6 +122,7 @@ DRAFTERS: dict[str, DrafterMethod] = {
                 "st": "staged",
                 "ssd": "ssd",
                 "conf": "confidence_threshold",
+                "pw": "prompt_window",
             },
             model_field="model",
         ),

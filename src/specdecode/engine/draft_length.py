@@ -23,9 +23,11 @@ request and per step, a limit k in 0..K (0 = decode one token without a draft):
 
 A drafter with one-time work per sequence (a draft model prefilling a prompt, or catching up
 on the tokens committed while it did not draft: `Drafter.setup_s`) makes a request pay for its
-catch-up before its first draft. The cost rule prices it: a request's catch-up tokens are its
-tokens since it last drafted, where more than K + 1 (fewer are fed with the draft's first pass,
-priced as drafting); their seconds per token are learned from the steps that paid them (s).
+catch-up before its first draft. The cost rule prices it: a request's catch-up tokens are what
+its drafter says it would read alone before drafting (`Drafter.catch_up`: a draft model's new
+prompt, or a backlog of more than K + 1 tokens, fewer being fed with the draft's first pass
+and priced as drafting; with a prompt window at most the window and what followed it); their
+seconds per token are learned from the steps that paid them (s).
 Such a request drafts only if the time its drafts would save over the tokens it may still
 generate, R * B * (1 / rate(0) - 1 / rate(k)) with the batch's k, is at least the catch-up's
 s * n seconds; otherwise its limit is 0 (a short answer after a long prompt is not worth the
@@ -81,7 +83,6 @@ class _Request:
     offers: float = 1.0  # steps it could draft (decayed)
     hits: float = 1.0  # of those, steps it did draft (decayed)
     offered: bool = False  # its limit this step was > 0
-    synced: int = 0  # its length when it last drafted (0: never)
     catch_up: int = 0  # catch-up tokens this step's draft pays for (module docstring)
 
     @property
@@ -113,13 +114,14 @@ class DraftLength:
     def limits(
         self,
         request_ids: list[str],
-        lengths: Sequence[int] | None = None,
+        catch_up: Sequence[int] | None = None,
         remaining: Sequence[int] | None = None,
         pinned: Sequence[bool] | None = None,
     ) -> list[int]:
-        """This step's draft limit per request (0..K), in order. `lengths` (each request's
-        tokens so far) and `remaining` (the new tokens it may still generate) let the cost
-        rule price a drafter's catch-up (module docstring); without them it is left out.
+        """This step's draft limit per request (0..K), in order. `catch_up` (each request's
+        tokens its drafter would read alone before drafting: `Drafter.catch_up`) and
+        `remaining` (the new tokens it may still generate) let the cost rule price that
+        one-time work (module docstring); without them it is left out.
         Under "cost" the `pinned` requests (seeded sampling: the same seed must give the same
         output, and the rule's choices follow measured seconds) always get K."""
         if self.policy == "fixed":
@@ -129,7 +131,7 @@ class DraftLength:
         else:
             reqs = [self._request(r) for r in request_ids]
             pins = list(pinned) if pinned is not None else [False] * len(reqs)
-            chosen = self._cost_limits(reqs, lengths, remaining, pins)
+            chosen = self._cost_limits(reqs, catch_up, remaining, pins)
             for req, k in zip(reqs, chosen, strict=True):
                 req.offered = k > 0
         self.last_limits = chosen
@@ -240,7 +242,7 @@ class DraftLength:
     def _cost_limits(
         self,
         reqs: list[_Request],
-        lengths: Sequence[int] | None,
+        catch_up: Sequence[int] | None,
         remaining: Sequence[int] | None,
         pinned: Sequence[bool],
     ) -> list[int]:
@@ -248,7 +250,7 @@ class DraftLength:
         `pinned` requests (`limits`); after PROBE_EVERY x B steps in which the batch of B
         drafted nothing, the whole batch drafts once (a probe costs every row a draft, so a
         bigger batch probes less often), unless not even drafts that are always accepted would
-        pay at this batch size. With `lengths` and `remaining`, a request not pinned whose
+        pay at this batch size. With `catch_up` and `remaining`, a request not pinned whose
         catch-up would not pay gets 0 (`_priced_catch_up`)."""
         rates = [r.rate for r in reqs]
         available = [r.hits / r.offers for r in reqs]
@@ -261,8 +263,8 @@ class DraftLength:
                 best = max(1, self.best_k([prior] * len(reqs)))
         else:
             self._idle_steps = 0
-        if (best or any(pinned)) and lengths is not None and remaining is not None:
-            return self._priced_catch_up(reqs, best, rates, available, lengths, remaining, pinned)
+        if (best or any(pinned)) and catch_up is not None and remaining is not None:
+            return self._priced_catch_up(reqs, best, rates, available, catch_up, remaining, pinned)
         return [self.max_tokens if pin else best for pin in pinned]
 
     def _priced_catch_up(
@@ -271,7 +273,7 @@ class DraftLength:
         k: int,
         rates: Sequence[float],
         available: Sequence[float],
-        lengths: Sequence[int],
+        catch_up: Sequence[int],
         remaining: Sequence[int],
         pinned: Sequence[bool],
     ) -> list[int]:
@@ -282,15 +284,13 @@ class DraftLength:
         slow, fast = self._rate(0, rates, available), self._rate(k, rates, available)
         saved_per_token = len(reqs) * (1.0 / slow - 1.0 / fast) if slow and fast else 0.0
         out = []
-        for req, length, left, pin in zip(reqs, lengths, remaining, pinned, strict=True):
+        for req, tokens, left, pin in zip(reqs, catch_up, remaining, pinned, strict=True):
             limit = self.max_tokens if pin else k
-            backlog = length - req.synced
-            tokens = backlog if backlog > self.max_tokens + 1 else 0
             unpaid = tokens and left * saved_per_token < self.setup_s_per_token * tokens
             if not limit or (unpaid and not pin):
                 out.append(0)
                 continue
-            req.catch_up, req.synced = tokens, length
+            req.catch_up = tokens
             out.append(limit)
         return out
 

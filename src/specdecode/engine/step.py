@@ -218,7 +218,8 @@ def speculative_step(
     remaining = [r.max_new - len(r.output_ids) for r in reqs]  # new tokens each may still take
     # seeded sampling keeps its draws whatever the measured costs (`DraftLength.limits`)
     pinned = [r.params.seed is not None and not r.params.greedy for r in reqs]
-    chosen = draft_length.limits(ids, [len(r.token_ids) for r in reqs], remaining, pinned)
+    catch_up = [drafter.catch_up(r) for r in reqs]  # one-time work before each one's draft
+    chosen = draft_length.limits(ids, catch_up, remaining, pinned)
     limits = [
         min(k, draft_cap(r), left - 1) for r, k, left in zip(reqs, chosen, remaining, strict=True)
     ]
