@@ -1,15 +1,17 @@
 """A draft model that reads only the end of each prompt (speculative_config "prompt_window").
 
 A draft model catches up on a new sequence by prefilling its whole prompt: on a CPU that costs
-a third to a half of the target's own prefill, which a short answer's drafts cannot repay (docs/
-benchmarks.md). `PromptWindow` wraps a drafter and hands it every sequence from a fixed offset
-on: the first time it sees a sequence (the commit after its prefill: prompt + first token), the
-offset leaves the last `tokens` of them, and it stays there as the sequence grows, so the
-wrapped drafter's cache, positions and rollbacks stay consistent (its positions start at the
-window's first token; RoPE attention depends on the distances alone). Its prefill then costs
-at most `tokens` tokens whatever the prompt's length; its drafts see less of a long prompt (a
-draft model copies less from it), never what verification accepts: the target checks every
-draft token against the whole sequence.
+a third to a half of the target's own prefill, which a short answer's drafts cannot repay
+(docs/drafters.md, "A prompt window for a draft model", has the measurements).
+
+`PromptWindow` wraps a drafter and hands it every sequence from a fixed offset on: the first
+time it sees a sequence (the commit after its prefill: prompt + first token), the offset
+leaves the last `tokens` of them, and it stays there as the sequence grows, so the wrapped
+drafter's cache, positions and rollbacks stay consistent (its positions start at the window's
+first token; RoPE attention depends on the distances alone). Its prefill then costs at most
+`tokens` tokens whatever the prompt's length; its drafts see less of a long prompt (a draft
+model copies less from it), never what verification accepts: the target checks every draft
+token against the whole sequence.
 """
 
 from __future__ import annotations
