@@ -191,7 +191,7 @@ class LimitSpy:
     """Wraps a drafter; records every limit it was given."""
 
     def __init__(self, inner: object) -> None:
-        self.inner, self.seen = inner, []
+        self.inner, self.seen, self.asked = inner, [], []
         self.needs, self.names, self.setup_s = inner.needs, inner.names, inner.setup_s
 
     def propose(self, seqs, max_tokens):
@@ -199,6 +199,7 @@ class LimitSpy:
         return self.inner.propose(seqs, max_tokens)
 
     def catch_up(self, seq) -> int:
+        self.asked.append(seq.request_id)
         return self.inner.catch_up(seq)
 
     def commit(self, seq, verdict, target) -> None:
@@ -227,6 +228,20 @@ def test_adaptive_length_never_exceeds_k_nor_changes_the_output(
     assert spy.seen and max(spy.seen) <= 5
     assert llm.engine.draft_length.passes.seconds  # it measured its passes
     assert not llm.engine.draft_length._requests  # released
+
+
+def test_a_request_that_cannot_draft_is_not_priced_a_catch_up(tiny_model_dir: Path) -> None:
+    """A request whose own K is 0 (or with one token left) never drafts this step: its
+    catch-up is not asked for, so the cost rule does not bill it a share of another's."""
+    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 3}  # "cost" by default
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    spy = LimitSpy(llm.engine.drafter)
+    llm.engine.drafter = spy
+    never = SamplingParams(temperature=0.0, max_tokens=8, num_speculative_tokens=0)
+    llm.generate(PROMPTS[0], never)
+    assert not spy.asked and set(spy.seen) == {0}
+    llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=2))
+    assert not spy.asked  # its one step left a single token to generate
 
 
 def test_a_confidence_threshold_cuts_chains_and_keeps_the_output(tiny_model_dir: Path) -> None:
@@ -316,7 +331,7 @@ def test_a_catch_up_is_drafted_only_where_the_drafts_would_repay_it() -> None:
     assert length.limits(["d"], [200], [100_000])[0] >= 1
     assert length.limits(["b"], [0], [60])[0] >= 1  # b is caught up (3 tokens ride along)
     assert length.limits(["c"], [220], [16]) == [0]  # still not worth it
-    assert length.limits(["e"], [20], [16])[0] >= 1  # a prompt window's 20 tokens are
+    assert length.limits(["e"], [20], [16])[0] >= 1  # a prompt window's 20 tokens pay
     assert length._requests["c"].catch_up == 0  # declined: nothing to catch up on
 
 

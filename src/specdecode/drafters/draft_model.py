@@ -127,9 +127,9 @@ class DraftModelConfig(ModelDrafterConfig):
         this (0..1; HF's assistant_confidence_threshold); None = always K tokens.
     draft_length: as for every drafter, but "cost" by default: a draft model costs enough
         that a fixed K loses where its drafts are rarely accepted (docs/drafters.md).
-    prompt_window: the draft model reads only a prompt's last this many tokens (with the
-        first generated one), so its prefill costs at most that many (`drafters.window`);
-        None = the whole prompt.
+    prompt_window: the draft model reads only the last this many tokens of a prompt and its
+        first generated token together (fixed then; everything after them too), so its
+        prefill costs at most that many (`drafters.window`); None = the whole prompt.
     """
 
     method: ClassVar[str] = "draft_model"
@@ -275,8 +275,11 @@ class DraftModelDrafter(DrafterBase):
     def catch_up(self, seq: SeqView) -> int:
         """The tokens of `seq` a chain's propose would feed alone before drafting (see
         `Drafter.catch_up`): its prompt when new, or a backlog of more than K + 1 tokens
-        (fewer ride along with the first draft pass); else 0."""
+        (fewer ride along with the first draft pass); else 0. (Trees and staged drafts feed
+        it with their first pass, timed as drafting, not as `setup_s`.)"""
         ids = seq.token_ids
+        if not ids:
+            return 0
         cached = min(self._caches.cached(seq.request_id), len(ids) - 1)
         backlog = len(ids) - cached
         if backlog <= self.num_speculative_tokens + 1 and (cached > 0 or len(ids) == 1):

@@ -117,7 +117,9 @@ class OverlapDrafter(DrafterBase):
         return done
 
     def catch_up(self, seq: SeqView) -> int:
-        """The wrapped drafter's catch-up (`Drafter.catch_up`)."""
+        """The wrapped drafter's catch-up (`Drafter.catch_up`), once the background draft is
+        done with its cache."""
+        self._wait()
         return self.inner.catch_up(seq)
 
     def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:

@@ -218,11 +218,11 @@ def speculative_step(
     remaining = [r.max_new - len(r.output_ids) for r in reqs]  # new tokens each may still take
     # seeded sampling keeps its draws whatever the measured costs (`DraftLength.limits`)
     pinned = [r.params.seed is not None and not r.params.greedy for r in reqs]
-    catch_up = [drafter.catch_up(r) for r in reqs]  # one-time work before each one's draft
+    caps = [min(draft_cap(r), left - 1) for r, left in zip(reqs, remaining, strict=True)]
+    # one-time work before each one's draft (none where no draft can come this step)
+    catch_up = [drafter.catch_up(r) if cap > 0 else 0 for r, cap in zip(reqs, caps, strict=True)]
     chosen = draft_length.limits(ids, catch_up, remaining, pinned)
-    limits = [
-        min(k, draft_cap(r), left - 1) for r, k, left in zip(reqs, chosen, remaining, strict=True)
-    ]
+    limits = [min(k, cap) for k, cap in zip(chosen, caps, strict=True)]
     for req, bounds in zip(reqs, draft_length.chain_bounds(ids, limits, pinned), strict=True):
         req.chain_bounds = bounds
     start = time.perf_counter()
