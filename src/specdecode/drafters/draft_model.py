@@ -278,13 +278,8 @@ class DraftModelDrafter(DrafterBase):
         (fewer ride along with the first draft pass); else 0. (Trees and staged drafts feed
         it with their first pass, timed as drafting, not as `setup_s`.)"""
         ids = seq.token_ids
-        if not ids:
-            return 0
         cached = min(self._caches.cached(seq.request_id), len(ids) - 1)
-        backlog = len(ids) - cached
-        if backlog <= self.num_speculative_tokens + 1 and (cached > 0 or len(ids) == 1):
-            return 0
-        return backlog
+        return len(ids) - cached if ids and self._fed_alone(len(ids), cached) else 0
 
     def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """Roll the cache back to the committed tokens but the last one.
@@ -363,7 +358,7 @@ class DraftModelDrafter(DrafterBase):
         cached = min(self._caches.length(row), len(ids) - 1)
         self._caches.truncate(seq.request_id, cached)
         backlog = ids[cached:]
-        if len(backlog) <= self.num_speculative_tokens + 1 and (cached > 0 or len(ids) == 1):
+        if not self._fed_alone(len(ids), cached):
             return backlog
         start = time.perf_counter()
         view = self._caches.view(row)
@@ -371,6 +366,13 @@ class DraftModelDrafter(DrafterBase):
         self._caches.store(row, view)
         self.setup_s += time.perf_counter() - start
         return logits[0]
+
+    def _fed_alone(self, length: int, cached: int) -> bool:
+        """Whether a sequence of `length` tokens whose row holds `cached` of them is caught
+        up alone (a prompt as a prefill, or a backlog of more than K + 1 tokens) rather than
+        in the first batched draft pass."""
+        short = length - cached <= self.num_speculative_tokens + 1
+        return not (short and (cached > 0 or length == 1))
 
     @property
     def _positions(self) -> int:

@@ -64,16 +64,20 @@ class DraftRows:
 
     def cached(self, request_id: str) -> int:
         """Slots the request's row holds (0 before it has a row)."""
-        if self._cache is None or request_id not in self._ids:
-            return 0
-        return self._cache.lengths[self._ids.index(request_id)]
+        row = self._row(request_id)
+        return 0 if row is None else self.length(row)
 
     def truncate(self, request_id: str, length: int) -> None:
         """Roll the request's row back to at most `length` slots (unknown ids are ignored)."""
+        row = self._row(request_id)
+        if row is not None:
+            self._cache.lengths[row] = min(self.length(row), length)  # type: ignore[union-attr]
+
+    def _row(self, request_id: str) -> int | None:
+        """The request's row, None before it has one."""
         if self._cache is None or request_id not in self._ids:
-            return
-        row = self._ids.index(request_id)
-        self._cache.lengths[row] = min(self._cache.lengths[row], length)
+            return None
+        return self._ids.index(request_id)
 
     def release(self, request_id: str) -> None:
         """Forget a request; its row is dropped at the next `place` (unknown ids are ignored)."""

@@ -137,6 +137,12 @@ class DraftLength:
         self.last_limits = chosen
         return chosen
 
+    @property
+    def prices_catch_up(self) -> bool:
+        """Whether `limits` reads its `catch_up` argument (the "cost" rule); the other
+        policies ignore it, so the engine need not ask the drafter."""
+        return self.policy == "cost"
+
     def chain_bounds(
         self,
         request_ids: Sequence[str],

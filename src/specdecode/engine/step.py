@@ -219,8 +219,10 @@ def speculative_step(
     # seeded sampling keeps its draws whatever the measured costs (`DraftLength.limits`)
     pinned = [r.params.seed is not None and not r.params.greedy for r in reqs]
     caps = [min(draft_cap(r), left - 1) for r, left in zip(reqs, remaining, strict=True)]
-    # one-time work before each one's draft (none where no draft can come this step)
-    catch_up = [drafter.catch_up(r) if cap > 0 else 0 for r, cap in zip(reqs, caps, strict=True)]
+    catch_up = None  # one-time work before each one's draft, where the policy prices it
+    if draft_length.prices_catch_up:  # (none where no draft can come this step)
+        rows = zip(reqs, caps, strict=True)
+        catch_up = [drafter.catch_up(r) if cap > 0 else 0 for r, cap in rows]
     chosen = draft_length.limits(ids, catch_up, remaining, pinned)
     limits = [min(k, cap) for k, cap in zip(chosen, caps, strict=True)]
     for req, bounds in zip(reqs, draft_length.chain_bounds(ids, limits, pinned), strict=True):
