@@ -5,9 +5,11 @@ bench filter on): the target's passes (`run_target`, per example), the head's fo
 unroll), the loss (output head over answer positions, softmaxes), the backward, and AdamW's
 step, each timed separately over `--steps` optimizer steps (after one untimed step). The
 head's matmuls run in `--head-dtype` (auto: the trainer's choice for this CPU), the target's
-activations in `--dtype`.
+activations in `--dtype`. The passes are also written to a feature store in a temporary
+folder and read back, timed: what a later epoch (or run) pays instead of the target.
 
-Prints per part the median ms per step and the target tokens per second the step reaches.
+Prints per part the median ms per step and the target tokens per second the step reaches, with
+the target's passes (a first epoch) and with the store's reads (a later one).
 
 Usage: python benchmarks/train_profile.py [--model qwen2.5-coder-1.5b] [--quantization int8]
        [--batch-size 4] [--max-length 512] [--steps 3] [--head-dtype auto] [--dtype bfloat16]
@@ -18,19 +20,24 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
 from specdecode.corpus.vocab import draft_vocabulary
 from specdecode.llm import LLM
 from specdecode.train.compute import HEAD_DTYPES, head_compute_dtype
-from specdecode.train.objective import SHAPE_BUCKET, batch_loss
+from specdecode.train.feature_store import FeatureStore
+from specdecode.train.init import target_output
+from specdecode.train.objective import SHAPE_BUCKET, Teacher, batch_loss, padded_batch
 from specdecode.train.target_pass import run_target
 from specdecode.train.trainer import TrainConfig, _encoded, _new_head, default_examples
 
 PARTS = ("target passes", "head forward + loss", "backward", "optimizer")
+READ = "store read (later epochs)"
 
 
 def main() -> None:
@@ -67,8 +74,15 @@ def main() -> None:
         llm.tokenizer.eos_token_ids,
     )
     head = _new_head(config, llm, draft_ids)
+    final = llm.model.config.num_layers
+    layers = (*head.feature_layers, final)
+    teacher = Teacher(target_output(llm.model_path, draft_ids)[0], draft_ids, final)
+    folder = tempfile.TemporaryDirectory()
+    store = FeatureStore(Path(folder.name), {"layers": list(layers)})
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95))
     times: dict[str, list[float]] = defaultdict(list)
+    reads: list[float] = []
+    cpu = torch.device("cpu")
     tokens: list[int] = []
     padded: list[int] = []  # the head's columns per step: examples x the bucketed longest
     batches = itertools.islice(
@@ -77,11 +91,12 @@ def main() -> None:
     )
     for step, batch in enumerate(batches):
         stamps = [time.perf_counter()]
-        passes = [
-            run_target(llm.model, ids, n, head.feature_layers, draft_ids) for _, ids, n in batch
-        ]
+        passes = [run_target(llm.model, ids, n, layers) for _, ids, n in batch]
         stamps.append(time.perf_counter())
-        loss, _ = batch_loss(head, passes, config.unroll, draft_ids, compute)
+        loss, _ = batch_loss(
+            head, padded_batch(passes, head.feature_layers, final, cpu), config.unroll, teacher,
+            compute,
+        )  # fmt: skip
         stamps.append(time.perf_counter())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -89,9 +104,17 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         stamps.append(time.perf_counter())
+        for (index, _, _), p in zip(batch, passes, strict=True):
+            store.put(index, p)
+        store.flush()
+        read_start = time.perf_counter()
+        again = [store.get(index) for index, _, _ in batch]
+        read_ms = (time.perf_counter() - read_start) * 1e3
+        assert all(torch.equal(a.states, p.states) for a, p in zip(again, passes, strict=True))
         if step > 0:  # the first step is untimed (allocations, oneDNN's first calls)
             for part, start, end in zip(PARTS, stamps[:-1], stamps[1:], strict=True):
                 times[part].append((end - start) * 1e3)
+            reads.append(read_ms)
             tokens.append(sum(len(p.tokens) for p in passes))
             padded.append(len(passes) * -(-max(len(p.tokens) for p in passes) // SHAPE_BUCKET))
     total = [sum(parts) for parts in zip(*times.values(), strict=True)]
@@ -108,6 +131,14 @@ def main() -> None:
         f"  {'step':22s} {step_ms:9.0f} ms = {statistics.median(tokens) / step_ms * 1e3:.0f} "
         "target tokens/s"
     )
+    later = [t - times[PARTS[0]][i] + reads[i] for i, t in enumerate(total)]
+    later_ms = statistics.median(later)
+    print(f"  {READ:22s} {statistics.median(reads):9.0f} ms")
+    print(
+        f"  {'later epoch step':22s} {later_ms:9.0f} ms = "
+        f"{statistics.median(tokens) / later_ms * 1e3:.0f} target tokens/s"
+    )
+    folder.cleanup()
 
 
 if __name__ == "__main__":

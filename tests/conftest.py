@@ -130,11 +130,12 @@ def smollm2_gguf_alone(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFact
 
 
 def build_tiny_eagle3_head(
-    model_dir: Path, out: Path, draft_vocab: int = 200, seed: int = 0
+    model_dir: Path, out: Path, draft_vocab: int = 200, seed: int = 0, parallel_tokens: int = 0
 ) -> Path:
     """Save an untrained EAGLE-3 head for the tiny model in `model_dir` into `out` (once): a
     random draft vocabulary of `draft_vocab` of its tokens, random weights, a sharpened output
-    head (so its q is far from uniform and from the target's p)."""
+    head (so its q is far from uniform and from the target's p); `parallel_tokens` > 0: a
+    parallel head drafting that many tokens a pass."""
     from specdecode.heads.eagle3 import save_eagle3_head
     from specdecode.heads.eagle3_config import Eagle3HeadConfig
     from specdecode.model.config import ModelConfig
@@ -143,7 +144,7 @@ def build_tiny_eagle3_head(
     if (out / "config.json").is_file():
         return out
     target = ModelConfig.from_folder(model_dir)
-    cfg = Eagle3HeadConfig.for_target(target, draft_vocab, "tiny")
+    cfg = Eagle3HeadConfig.for_target(target, draft_vocab, "tiny", parallel_tokens)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
     weights = initial_weights(cfg, model_dir, ids, "random", seed)

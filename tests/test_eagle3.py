@@ -29,7 +29,8 @@ from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
 from specdecode.train.compute import head_compute_dtype
 from specdecode.train.eagle3_model import TrainableEagle3
-from specdecode.train.objective import batch_loss
+from specdecode.train.init import target_output
+from specdecode.train.objective import Teacher, batch_loss, padded_batch
 from specdecode.train.target_pass import run_target
 from specdecode.train.trainer import TrainConfig, _new_head, train
 
@@ -280,13 +281,17 @@ def test_the_loss_is_the_same_in_either_compute_dtype(
     config = train_config(model_dir, Path("unused"))
     head = _new_head(config, llm, torch.arange(120))
     ids = chat_prompts(model_dir, examples(2, 3000))
+    final = llm.model.config.num_layers
+    layers = (*head.feature_layers, final)
     passes = [
         run_target(llm.model, p["prompt_token_ids"] + [5, 6, 7, 8], len(p["prompt_token_ids"]),
-                   head.feature_layers, torch.arange(120))
+                   layers)
         for p in ids
     ]  # fmt: skip
-    reference, _ = batch_loss(head, passes, 3, torch.arange(120), torch.float32)
-    loss, _ = batch_loss(head, passes, 3, torch.arange(120), compute)
+    teacher = Teacher(target_output(model_dir, torch.arange(120))[0], torch.arange(120), final)
+    batch = padded_batch(passes, head.feature_layers, final, torch.device("cpu"))
+    reference, _ = batch_loss(head, batch, 3, teacher, torch.float32)
+    loss, _ = batch_loss(head, batch, 3, teacher, compute)
     loss.backward()
     assert loss.item() == pytest.approx(reference.item(), rel=2e-2)
     assert head.p("fc.weight").grad is not None and head.p("fc.weight").grad.abs().sum() > 0

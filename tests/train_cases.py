@@ -45,7 +45,10 @@ def chat_prompts(model_dir: Path, items: list[Example]) -> list[dict[str, list[i
 
 
 def train_config(model_dir: Path, out: Path, **kw: object) -> TrainConfig:
+    """The tests' small run: 64 examples, a 120-token draft vocabulary, an fp32 target, its
+    feature store beside `out`."""
     base = dict(
+        features=out.with_name(out.name + "-features"),
         model=str(model_dir),
         out=out,
         budget_minutes=None,

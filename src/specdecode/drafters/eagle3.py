@@ -47,7 +47,8 @@ from specdecode.drafters.base import (
     check_tree_shape,
 )
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, reduced_log_confidence
-from specdecode.heads.eagle3 import Eagle3Head, load_eagle3_head
+from specdecode.errors import UserError
+from specdecode.heads.eagle3 import MASK, Eagle3Head, load_eagle3_head
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
 from specdecode.types import Draft, TargetOutputs, Verdict
@@ -76,11 +77,16 @@ def build_eagle3_drafter(config: Eagle3Config, context: DrafterContext) -> Draft
         context.target,
         config.weight_format(context.target.quantization),
     )
+    if head.config.parallel_tokens:
+        raise UserError(
+            f"{config.model} is a parallel EAGLE-3 head (parallel_draft_tokens "
+            f'{head.config.parallel_tokens}): use method "eagle3_parallel"'
+        )
     return Eagle3Drafter(head, config.num_speculative_tokens, config.tree_width, config.tree_depth)
 
 
 @dataclass
-class _Row:
+class HeadRow:
     """One sequence's head state: its cache (made at its first draft) and the target states
     not fed yet."""
 
@@ -120,7 +126,7 @@ class Eagle3Drafter(DrafterBase):
         self.tree_depth = tree_depth or num_speculative_tokens
         self.vocab_size = head.config.layer.vocab_size
         self._draft_ids = head.draft_to_target.cpu()  # [Vd] draft row -> target id (host)
-        self._rows: dict[str, _Row] = {}
+        self._rows: dict[str, HeadRow] = {}
 
     def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
         """One draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
@@ -144,7 +150,7 @@ class Eagle3Drafter(DrafterBase):
         features = target.hidden
         if features is None:
             return
-        row = self._rows.setdefault(seq.request_id, _Row())
+        row = self._rows.setdefault(seq.request_id, HeadRow())
         if features.start + len(features.hidden) > row.known:
             if features.start > row.known:
                 raise ValueError(
@@ -163,6 +169,7 @@ class Eagle3Drafter(DrafterBase):
         if k == 0:
             return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, self.vocab_size))
         logits, hidden = self._catch_up(seq, row)
+        logits = logits[0]
         st = SamplingTensors.from_params([seq.params], self.head.device)
         tokens = torch.empty(k, dtype=torch.long)  # [k]
         probs = torch.zeros(k, self.vocab_size)  # [k, V]
@@ -184,7 +191,7 @@ class Eagle3Drafter(DrafterBase):
             return Draft(torch.zeros(0, dtype=torch.long))
         logits, hidden = self._catch_up(seq, row)
         tree = DynamicTree(self.tree_width, k)
-        tree.expand([ROOT], reduced_log_confidence(logits[None], self._draft_ids, self.vocab_size))
+        tree.expand([ROOT], reduced_log_confidence(logits, self._draft_ids, self.vocab_size))
         outputs: dict[int, Tensor] = {ROOT: hidden}  # candidate -> its entry's pre-norm output
         slots: dict[int, int] = {}
         cache, device = row.cache, self.head.device
@@ -199,7 +206,7 @@ class Eagle3Drafter(DrafterBase):
         tokens, shape = tree.draft()
         return Draft(torch.tensor(tokens, dtype=torch.long), tree=shape)
 
-    def _prepare(self, seq: SeqView, max_tokens: int) -> tuple[int, _Row]:
+    def _prepare(self, seq: SeqView, max_tokens: int) -> tuple[int, HeadRow]:
         """The draft size for `seq` and its row, its cache grown to fit and its drafted
         entries dropped."""
         ids = seq.token_ids
@@ -209,9 +216,11 @@ class Eagle3Drafter(DrafterBase):
         row.cache.truncate(row.fed)
         return k, row
 
-    def _catch_up(self, seq: SeqView, row: _Row) -> tuple[Tensor, Tensor]:
-        """Feed the queued target states (entry t reads token t + 1); return the last entry's
-        logits ([Vd]) and pre-norm output ([h])."""
+    def _catch_up(self, seq: SeqView, row: HeadRow, masks: int = 0) -> tuple[Tensor, Tensor]:
+        """Feed the queued target states (entry t reads token t + 1), then `masks` mask
+        entries (a parallel head's: `drafters.eagle3_parallel`), in one pass; return the
+        logits of the last state's entry and of the mask entries ([1 + masks, Vd]) and the
+        last state's pre-norm output ([h])."""
         ids = seq.token_ids
         if row.known != len(ids) - 1 or not row.pending:
             raise ValueError(
@@ -219,15 +228,18 @@ class Eagle3Drafter(DrafterBase):
                 f"{row.known} and {sum(len(p) for p in row.pending)} new ones; the engine gives "
                 "the states of every committed token but the last"
             )
-        device = self.head.device
-        states = torch.cat(row.pending).to(device)  # [n, F]
-        tokens = torch.tensor([ids[row.fed + 1 :]], device=device)  # [1, n]
+        head, device = self.head, self.head.device
+        fused = head.fuse(torch.cat(row.pending).to(device))  # [n, h]
+        n = len(fused)
+        tokens = torch.tensor([[*ids[row.fed + 1 :], *[MASK] * masks]], device=device)
+        if masks:
+            fused = torch.cat([fused, head.mask_hidden.expand(masks, -1)])  # [n + masks, h]
         mode = AttentionMode.PREFILL if row.fed == 0 else AttentionMode.DECODE
-        meta = AttentionMetadata.contiguous(mode, [row.fed], [len(states)], device)
-        last = torch.tensor([[len(states) - 1]], device=device)  # [1, 1]
-        logits, hidden = self.head(tokens, self.head.fuse(states)[None], meta, row.cache, last)
+        meta = AttentionMetadata.contiguous(mode, [row.fed], [n + masks], device)
+        index = torch.arange(n - 1, n + masks, device=device)[None]  # [1, 1 + masks]
+        logits, hidden = head(tokens, fused[None], meta, row.cache, index)
         row.fed, row.pending = row.known, []
-        return logits[0, 0], hidden[0, -1]
+        return logits[0], hidden[0, n - 1]
 
     def _feed(self, cache: KVCache, token: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """Feed one drafted entry (token [1], the entry before's pre-norm output [h]); return
@@ -237,9 +249,9 @@ class Eagle3Drafter(DrafterBase):
         logits, out = self.head(token.to(device)[None], hidden[None, None], meta, cache)
         return logits[0, 0], out[0, 0]
 
-    def _row_for(self, seq: SeqView, needed: int) -> _Row:
+    def _row_for(self, seq: SeqView, needed: int) -> HeadRow:
         """The sequence's row, its cache allocated or grown to at least `needed` entries."""
-        row = self._rows.setdefault(seq.request_id, _Row())
+        row = self._rows.setdefault(seq.request_id, HeadRow())
         row.cache = cache_with_room(
             row.cache,
             seq,

@@ -11,10 +11,8 @@ cache, nothing to roll back.
 
 Chains: d_k is head k's argmax (greedy) or a sample from q_k, head k's distribution after the
 request's sampling parameters, zero outside the reduced draft vocabulary (verification uses
-the target's full distribution, so it stays exact). Trees (`tree_width` > 1): EAGLE-2's
-dynamic tree (`drafters.dynamic_tree`) where every node of level d proposes head d + 1's top
-tokens (the heads do not see the drafted prefix, so a level's children are the same for every
-parent; the cumulative scores pick which paths are worth a slot).
+the target's full distribution, so it stays exact). Trees (`tree_width` > 1): every node of
+level d proposes head d + 1's top tokens (`drafters.level_drafts`).
 """
 
 from __future__ import annotations
@@ -38,11 +36,9 @@ from specdecode.drafters.base import (
     check_draft_limits,
     check_tree_shape,
 )
-from specdecode.drafters.dynamic_tree import DynamicTree, reduced_log_confidence
+from specdecode.drafters.level_drafts import chain_from_levels, empty_draft, tree_from_levels
 from specdecode.errors import UserError
 from specdecode.heads.exit_head import ExitHead, load_exit_head
-from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
-from specdecode.tree.token_tree import ROOT
 from specdecode.types import Draft, TargetOutputs, Verdict
 
 
@@ -132,12 +128,18 @@ class MedusaDrafter(DrafterBase):
             for seq, limit in zip(seqs, max_tokens, strict=True):
                 k = min(limit, self.num_speculative_tokens) if seq.token_ids else 0
                 if k == 0:
-                    drafts.append(self._empty())
+                    drafts.append(empty_draft(self.tree_width > 1, self.vocab_size))
                     continue
                 levels = k if self.tree_width == 1 else min(self.tree_depth, k)
                 logits = self.head(self._newest_state(seq)[None], levels)[0]  # [levels, Vd]
-                draft = self._chain if self.tree_width == 1 else self._tree
-                drafts.append(draft(seq, logits, k))
+                if self.tree_width == 1:
+                    drafts.append(chain_from_levels(seq, logits, self._draft_ids, self.vocab_size))
+                else:
+                    drafts.append(
+                        tree_from_levels(
+                            logits, k, self.tree_width, self._draft_ids, self.vocab_size
+                        )
+                    )
         return drafts
 
     def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
@@ -152,11 +154,6 @@ class MedusaDrafter(DrafterBase):
         """Forget a finished sequence's newest state (unknown ids are ignored)."""
         self._states.pop(request_id, None)
 
-    def _empty(self) -> Draft:
-        if self.tree_width == 1:
-            return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, self.vocab_size))
-        return Draft(torch.zeros(0, dtype=torch.long))
-
     def _newest_state(self, seq: SeqView) -> Tensor:
         """The target's state after token n - 2 ([h]) of the n committed tokens (kept by
         `commit` until a later pass replaces it)."""
@@ -169,26 +166,3 @@ class MedusaDrafter(DrafterBase):
                 "token but the last"
             )
         return state
-
-    def _chain(self, seq: SeqView, logits: Tensor, k: int) -> Draft:
-        """Head j's pick for d_j, j = 1..k (logits [k, Vd])."""
-        st = SamplingTensors.from_params([seq.params], self.head.device)
-        q = probs_from_logits(logits[None], st)[0].cpu()  # [k, Vd]
-        if st.all_greedy:
-            picks = q.argmax(-1)
-        else:
-            picks = torch.cat([sample(q[j : j + 1], [seq.generator]) for j in range(k)])
-        probs = torch.zeros(k, self.vocab_size)  # [k, V]
-        probs[:, self._draft_ids] = q
-        return Draft(self._draft_ids[picks], probs)
-
-    def _tree(self, seq: SeqView, logits: Tensor, k: int) -> Draft:
-        """A dynamic tree whose level d nodes take head d + 1's top tokens (logits [D, Vd])."""
-        scores = reduced_log_confidence(logits, self._draft_ids, self.vocab_size)  # [D, V]
-        tree = DynamicTree(self.tree_width, k)
-        tree.expand([ROOT], scores[:1])
-        for level in range(1, len(logits)):
-            frontier = tree.frontier
-            tree.expand(frontier, scores[level : level + 1].expand(len(frontier), -1))
-        tokens, shape = tree.draft()
-        return Draft(torch.tensor(tokens, dtype=torch.long), tree=shape)

@@ -23,6 +23,10 @@ from specdecode.drafters.cross_tokenizer import CrossTokenizerConfig, build_cros
 from specdecode.drafters.draft_model import DraftModelConfig
 from specdecode.drafters.draft_model_build import build_draft_model_drafter
 from specdecode.drafters.eagle3 import Eagle3Config, build_eagle3_drafter
+from specdecode.drafters.eagle3_parallel import (
+    Eagle3ParallelConfig,
+    build_eagle3_parallel_drafter,
+)
 from specdecode.drafters.layer_skip import LayerSkipConfig, build_layer_skip_drafter
 from specdecode.drafters.lookahead import LookaheadConfig, build_lookahead_drafter
 from specdecode.drafters.medusa import MedusaConfig, build_medusa_drafter
@@ -138,6 +142,7 @@ DRAFTERS: dict[str, DrafterMethod] = {
             DrafterMethod(name, config, build, name, HEAD_OPTIONS, model_field="model")
             for name, config, build in (
                 ("eagle3", Eagle3Config, build_eagle3_drafter),
+                ("eagle3_parallel", Eagle3ParallelConfig, build_eagle3_parallel_drafter),
                 ("medusa", MedusaConfig, build_medusa_drafter),
                 ("layer_skip", LayerSkipConfig, build_layer_skip_drafter),
             )

@@ -44,6 +44,7 @@ from specdecode.model.transformer import (
 )
 
 LAYER = "layers.0."
+MASK = -1  # the token id of a parallel head's mask entry (its embedding is `mask_embed`)
 
 
 def head_tensor_shapes(cfg: Eagle3HeadConfig) -> dict[str, tuple[int, ...]]:
@@ -70,6 +71,8 @@ def head_tensor_shapes(cfg: Eagle3HeadConfig) -> dict[str, tuple[int, ...]]:
         "lm_head.weight": (cfg.draft_vocab_size, h),
         "d2t": (cfg.draft_vocab_size,),
     }
+    if cfg.parallel_tokens:
+        shapes |= {"mask_embed": (h,), "mask_hidden": (h,)}
     if lay.qkv_bias:
         shapes |= {
             f"{LAYER}self_attn.q_proj.bias": (q_out,),
@@ -116,6 +119,9 @@ class Eagle3Head(nn.Module):
         )
         # draft row -> target id
         self.register_buffer("draft_to_target", d2t_to_draft_ids(weights["d2t"]))
+        # a parallel head's mask entry: its token embedding and its feature ([h] each)
+        self.mask_embed: Tensor | None = weights.get("mask_embed")
+        self.mask_hidden: Tensor | None = weights.get("mask_hidden")
         device = weights["norm.weight"].device
         self.rotary = Rotary(cfg.layer.head_dim, cfg.layer.rope_theta, max_positions).to(device)
 
@@ -143,8 +149,9 @@ class Eagle3Head(nn.Module):
     @torch.inference_mode()
     def forward(
         self,
-        tokens: Tensor,  # [B, T] int64 target ids (entry t: token t + 1)
-        hidden: Tensor,  # [B, T, h]: fused target states, or the head's own pre-norm outputs
+        tokens: Tensor,  # [B, T] int64 target ids (entry t: token t + 1), MASK: a mask entry
+        hidden: Tensor,  # [B, T, h]: fused target states, the head's own pre-norm outputs,
+        # or (mask entries) mask_hidden
         meta: AttentionMetadata,
         cache: KVCache,
         logits_index: Tensor | None = None,  # [B, N] which of the T entries get logits
@@ -156,7 +163,10 @@ class Eagle3Head(nn.Module):
         """
         cache.check(meta)
         view, cos, sin = pass_view(self.self_attn, self.rotary, meta, self.dtype)
-        embeds = self.input_layernorm(self.embed_tokens(tokens))  # [B, T, h]
+        embeds = self.embed_tokens(tokens.clamp(min=0))  # [B, T, h]
+        if self.mask_embed is not None:
+            embeds = torch.where((tokens == MASK)[..., None], self.mask_embed, embeds)
+        embeds = self.input_layernorm(embeds)
         normed = self.hidden_norm(hidden)  # [B, T, h]
         residual = normed if self.config.norm_before_residual else hidden
         x = torch.cat([embeds, normed], dim=-1)  # [B, T, 2h]

@@ -40,6 +40,10 @@ class Eagle3HeadConfig:
     target_hidden_size: hidden size of the target whose states are fused.
     aux_layers: the target blocks whose inputs are fused (fc: len * target_hidden -> hidden).
     norm_before_residual: the residual is the normed feature (one speculators variant).
+    parallel_tokens: 0 for a head that drafts token by token; P > 0 for a parallel head
+        (P-EAGLE / PARD style): after the entry of the newest target state, P - 1 mask entries
+        (a learned token embedding and feature, `mask_embed` / `mask_hidden`) at the next
+        positions draft tokens 2..P in the same pass.
     verifier: the target's name; verifier_layers / verifier_hidden / verifier_vocab: its layer
         count, hidden size and vocabulary (None when the file does not say).
     """
@@ -49,6 +53,7 @@ class Eagle3HeadConfig:
     target_hidden_size: int
     aux_layers: tuple[int, ...]
     norm_before_residual: bool = False
+    parallel_tokens: int = 0
     verifier: str = ""
     verifier_layers: int | None = None
     verifier_hidden: int | None = None
@@ -58,6 +63,8 @@ class Eagle3HeadConfig:
         check_draft_vocab_size(self.draft_vocab_size, self.layer.vocab_size)
         if not self.aux_layers or min(self.aux_layers) < 0:
             raise UserError(f"aux layer ids must be >= 0, got {list(self.aux_layers)}")
+        if not isinstance(self.parallel_tokens, int) or self.parallel_tokens < 0:
+            raise UserError(f"parallel_draft_tokens must be >= 0, got {self.parallel_tokens!r}")
 
     @property
     def hidden_size(self) -> int:
@@ -70,9 +77,14 @@ class Eagle3HeadConfig:
 
     @classmethod
     def for_target(
-        cls, target: ModelConfig, draft_vocab_size: int, verifier: str = ""
+        cls,
+        target: ModelConfig,
+        draft_vocab_size: int,
+        verifier: str = "",
+        parallel_tokens: int = 0,
     ) -> Eagle3HeadConfig:
-        """The head EAGLE-3 trains for `target`: one layer of the target's own shape."""
+        """The head EAGLE-3 trains for `target`: one layer of the target's own shape
+        (`parallel_tokens` > 0: a parallel head drafting that many tokens a pass)."""
         layer = replace(
             target, num_layers=1, architecture="llama", qkv_bias=False, tie_word_embeddings=False
         )
@@ -81,6 +93,7 @@ class Eagle3HeadConfig:
             draft_vocab_size,
             target.hidden_size,
             default_aux_layers(target.num_layers),
+            parallel_tokens=parallel_tokens,
             verifier=verifier,
             verifier_layers=target.num_layers,
             verifier_hidden=target.hidden_size,
@@ -138,6 +151,8 @@ class Eagle3HeadConfig:
                 "verifier": verifier,
             },
         }
+        if self.parallel_tokens:
+            cfg["parallel_draft_tokens"] = self.parallel_tokens
         if extra:
             cfg["specdecode"] = extra
         return json.dumps(cfg, indent=2) + "\n"
@@ -183,6 +198,7 @@ class Eagle3HeadConfig:
             int(cfg.get("target_hidden_size") or layer.hidden_size),
             tuple(int(i) for i in aux),
             bool(cfg.get("norm_before_residual", False)),
+            cfg.get("parallel_draft_tokens", 0),
             str(verifier.get("name_or_path") or ""),
             num_layers,
             verifier.get("hidden_size"),

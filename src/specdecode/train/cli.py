@@ -42,11 +42,30 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", default=d["quantization"], choices=["none", *QUANTIZATIONS])
     p.add_argument("--dtype", default=d["dtype"], choices=sorted(DTYPES))
     p.add_argument(
+        "--device",
+        default=d["device"],
+        help="where the head trains: cpu, cuda, cuda:N, mps (the target's passes run on the "
+        "CPU; default cpu)",
+    )
+    p.add_argument(
+        "--features",
+        type=Path,
+        default=None,
+        help="the feature store: the target's passes, kept for later epochs, resumes and runs "
+        "(default: a folder under the cache named by the target, format and layers)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=d["epochs"],
+        help="passes over the first --budget-examples examples (later ones read the store)",
+    )
+    p.add_argument(
         "--head-dtype",
         default=d["head_dtype"],
         choices=HEAD_DTYPES,
-        help="the head's matmuls: auto = bfloat16 where the CPU has native bf16 dot products "
-        "(AVX-512 BF16, AMX), else float32 (default auto)",
+        help="the head's matmuls: auto = bfloat16 on a GPU and where the CPU has native bf16 "
+        "dot products (AVX-512 BF16, AMX), else float32 (default auto)",
     )
     p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"])
     p.add_argument("--max-length", type=int, default=d["max_length"], help="tokens per example")

@@ -7,6 +7,11 @@ before's pre-norm output of the same column with token t + j + 1 at position t +
 to step 0's entries 0..t and to its own column's entries of steps 1..j (EAGLE-3's TTT mask):
 exactly what the drafter's cache holds when it drafts its (j + 1)-th token after committed
 entry t. So step j's loss trains the head on its own drafted features, as at inference.
+
+A parallel head (`parallel_tokens` > 0) drafts all its tokens in one pass: its step j > 0
+entries read the learned mask embedding and mask feature (`mask_embed`, `mask_hidden`) in
+place of token t + j + 1 and step j - 1's output, with the same positions and the same mask,
+which is what the drafter's one pass holds: the newest entry, then its mask entries.
 """
 
 from __future__ import annotations
@@ -82,9 +87,14 @@ class TrainableEagle3(HeadParameters):
         values: list[Tensor] = []
         outputs = []
         for step in range(steps):
-            shifted = torch.zeros_like(tokens)
-            shifted[:, : length - step - 1] = tokens[:, step + 1 :]  # column t: token t+step+1
-            embeds = rms_norm(self.embed[shifted], self.p(f"{LAYER}input_layernorm.weight"), eps)
+            if step and self.config.parallel_tokens:  # mask entries
+                token_embeds = self.p("mask_embed").expand(batch, length, -1)
+                hidden = self.p("mask_hidden").expand(batch, length, -1).to(hidden.dtype)
+            else:
+                shifted = torch.zeros_like(tokens)
+                shifted[:, : length - step - 1] = tokens[:, step + 1 :]  # column t: t+step+1
+                token_embeds = self.embed[shifted]
+            embeds = rms_norm(token_embeds, self.p(f"{LAYER}input_layernorm.weight"), eps)
             normed = rms_norm(hidden, self.p(f"{LAYER}hidden_norm.weight"), eps)
             residual = normed if self.config.norm_before_residual else hidden
             x = torch.cat([embeds.to(normed.dtype), normed], dim=-1)  # [B, T, 2h]

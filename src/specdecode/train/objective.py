@@ -3,9 +3,10 @@
 A head (`TrainableHead`: EAGLE-3's TTT steps, Medusa's heads, LayerSkip's exit) gives outputs
 j = 0, 1, ...; output j of column t predicts token t + j + shift + 1. The loss of one batch:
 every output against the target's distribution over the draft vocabulary at that token
-(teacher row t + j + shift), soft cross-entropy (= forward KL up to a constant) on answer
-positions only, output j weighted STEP_DECAY ** j. The held-out estimate: per output j, how
-often the head's top token is the target's top token given a correct prefix (a_j), and the
+(`Teacher`: the target's output rows of the draft vocabulary over its final-normed state at
+row t + j + shift, which the passes keep), soft cross-entropy (= forward KL up to a constant)
+on answer positions only, output j weighted STEP_DECAY ** j. The held-out estimate: per output
+j, how often the head's top token is the target's top token given a correct prefix (a_j), and the
 chain length that implies, tau ~ 1 + a_0 + a_0 a_1 + ... over `steps` drafted tokens (a head
 with fewer outputs, LayerSkip's exit, drafts on with its last one: its rate repeats).
 """
@@ -43,6 +44,11 @@ class TrainableHead(Protocol):
         """[..., h] outputs -> [..., Vd] draft logits."""
         ...
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs (concatenated) are `features`."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Evaluation:
@@ -54,47 +60,83 @@ class Evaluation:
     loss: float
 
 
-def padded_batch(passes: Sequence[TargetPass]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """tokens [B, T], features [B, T, F], teacher [B, T, Vd], argmax [B, T], and the
-    positions whose next token is an answer token ([B, T] bool)."""
+@dataclass(frozen=True, slots=True)
+class Teacher:
+    """The target's output head over the draft vocabulary: what the head's outputs are fitted to.
+
+    rows: [Vd, h] the target's output rows of the draft vocabulary (fp32, on the training
+        device); its logits at a final-normed state x are x @ rows^T.
+    draft_ids: [Vd] int64 the draft vocabulary's target ids, ascending (same device).
+    final: the layer index of the final-normed state in the passes (the target's block count).
+    """
+
+    rows: Tensor
+    draft_ids: Tensor
+    final: int
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Passes padded to one length on the training device.
+
+    tokens [B, T] int64, features [B, T, F] (the head's layers), final [B, T, h] (the target's
+    final-normed states), argmax [B, T] int64, answer [B, T] bool: the positions whose next
+    token is an answer token (the loss's positions).
+    """
+
+    tokens: Tensor
+    features: Tensor
+    final: Tensor
+    argmax: Tensor
+    answer: Tensor
+
+
+def padded_batch(
+    passes: Sequence[TargetPass], layers: tuple[int, ...], final: int, device: torch.device
+) -> Batch:
+    """The passes as one `Batch` (lengths rounded up to SHAPE_BUCKET) on `device`; features
+    are the states of `layers`."""
     length = -(-max(len(p.tokens) for p in passes) // SHAPE_BUCKET) * SHAPE_BUCKET
     batch = len(passes)
+    first = passes[0]
+    width = first.states.shape[-1] // len(first.layers)
+    dtype = first.states.dtype
     tokens = torch.zeros(batch, length, dtype=torch.long)
-    features = torch.zeros(batch, length, passes[0].features.shape[-1], dtype=torch.bfloat16)
-    teacher = torch.zeros(batch, length, passes[0].teacher.shape[-1], dtype=torch.bfloat16)
+    features = torch.zeros(batch, length, width * len(layers), dtype=dtype)
+    finals = torch.zeros(batch, length, width, dtype=dtype)
     argmax = torch.zeros(batch, length, dtype=torch.long)
     answer = torch.zeros(batch, length, dtype=torch.bool)
     for b, p in enumerate(passes):
         n = len(p.tokens)
-        tokens[b, :n], features[b, :n], teacher[b, :n], argmax[b, :n] = (
-            p.tokens,
-            p.features,
-            p.teacher,
-            p.argmax,
-        )
+        tokens[b, :n], argmax[b, :n] = p.tokens, p.argmax
+        features[b, :n], finals[b, :n] = p.at(layers), p.at((final,))
         answer[b, p.prompt_length - 1 : n - 1] = True  # the last position has no next token
-    return tokens, features, teacher, argmax, answer
+    return Batch(
+        *(t.to(device, non_blocking=True) for t in (tokens, features, finals, argmax, answer))
+    )
 
 
 def batch_loss(
     head: TrainableHead,
-    passes: Sequence[TargetPass],
+    batch: Batch,
     steps: int,
-    target_ids: Tensor,
+    teacher: Teacher,
     compute: torch.dtype,
 ) -> tuple[Tensor, tuple[list[int], list[int]]]:
     """The loss over a batch (`steps`: EAGLE-3's TTT steps), and per output (agreeing,
     counted) answer positions. Logits are computed for answer positions only. `compute`: the
-    head's matmul dtype (bfloat16: autocast; float32: none; `compute.head_compute_dtype`)."""
-    tokens, features, teacher, argmax, answer = padded_batch(passes)
-    total = torch.zeros(())
+    head's matmul dtype (float32: none; else autocast on the batch's device;
+    `compute.head_compute_dtype`)."""
+    device = batch.tokens.device
+    total = torch.zeros((), device=device)
     agree, counted = [], []
-    autocast = compute != torch.float32
-    with torch.autocast("cpu", dtype=compute, enabled=autocast):
-        outputs = head(features, tokens, steps)
+    autocast = torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32)
+    with autocast:
+        outputs = head(batch.features, batch.tokens, steps)
+    target_p, slot = _teacher_probs(batch, teacher, autocast)
     for j, hidden in enumerate(outputs):
         ahead = j + head.shift  # column t predicts token t + ahead + 1: teacher row t + ahead
-        rows, cols_at = answer[:, ahead:].nonzero(as_tuple=True)  # [n] each
+        rows, cols_at = batch.answer[:, ahead:].nonzero(as_tuple=True)  # [n] each
         n = len(rows)
         if n == 0:
             break
@@ -102,16 +144,29 @@ def batch_loss(
         padded = -(-n // ROW_BUCKET) * ROW_BUCKET
         rows = torch.cat([rows, rows[:1].expand(padded - n)])
         cols_at = torch.cat([cols_at, cols_at[:1].expand(padded - n)])
-        with torch.autocast("cpu", dtype=compute, enabled=autocast):
+        with autocast:
             logits = head.logits(hidden[rows, cols_at])  # [padded, Vd]
         logp = F.log_softmax(logits.float(), dim=-1)[:n]  # [n, Vd]
-        target_p = F.softmax(teacher[rows[:n], cols_at[:n] + ahead].float(), dim=-1)  # [n, Vd]
-        ce = -(target_p * logp).sum(-1)  # [n]
+        ce = -(target_p[slot[rows[:n], cols_at[:n] + ahead]] * logp).sum(-1)  # [n]
         total = total + STEP_DECAY**j * ce.mean()
-        top = target_ids[logp.argmax(-1)]
-        agree.append(int((top == argmax[rows[:n], cols_at[:n] + ahead]).sum()))
+        top = teacher.draft_ids[logp.argmax(-1)]
+        agree.append(int((top == batch.argmax[rows[:n], cols_at[:n] + ahead]).sum()))
         counted.append(n)
     return total, (agree, counted)
+
+
+@torch.no_grad()
+def _teacher_probs(
+    batch: Batch, teacher: Teacher, autocast: torch.autocast
+) -> tuple[Tensor, Tensor]:
+    """The target's distribution over the draft vocabulary at every answer position, computed
+    once for all outputs: probabilities [N, Vd] (fp32) and each position's row in them
+    ([B, T] int64, -1 off the answer positions)."""
+    slot = torch.full(batch.answer.shape, -1, dtype=torch.long, device=batch.answer.device)
+    slot[batch.answer] = torch.arange(int(batch.answer.sum()), device=slot.device)
+    with autocast:
+        logits = batch.final[batch.answer].to(teacher.rows.dtype) @ teacher.rows.T  # [N, Vd]
+    return F.softmax(logits.float(), dim=-1), slot
 
 
 @torch.no_grad()
@@ -119,15 +174,17 @@ def evaluate(
     head: TrainableHead,
     held: Sequence[TargetPass],
     steps: int,
-    target_ids: Tensor,
+    teacher: Teacher,
     compute: torch.dtype,
 ) -> Evaluation:
-    """Score the head on held-out sequences (module docstring), its matmuls in `compute`."""
+    """Score the head on held-out sequences (module docstring), its matmuls in `compute`, on
+    the teacher's device."""
     agree: list[int] = []
     counted: list[int] = []
     losses = []
     for p in held:
-        loss, (a, c) = batch_loss(head, [p], steps, target_ids, compute)
+        batch = padded_batch([p], head.feature_layers, teacher.final, teacher.rows.device)
+        loss, (a, c) = batch_loss(head, batch, steps, teacher, compute)
         losses.append(float(loss))
         for j in range(len(a)):
             if j == len(agree):

@@ -1,13 +1,19 @@
 """`specdecode train`: a draft head trained on the target's own states, on a CPU.
 
-Methods: "eagle3" (`train.eagle3_model`), "medusa" and "layer_skip" (`train.exit_model`).
+Methods: "eagle3" and "eagle3_parallel" (`train.eagle3_model`), "medusa" and "layer_skip"
+(`train.exit_model`).
 The loop, per optimizer step: take `batch_size` examples from the stream (ShareGPT exchanges
 and standard-library code, never the bench's prompts: `train.data`), let the target answer
 them (responses "target": self-distillation) or keep the dataset's answers ("dataset": teacher
 forcing), run the target once over each sequence (`run_target`: the states the head reads and
-its logits), and fit the head's outputs (EAGLE-3's `unroll` TTT steps, Medusa's heads, the
-exit) to the target's distribution over the draft vocabulary (`train.objective`). The head's
-matmuls run in bf16 where the CPU multiplies bf16 natively (AVX-512 BF16, AMX), else in fp32
+its final-normed state) unless the feature store already holds it (`train.feature_store`;
+every pass run is kept there), and fit the head's outputs (EAGLE-3's `unroll` TTT steps,
+Medusa's heads, the exit) to the target's distribution over the draft vocabulary
+(`train.objective`). With `epochs` > 1 the run trains again on the first `budget_examples`
+examples, read from the store in a shuffled order that batches similar lengths together
+(`train.batches`). The target's passes and the head run on
+`device` (a GPU: the target unquantized); the head's matmuls run in bf16 on a GPU and where
+the CPU multiplies bf16 natively (AVX-512 BF16, AMX), else in fp32
 (`compute.head_compute_dtype`); weights and optimizer state are fp32.
 
 Every `eval_every` steps the head is scored on held-out ShareGPT exchanges
@@ -18,6 +24,7 @@ Every `eval_every` steps the head is scored on held-out ShareGPT exchanges
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import time
@@ -44,17 +51,28 @@ from specdecode.heads.exit_head import ExitHeadConfig
 from specdecode.llm import LLM
 from specdecode.model.loading import parse_dtype
 from specdecode.model.quant import parse_quantization
+from specdecode.model.registry import cache_root
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.sampling_params import SamplingParams
-from specdecode.train.compute import HEAD_DTYPES, head_compute_dtype
+from specdecode.train.batches import epoch_batches
+from specdecode.train.compute import HEAD_DTYPES, head_compute_dtype, training_device
 from specdecode.train.data import encode_example
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.exit_model import TrainableExitHead
-from specdecode.train.init import INITS, initial_exit_weights, initial_weights
-from specdecode.train.objective import Evaluation, batch_loss, evaluate
-from specdecode.train.target_pass import TargetPass, run_target
+from specdecode.train.extract import Encoded, PassSource
+from specdecode.train.feature_store import FeatureStore, store_key
+from specdecode.train.init import INITS, initial_exit_weights, initial_weights, target_output
+from specdecode.train.objective import (
+    Batch,
+    Evaluation,
+    Teacher,
+    batch_loss,
+    evaluate,
+    padded_batch,
+)
+from specdecode.train.target_pass import TargetPass
 
-METHODS = ("eagle3", "medusa", "layer_skip")
+METHODS = ("eagle3", "eagle3_parallel", "medusa", "layer_skip")
+EAGLE3 = ("eagle3", "eagle3_parallel")
 RESPONSES = ("dataset", "target")
 
 EVAL_START = 900  # held-out ShareGPT conversations 900.. score the head (training starts at 1000)
@@ -67,13 +85,19 @@ class TrainConfig:
     """What `specdecode train` does (its flags, one to one).
 
     model: the target (alias, folder or .gguf). out: the head's folder.
-    method: "eagle3", "medusa" or "layer_skip".
+    method: "eagle3", "eagle3_parallel" (drafts `unroll` tokens in one pass), "medusa" or
+        "layer_skip".
     budget_minutes / budget_examples: stop at whichever comes first (at least one given).
     responses: "dataset" (teacher forcing on the dataset's answers) or "target" (the target
         answers each prompt greedily, up to max_answer_tokens: self-distillation, slower).
     quantization / dtype: the target's format for its passes (int8: fast prefill).
-    head_dtype: the head's matmuls: "auto" (bfloat16 where the CPU has native bf16 dot
-        products, else float32), "bfloat16" or "float32".
+    device: where the target's passes run and the head trains ("cpu", "cuda", "cuda:1", ...);
+        a GPU runs the target unquantized (quantization None: the int8 and gguf kernels are
+        the CPU's).
+    head_dtype: the head's matmuls: "auto" (bfloat16 on a GPU and where the CPU has native
+        bf16 dot products, else float32), "bfloat16" or "float32".
+    features: the feature store's folder (None: one under the cache, named by what it holds).
+    epochs: passes over the first budget_examples examples (> 1 needs budget_examples).
     draft_vocab_size: the head's vocabulary (the most frequent answer tokens of the first
         vocab_examples examples). max_length: tokens per sequence (prompt + answer).
     batch_size: sequences per optimizer step. unroll: EAGLE-3's TTT steps (and the chain
@@ -95,7 +119,10 @@ class TrainConfig:
     responses: str = "dataset"
     quantization: str | None = "int8"
     dtype: str = "bfloat16"
+    device: str = "cpu"
     head_dtype: str = "auto"
+    features: Path | None = None
+    epochs: int = 1
     draft_vocab_size: int = 32000
     vocab_examples: int = 2000
     max_length: int = 512
@@ -143,12 +170,20 @@ class TrainConfig:
             "exit_layer",
             "eval_examples",
             "eval_every",
+            "epochs",
         ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise UserError(f"{name} must be a positive integer, got {value!r}")
         if not self.lr > 0 or self.warmup_steps < 0 or not self.checkpoint_minutes > 0:
             raise UserError("lr and checkpoint_minutes must be > 0, warmup_steps >= 0")
+        if self.device != "cpu" and self.quantization not in (None, "none"):
+            raise UserError(
+                f"--device {self.device} runs the target unquantized: give --quantization none "
+                f"(the {self.quantization} kernels run on the CPU)"
+            )
+        if self.epochs > 1 and self.budget_examples is None:
+            raise UserError("--epochs > 1 trains again on --budget-examples examples: give it")
         parse_quantization(self.quantization)
         parse_dtype(self.dtype)
         parse_dtype(self.save_dtype)
@@ -159,7 +194,9 @@ class TrainState:
     """Where a run stands (saved in checkpoints)."""
 
     step: int = 0
+    epoch: int = 0  # 0: reading the stream; e > 0: the e-th pass over the stored examples
     examples: int = 0  # examples consumed from the stream (skipped ones included)
+    position: int = 0  # batches of this epoch trained on (epochs > 0)
     tokens: int = 0  # sequence tokens the head trained on
     answer_tokens: int = 0  # of which answer tokens (the loss covers these)
     seconds: float = 0.0
@@ -186,7 +223,10 @@ def train(
     model.safetensors, train_log.json); returns the final state. `examples` / `held_out`
     replace the default data (tests); they are checked against the bench all the same."""
     started = time.perf_counter()
-    llm = LLM(config.model, dtype=config.dtype, quantization=config.quantization)
+    device = training_device(config.device)
+    llm = LLM(
+        config.model, dtype=config.dtype, quantization=config.quantization, device=str(device)
+    )
     stream, held_default, bench = default_examples()
     saved = _load_checkpoint(config)
     state = TrainState() if saved is None else TrainState(**saved["state"])
@@ -206,69 +246,143 @@ def train(
     else:
         draft_ids = saved["draft_ids"]
         encoded = (item for item in encoded if item[0] >= state.examples)
-    head = _new_head(config, llm, draft_ids)
+    if config.budget_examples is not None:  # epoch 0 reads the first budget_examples
+        encoded = itertools.takewhile(lambda item: item[0] < config.budget_examples, encoded)
+    head = _new_head(config, llm, draft_ids).to(device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95))
     if saved is not None:
         head.load_state_dict(saved["head"])
         optimizer.load_state_dict(saved["optimizer"])
+    final = llm.model.config.num_layers
+    rows, _ = target_output(llm.model_path, draft_ids)
+    teacher = Teacher(rows.to(device), draft_ids.to(device), final)
+    source, held_source = _sources(config, llm, head.feature_layers)
     held = _held_out_passes(
-        llm,
-        held_default if held_out is None else held_out,
-        bench,
-        head.feature_layers,
-        draft_ids,
-        config,
+        held_source, held_default if held_out is None else held_out, llm.tokenizer, bench, config
     )
-    compute = head_compute_dtype(config.head_dtype)
+    compute = head_compute_dtype(config.head_dtype, device=device)
     if state.step == 0:
-        _record(state, evaluate(head, held, config.unroll, draft_ids, compute), 0.0)
+        _record(state, evaluate(head, held, config.unroll, teacher, compute), 0.0)
     base = state.seconds - (time.perf_counter() - started)  # setup is not budgeted
 
     def elapsed() -> float:
         return base + time.perf_counter() - started
 
+    total = (config.budget_examples or 0) * config.epochs
     bar = tqdm(
-        total=config.budget_examples or int(config.budget_minutes * 60),
-        initial=state.examples if config.budget_examples else int(state.seconds),
-        unit="ex" if config.budget_examples else "s",
+        total=total or int(config.budget_minutes * 60),
+        initial=0,
+        unit="ex" if total else "s",
         disable=not progress,
         desc=f"train {config.method}",
     )
     last_checkpoint = time.perf_counter()
-    while not _spent(config, state, elapsed()):
-        batch = list(itertools.islice(encoded, config.batch_size))
-        if not batch:
-            break
-        if config.responses == "target":
-            batch = _self_distilled(llm, batch, config)
-        passes = [
-            run_target(llm.model, ids, n, head.feature_layers, draft_ids) for _, ids, n in batch
-        ]
-        loss = _optimizer_step(head, optimizer, passes, state.step, config, draft_ids, compute)
+    epochs: dict[int, list[list[int]]] = {}  # a later epoch's batches
+    while not _spent(config, elapsed()):
+        passes = _next_passes(config, state, encoded, source, epochs)
+        if passes is None:  # the epoch is over
+            if state.epoch + 1 >= config.epochs:
+                break
+            source.store.flush()
+            state.epoch, state.position = state.epoch + 1, 0
+            continue
+        batch = padded_batch(passes, head.feature_layers, final, device)
+        loss = _optimizer_step(head, optimizer, batch, state.step, config, teacher, compute)
         state.step += 1
-        state.examples = batch[-1][0] + 1
         state.tokens += sum(len(p.tokens) for p in passes)
         state.answer_tokens += sum(len(p.tokens) - p.prompt_length for p in passes)
-        postfix = {"loss": f"{loss:.3f}", "tokens": state.tokens}
+        postfix = {"loss": f"{loss:.3f}", "tokens": state.tokens, "epoch": state.epoch}
         if state.step % config.eval_every == 0:
-            ev = evaluate(head, held, config.unroll, draft_ids, compute)
+            ev = evaluate(head, held, config.unroll, teacher, compute)
             _record(state, ev, elapsed())
             postfix |= {"agree": f"{ev.agreement[0]:.2f}", "tau~": f"{ev.tau:.2f}"}
         bar.set_postfix(postfix, refresh=False)
-        bar.n = state.examples if config.budget_examples else min(int(elapsed()), bar.total)
+        done = state.examples if state.epoch == 0 else total // config.epochs * state.epoch
+        done += state.position * config.batch_size
+        bar.n = min(done if total else int(elapsed()), bar.total)
         bar.refresh()
         if time.perf_counter() - last_checkpoint > config.checkpoint_minutes * 60:
             state.seconds = elapsed()
+            source.store.flush()
             _save_checkpoint(config.out / CHECKPOINT, head, optimizer, state, draft_ids)
             last_checkpoint = time.perf_counter()
     bar.close()
-    ev = evaluate(head, held, config.unroll, draft_ids, compute)
+    source.store.flush()
+    ev = evaluate(head, held, config.unroll, teacher, compute)
     if state.history[-1]["step"] != state.step:
         _record(state, ev, elapsed())
     state.seconds = elapsed()
     _save_checkpoint(config.out / CHECKPOINT, head, optimizer, state, draft_ids)
-    _save_head(config, head, state, ev)
+    _save_head(config, head, state, ev, source.computed)
     return state
+
+
+def _sources(
+    config: TrainConfig, llm: LLM, head_layers: tuple[int, ...]
+) -> tuple[PassSource, PassSource]:
+    """The training examples' and the held-out examples' pass sources, over the feature store
+    (`features_folder`; held-out passes in its "held-out" subfolder)."""
+    final = llm.model.config.num_layers
+    layers = tuple(sorted({*head_layers, *_store_layers(llm), final}))
+    key = store_key(
+        str(llm.model_path),
+        llm.model.device.type,
+        config.quantization,
+        config.dtype,
+        layers,
+        config.max_length,
+        config.responses,
+        config.max_answer_tokens,
+    )
+    root = features_folder(config, key)
+    args = (config.responses, config.max_answer_tokens, config.max_length)
+    return (
+        PassSource(llm, FeatureStore(root, key), *args),
+        PassSource(llm, FeatureStore(root / "held-out", key), *args),
+    )
+
+
+def _store_layers(llm: LLM) -> tuple[int, ...]:
+    """The layers every store keeps beside a head's own: EAGLE-3's, so that Medusa and EAGLE-3
+    runs share one store."""
+    cfg = Eagle3HeadConfig.for_target(llm.model.config, 1)
+    return cfg.aux_layers
+
+
+def features_folder(config: TrainConfig, key: dict[str, object]) -> Path:
+    """`config.features`, or a folder under the cache named by the target and the store key."""
+    if config.features is not None:
+        return config.features
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root() / "features" / f"{Path(str(key['model'])).stem}-{digest}"
+
+
+def _next_passes(
+    config: TrainConfig,
+    state: TrainState,
+    encoded: Iterator[Encoded],
+    source: PassSource,
+    epochs: dict[int, list[list[int]]],
+) -> list[TargetPass] | None:
+    """The next batch's passes (epoch 0: the stream's next examples, run or read; later
+    epochs: the stored examples' batches, `batches.epoch_batches`, kept in `epochs`),
+    advancing `state`; None when the epoch is over."""
+    if state.epoch == 0:
+        batch = list(itertools.islice(encoded, config.batch_size))
+        if not batch:
+            return None
+        state.examples = batch[-1][0] + 1
+        return source.passes(batch)
+    if state.epoch not in epochs:
+        store, budget = source.store, config.budget_examples or 0
+        lengths = {i: store.length(i) for i in store.indices() if i < budget}
+        epochs.clear()
+        epochs[state.epoch] = epoch_batches(lengths, config.seed, state.epoch, config.batch_size)
+    batches = epochs[state.epoch]
+    if state.position >= len(batches):
+        return None
+    state.position += 1
+    return [source.store.get(i) for i in batches[state.position - 1]]
 
 
 def _new_head(
@@ -276,8 +390,9 @@ def _new_head(
 ) -> TrainableEagle3 | TrainableExitHead:
     """A fresh trainable head of `config.method` for the target, started as `config.init` says."""
     target = llm.model.config
-    if config.method == "eagle3":
-        cfg = Eagle3HeadConfig.for_target(target, len(draft_ids), config.model)
+    if config.method in EAGLE3:
+        parallel = config.unroll if config.method == "eagle3_parallel" else 0
+        cfg = Eagle3HeadConfig.for_target(target, len(draft_ids), config.model, parallel)
         return TrainableEagle3(
             cfg,
             initial_weights(cfg, llm.model_path, draft_ids, config.init, config.seed),
@@ -304,45 +419,44 @@ def _load_checkpoint(config: TrainConfig) -> dict | None:
     path = config.out / CHECKPOINT
     if not path.is_file():
         raise UserError(f"nothing to resume: {path} does not exist")
-    return torch.load(path, weights_only=False)
+    return torch.load(path, weights_only=False, map_location="cpu")
 
 
 def _held_out_passes(
-    llm: LLM,
+    source: PassSource,
     examples: Iterable[Example],
+    tokenizer: Tokenizer,
     bench: BenchFilter,
-    feature_layers: tuple[int, ...],
-    draft_ids: Tensor,
     config: TrainConfig,
 ) -> list[TargetPass]:
     """The target's passes over the first `eval_examples` usable held-out examples (answered
-    by the target itself under responses "target")."""
+    by the target itself under responses "target"), read from or kept in `source`'s store."""
     encoded = list(
         itertools.islice(
-            _encoded(examples, llm.tokenizer, config.max_length, bench), config.eval_examples
+            _encoded(examples, tokenizer, config.max_length, bench), config.eval_examples
         )
     )
     if not encoded:
         raise UserError("no held-out example fits max_length: cannot score the head")
-    if config.responses == "target":
-        encoded = _self_distilled(llm, encoded, config)
-    return [run_target(llm.model, ids, n, feature_layers, draft_ids) for _, ids, n in encoded]
+    passes = source.passes(encoded)
+    source.store.flush()
+    return passes
 
 
 def _optimizer_step(
     head: TrainableEagle3 | TrainableExitHead,
     optimizer: torch.optim.Optimizer,
-    passes: Sequence[TargetPass],
+    batch: Batch,
     step: int,
     config: TrainConfig,
-    draft_ids: Tensor,
+    teacher: Teacher,
     compute: torch.dtype,
 ) -> float:
     """One AdamW step on a batch (learning rate warmed up linearly, matmuls in `compute`);
     returns the loss."""
     for group in optimizer.param_groups:
         group["lr"] = config.lr * min(1.0, (step + 1) / max(config.warmup_steps, 1))
-    loss, _ = batch_loss(head, passes, config.unroll, draft_ids, compute)
+    loss, _ = batch_loss(head, batch, config.unroll, teacher, compute)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -355,23 +469,31 @@ def _save_head(
     head: TrainableEagle3 | TrainableExitHead,
     state: TrainState,
     ev: Evaluation,
+    computed: int,
 ) -> None:
-    """Write the head folder (weights in save_dtype, a summary in config.json) and the log."""
+    """Write the head folder (weights in save_dtype, a summary in config.json) and the log;
+    `computed`: the target passes this run ran (the rest were read from the store)."""
     dtype = parse_dtype(config.save_dtype)
     weights = {
-        n: t.to(dtype) if t.is_floating_point() else t for n, t in head.head_weights().items()
+        n: (t.to(dtype) if t.is_floating_point() else t).cpu()
+        for n, t in head.head_weights().items()
     }
     summary = {
         "method": config.method,
         "steps": state.step,
         "examples": state.examples,
+        "epoch": state.epoch,
+        "passes_run": computed,
         "tokens": state.tokens,
         "answer_tokens": state.answer_tokens,
         "minutes": round(state.seconds / 60, 2),
         "held_out_agreement": list(ev.agreement),
         "held_out_tau": ev.tau,
         "responses": config.responses,
-        "head_dtype": str(head_compute_dtype(config.head_dtype)).removeprefix("torch."),
+        "head_dtype": str(
+            head_compute_dtype(config.head_dtype, device=training_device(config.device))
+        ).removeprefix("torch."),
+        "device": config.device,
         "parameters": sum(p.numel() for p in head.parameters()),
     }
     head.save(config.out, weights, summary)
@@ -383,9 +505,7 @@ def _jsonable(d: dict) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
 
 
-def _spent(config: TrainConfig, state: TrainState, seconds: float) -> bool:
-    if config.budget_examples is not None and state.examples >= config.budget_examples:
-        return True
+def _spent(config: TrainConfig, seconds: float) -> bool:
     return config.budget_minutes is not None and seconds >= config.budget_minutes * 60
 
 
@@ -403,19 +523,6 @@ def _encoded(
         encoded = encode_example(tokenizer, example, max_length)
         if encoded is not None and len(encoded[0]) > encoded[1]:
             yield index, encoded[0], encoded[1]
-
-
-def _self_distilled(
-    llm: LLM, batch: list[tuple[int, list[int], int]], config: TrainConfig
-) -> list[tuple[int, list[int], int]]:
-    """The batch's prompts answered by the target itself (greedy)."""
-    params = SamplingParams(temperature=0.0, max_tokens=config.max_answer_tokens)
-    prompts = [{"prompt_token_ids": ids[:n]} for _, ids, n in batch]
-    outs = llm.generate(prompts, params)
-    return [
-        (index, (ids[:n] + list(out.token_ids))[: config.max_length], n)
-        for (index, ids, n), out in zip(batch, outs, strict=True)
-    ]
 
 
 def _record(state: TrainState, ev: Evaluation, seconds: float) -> None:

@@ -1,0 +1,182 @@
+"""Parallel EAGLE-3 heads (method "eagle3_parallel"): a whole draft from one head pass,
+lossless (chains, trees, batched and alone), exact sampling, the trainable head equal to the
+drafter's pass, training, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_eagle3_head, build_tiny_model
+from head_cases import check_certify
+from spec_cases import GREEDY, PROMPTS
+from train_cases import chat_prompts, examples, train_config
+
+from specdecode.cache.attention_metadata import AttentionMetadata
+from specdecode.errors import UserError
+from specdecode.heads.eagle3 import MASK, load_eagle3_head, read_head_weights, save_eagle3_head
+from specdecode.heads.eagle3_config import Eagle3HeadConfig
+from specdecode.llm import LLM
+from specdecode.model.loading import load_model
+from specdecode.sampling_params import SamplingParams
+from specdecode.train.eagle3_model import TrainableEagle3
+from specdecode.train.init import initial_weights
+from specdecode.train.trainer import train
+
+P = 4  # the head's levels
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_model_dir: Path) -> Path:
+    return build_tiny_eagle3_head(
+        tiny_model_dir, tiny_model_dir / "eagle3-parallel-head", parallel_tokens=P
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: Path) -> list[list[int]]:
+    plain = LLM(model=str(tiny_model_dir), dtype="float32")
+    return [list(o.token_ids) for o in plain.generate(PROMPTS, GREEDY)]
+
+
+def _parallel(model_dir: Path, head_dir: Path, **spec: object) -> LLM:
+    config = {"method": "eagle3_parallel", "model": str(head_dir), "num_speculative_tokens": 3}
+    return LLM(str(model_dir), dtype="float32", speculative_config={**config, **spec})
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"num_speculative_tokens": 1},
+        {"num_speculative_tokens": P},
+        {"num_speculative_tokens": 6, "tree_width": 2, "tree_depth": 3},
+        {"num_speculative_tokens": 8, "tree_width": 3},
+    ],
+)
+def test_greedy_equals_plain_batched_and_alone_with_one_head_pass_a_step(
+    tiny_model_dir: Path, head_dir: Path, expected: list[list[int]], spec: dict
+) -> None:
+    llm = _parallel(tiny_model_dir, head_dir, **spec)
+    drafter = llm.engine.drafter
+    passes = []
+    forward = drafter.head.forward
+
+    def counted(*args: object, **kw: object) -> object:
+        passes.append(1)
+        return forward(*args, **kw)
+
+    drafter.head.forward = counted
+    original = drafter.propose
+    per_propose = []
+
+    def propose(seqs: object, max_tokens: list[int]) -> object:
+        before = len(passes)
+        drafts = original(seqs, max_tokens)
+        per_propose.append((len(passes) - before, sum(1 for m in max_tokens if m > 0)))
+        return drafts
+
+    drafter.propose = propose
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.token_ids) for o in outs] == expected
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        assert list(llm.generate(prompt, GREEDY)[0].token_ids) == want
+    assert sum(o.metrics.spec.num_draft_tokens for o in outs) > 0
+    # one head pass per drafting request per step, however long its chain or deep its tree
+    assert per_propose and all(n <= drafting for n, drafting in per_propose)
+    assert not drafter._rows  # finished requests released their caches
+
+
+def test_the_trainable_head_scores_what_one_drafter_pass_drafts(
+    tiny_model_dir: Path, head_dir: Path
+) -> None:
+    """Step j of the training module (mask entries for j > 0) gives, for the last committed
+    entry, the logits of level j of the drafter's single pass (fp32)."""
+    target = load_model(tiny_model_dir, dtype="float32")
+    head = load_eagle3_head(head_dir, target, None)
+    cfg = head.config
+    trainable = TrainableEagle3(cfg, read_head_weights(head_dir, cfg), target.embed_tokens.weight)
+    tokens = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(1))
+    meta = AttentionMetadata.prefill([20], "cpu")
+    _, states = target(tokens, meta, target.new_cache(1, 20), hidden_layers=cfg.aux_layers)
+    with torch.no_grad():
+        steps = [trainable.logits(h) for h in trainable(states, tokens, P)]
+    n = 12  # committed entries 0..11: entry t reads (token t + 1, state t)
+    ids = [*tokens[0, 1 : n + 1].tolist(), *[MASK] * (P - 1)]
+    hidden = torch.cat([head.fuse(states[0, :n]), head.mask_hidden.expand(P - 1, -1)])
+    meta = AttentionMetadata.prefill([n + P - 1], "cpu")
+    index = torch.arange(n - 1, n + P - 1)[None]
+    logits, _ = head(torch.tensor([ids]), hidden[None], meta, head.new_cache(1, 32), index)
+    for j in range(P):
+        torch.testing.assert_close(logits[0, j], steps[j][0, n - 1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny Llama and a parallel head (3 levels) trained on it for 64 examples."""
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("parallel_target"), "llama")
+    out = tmp_path_factory.mktemp("parallel") / "head"
+    config = train_config(model_dir, out, method="eagle3_parallel", unroll=3)
+    train(config, examples(200), examples(4, 1000), progress=False)
+    return model_dir, out
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_sampling_matches_the_target_and_a_biased_verifier_fails(
+    trained: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, biased: bool
+) -> None:
+    """`certify`'s chi-square test with a trained parallel head (its q at every level is
+    neither one-hot nor p): exact; treating q as one-hot fails the same test."""
+    model_dir, out = trained
+    llm = _parallel(model_dir, out, num_speculative_tokens=2)
+    check_certify(llm, model_dir, monkeypatch, biased)
+
+
+def test_heads_and_methods_must_match_and_k_fit_the_levels(
+    tiny_model_dir: Path, head_dir: Path, tmp_path: Path
+) -> None:
+    sequential = build_tiny_eagle3_head(tiny_model_dir, tmp_path / "sequential")
+    with pytest.raises(UserError, match='use method "eagle3_parallel"'):
+        LLM(
+            str(tiny_model_dir),
+            dtype="float32",
+            speculative_config={
+                "method": "eagle3",
+                "model": str(head_dir),
+                "num_speculative_tokens": 3,
+            },
+        )
+    with pytest.raises(UserError, match=r'drafts token by token.*use method "eagle3"'):
+        _parallel(tiny_model_dir, sequential)
+    with pytest.raises(UserError, match=rf"at most {P} levels.*too long"):
+        _parallel(tiny_model_dir, head_dir, num_speculative_tokens=P + 1)
+    with pytest.raises(UserError, match="too deep"):
+        _parallel(tiny_model_dir, head_dir, num_speculative_tokens=9, tree_width=2, tree_depth=5)
+    assert json.loads((head_dir / "config.json").read_text())["parallel_draft_tokens"] == P
+    assert Eagle3HeadConfig.from_folder(head_dir).parallel_tokens == P
+
+
+def test_training_a_parallel_head_raises_its_acceptance(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`train --method eagle3_parallel` (unroll = the levels): the loss falls, the held-out
+    agreement rises, and in the engine the saved head's drafts are accepted more often than
+    its starting point's."""
+    model_dir, out = trained
+    log = json.loads((out / "train_log.json").read_text())
+    first, last = log["history"][0], log["history"][-1]
+    assert last["loss"] < first["loss"] - 0.5 and last["agree_0"] > first["agree_0"] + 0.1
+    assert Eagle3HeadConfig.from_folder(out).parallel_tokens == 3
+    cfg = Eagle3HeadConfig.from_folder(out)
+    weights = read_head_weights(out, cfg)
+    start = initial_weights(cfg, model_dir, weights["d2t"] + torch.arange(120), "random", 0)
+    save_eagle3_head(tmp_path / "untrained", cfg, start)
+    prompts = chat_prompts(model_dir, examples(6, 2000))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    rates = []
+    for head in (tmp_path / "untrained", out):
+        outs = _parallel(model_dir, head).generate(prompts, params)
+        drafted = sum(o.metrics.spec.num_draft_tokens for o in outs)
+        rates.append(sum(o.metrics.spec.num_accepted_tokens for o in outs) / drafted)
+    assert rates[1] > rates[0] + 0.1, rates
