@@ -8,7 +8,7 @@ PROMPT ?= Add type hints to this Python function. Reply with the whole function 
 SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
 .PHONY: install kernels demo serve browser test test-native test-arm64 lint bench bench-docs \
-    openvino-exporter
+    openvino-exporter heads
 
 install: $(VENV)/.installed
 
@@ -102,3 +102,23 @@ openvino-exporter: install
 	test -x $(OPTIMUM_VENV)/bin/python || python3 -m venv $(OPTIMUM_VENV)
 	$(OPTIMUM_VENV)/bin/pip install --quiet "optimum-intel[openvino]==2.2.0" torch==2.13.0
 	$(OPTIMUM_VENV)/bin/pip uninstall --quiet --yes torchvision
+
+# The 1.5B's heads (docs/training.md): a sequential and a parallel EAGLE-3 head on the same
+# examples, fixed seed and budget. The first run fills the feature store (HEADS/features) that
+# the second and every later epoch read; a stopped `make heads` goes on where it stopped (each
+# run resumes from its checkpoint). DEVICE=cuda trains on a GPU (the target unquantized).
+HEADS ?= $(HOME)/.cache/specdecode/heads
+HEAD_EXAMPLES ?= 2000
+HEAD_EPOCHS ?= 4
+HEAD_MINUTES ?= 120
+DEVICE ?= cpu
+HEAD_FORMAT := $(if $(filter cpu,$(DEVICE)),int8,none)
+heads: install
+	$(VENV)/bin/specdecode pull qwen2.5-coder-1.5b
+	for m in eagle3 eagle3_parallel; do \
+	    out=$(HEADS)/qwen2.5-coder-1.5b-$$m; \
+	    $(VENV)/bin/specdecode train --model qwen2.5-coder-1.5b --method $$m --unroll 4 \
+	        --budget-examples $(HEAD_EXAMPLES) --epochs $(HEAD_EPOCHS) \
+	        --budget-minutes $(HEAD_MINUTES) --seed 0 --device $(DEVICE) \
+	        --quantization $(HEAD_FORMAT) --features $(HEADS)/features-$(DEVICE) --out $$out \
+	        $$(test -f $$out/checkpoint.pt && echo --resume) || exit 1; done

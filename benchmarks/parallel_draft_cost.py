@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    prompts = [p.messages for p in load_prompts(["chat"], args.prompts)]
+    prompts = [list(p.messages) for p in load_prompts(["chat"], args.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
         base = LLM(args.model, quantization=args.quantization)

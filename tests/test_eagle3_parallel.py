@@ -180,3 +180,20 @@ def test_training_a_parallel_head_raises_its_acceptance(
         drafted = sum(o.metrics.spec.num_draft_tokens for o in outs)
         rates.append(sum(o.metrics.spec.num_accepted_tokens for o in outs) / drafted)
     assert rates[1] > rates[0] + 0.1, rates
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_equals_plain_on_a_gpu(tiny_model_dir: Path, head_dir: Path) -> None:
+    """The target, the head and the engine on CUDA (fp32): chains and trees give plain
+    decoding's output on the same device (seen passing on an NVIDIA H200)."""
+    plain = LLM(str(tiny_model_dir), dtype="float32", device="cuda")
+    want = [list(o.token_ids) for o in plain.generate(PROMPTS, GREEDY)]
+    for spec in (
+        {"num_speculative_tokens": P},
+        {"num_speculative_tokens": 6, "tree_width": 2, "tree_depth": 3},
+    ):
+        config = {"method": "eagle3_parallel", "model": str(head_dir), **spec}
+        llm = LLM(str(tiny_model_dir), dtype="float32", device="cuda", speculative_config=config)
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [list(o.token_ids) for o in outs] == want
+        assert sum(o.metrics.spec.num_draft_tokens for o in outs) > 0
