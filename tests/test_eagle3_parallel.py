@@ -23,6 +23,8 @@ from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.init import initial_weights
+from specdecode.train.objective import Teacher, batch_loss, later_columns, padded_batch
+from specdecode.train.target_pass import run_target
 from specdecode.train.trainer import train
 
 P = 4  # the head's levels
@@ -197,3 +199,60 @@ def test_greedy_equals_plain_on_a_gpu(tiny_model_dir: Path, head_dir: Path) -> N
         outs = llm.generate(PROMPTS, GREEDY)
         assert [list(o.token_ids) for o in outs] == want
         assert sum(o.metrics.spec.num_draft_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("parallel", [0, P])
+def test_later_steps_run_for_the_answer_columns_alone_with_the_same_outputs(
+    tiny_model_dir: Path, tmp_path: Path, parallel: int
+) -> None:
+    """The trainer runs TTT steps > 0 only for the columns its loss reads (`Batch.columns`):
+    their outputs equal those of the full unroll at those columns, for sequential and
+    parallel heads, and the batch loss is the same either way."""
+    head_dir = build_tiny_eagle3_head(tiny_model_dir, tmp_path / "h", parallel_tokens=parallel)
+    target = load_model(tiny_model_dir, dtype="float32")
+    cfg = Eagle3HeadConfig.from_folder(head_dir)
+    trainable = TrainableEagle3(cfg, read_head_weights(head_dir, cfg), target.embed_tokens.weight)
+    gen = torch.Generator().manual_seed(2)
+    passes = []
+    final = target.config.num_layers
+    for length, prompt in ((100, 70), (80, 60), (120, 75)):  # T 128, answers <= 64
+        tokens = torch.randint(0, 300, (length,), generator=gen).tolist()
+        passes.append(run_target(target, tokens, prompt, (*cfg.aux_layers, final)))
+    batch = padded_batch(passes, cfg.aux_layers, final, torch.device("cpu"))
+    columns, first = later_columns(batch.answer, 3 + trainable.shift)
+    assert first.tolist() == [69 - 4, 59 - 4, 74 - 4] and columns.shape == (3, 64)
+    with torch.no_grad():
+        full = trainable(batch.features, batch.tokens, 4)
+        gathered = trainable(batch.features, batch.tokens, 4, columns)
+    torch.testing.assert_close(gathered[0], full[0])
+    rows = torch.arange(3)[:, None]
+    for j in range(1, 4):
+        assert gathered[j].shape[1] == 64 < full[j].shape[1] == 128
+        torch.testing.assert_close(gathered[j], full[j][rows, columns], atol=1e-5, rtol=1e-5)
+    # the loss over the gathered columns equals the loss of a head that gathers nothing
+    draft_ids = torch.arange(cfg.draft_vocab_size)
+    teacher_rows = torch.randn(cfg.draft_vocab_size, cfg.hidden_size, generator=gen)
+    teacher = Teacher(teacher_rows, draft_ids, final)
+    loss, _ = batch_loss(trainable, batch, 4, teacher, torch.float32)
+    reference, _ = batch_loss(_Full(trainable), batch, 4, teacher, torch.float32)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
+
+
+class _Full(torch.nn.Module):
+    """A head that runs every step for every column (`columns` ignored)."""
+
+    def __init__(self, head: TrainableEagle3) -> None:
+        super().__init__()
+        self.head, self.shift, self.gathers = head, head.shift, False
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        tokens: torch.Tensor,
+        steps: int,
+        columns: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        return self.head(features, tokens, steps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(hidden)

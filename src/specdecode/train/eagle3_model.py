@@ -49,6 +49,7 @@ class TrainableEagle3(HeadParameters):
         self.config = cfg
         self.register_buffer("embed", embed.detach(), persistent=False)
         self.shift = 1  # step j of column t predicts token t + j + 2
+        self.gathers = True  # steps j > 0 run only for the columns the loss reads
         lay = cfg.layer
         inv = 1.0 / lay.rope_theta ** (
             torch.arange(0, lay.head_dim, 2, dtype=torch.float64) / lay.head_dim
@@ -69,58 +70,86 @@ class TrainableEagle3(HeadParameters):
         bias = param_key(weight.removesuffix("weight") + "bias")
         return F.linear(x, self.p(weight), self.params.get(bias, None))
 
-    def forward(self, features: Tensor, tokens: Tensor, steps: int) -> list[Tensor]:
+    def forward(
+        self, features: Tensor, tokens: Tensor, steps: int, columns: Tensor | None = None
+    ) -> list[Tensor]:
         """Pre-norm outputs of `steps` unrolled steps over a batch of sequences (`logits`
         turns the rows that matter into logits: the output head is the largest matmul).
 
         features: [B, T, F] the target's concatenated states (F = len(aux layers) * h).
         tokens: [B, T] the sequences' token ids (target ids).
-        Returns per step j: [B, T, h]; column t predicts token t + j + 2.
+        columns: [B, A] the columns steps 1.. run for (None: all T): only the outputs a loss
+            reads need them, and a column's later steps read nothing of other columns' but
+            step 0's keys and values, which always cover all T.
+        Returns step 0's outputs [B, T, h] and each later step's [B, A, h] (A = T without
+        `columns`); column t's output of step j predicts token t + j + 2.
         """
-        lay = self.config.layer
         batch, length, _ = features.shape
-        heads, kv_heads, dim = lay.num_heads, lay.num_kv_heads, lay.head_dim
-        group = heads // kv_heads
-        eps = lay.rms_norm_eps
+        if columns is None:
+            columns = torch.arange(length, device=features.device).expand(batch, length)
         hidden = self._linear(features.to(self.p("fc.weight").dtype), "fc.weight")  # [B,T,h]
         keys: list[Tensor] = []
         values: list[Tensor] = []
-        outputs = []
+        outputs: list[Tensor] = []
+        rows = torch.arange(batch, device=features.device)[:, None]  # [B, 1]
         for step in range(steps):
+            cols = torch.arange(length, device=features.device)[None] if step == 0 else columns
             if step and self.config.parallel_tokens:  # mask entries
-                token_embeds = self.p("mask_embed").expand(batch, length, -1)
-                hidden = self.p("mask_hidden").expand(batch, length, -1).to(hidden.dtype)
+                token_embeds = self.p("mask_embed").expand(*cols.shape, -1)
+                hidden = self.p("mask_hidden").expand(*cols.shape, -1).to(hidden.dtype)
             else:
-                shifted = torch.zeros_like(tokens)
-                shifted[:, : length - step - 1] = tokens[:, step + 1 :]  # column t: t+step+1
-                token_embeds = self.embed[shifted]
-            embeds = rms_norm(token_embeds, self.p(f"{LAYER}input_layernorm.weight"), eps)
-            normed = rms_norm(hidden, self.p(f"{LAYER}hidden_norm.weight"), eps)
-            residual = normed if self.config.norm_before_residual else hidden
-            x = torch.cat([embeds.to(normed.dtype), normed], dim=-1)  # [B, T, 2h]
-            q = self._linear(x, f"{LAYER}self_attn.q_proj.weight")
-            k = self._linear(x, f"{LAYER}self_attn.k_proj.weight")
-            v = self._linear(x, f"{LAYER}self_attn.v_proj.weight")
-            q = q.view(batch, length, heads, dim).transpose(1, 2)  # [B, H, T, D]
-            k = k.view(batch, length, kv_heads, dim).transpose(1, 2)  # [B, Hkv, T, D]
-            v = v.view(batch, length, kv_heads, dim).transpose(1, 2)
-            positions = torch.arange(length, device=x.device, dtype=torch.float32) + step
-            angles = torch.outer(positions, self.inv_freq)
-            angles = torch.cat([angles, angles], dim=-1)  # [T, D]
-            cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            keys.append(k.repeat_interleave(group, dim=1))  # [B, H, T, D]
-            values.append(v.repeat_interleave(group, dim=1))
-            attn = self._ttt_attention(q, keys, values)  # [B, H, T, D]
-            attn = attn.transpose(1, 2).reshape(batch, length, heads * dim)
-            x = residual + self._linear(attn, f"{LAYER}self_attn.o_proj.weight")
-            y = rms_norm(x, self.p(f"{LAYER}post_attention_layernorm.weight"), eps)
-            gate = self._linear(y, f"{LAYER}mlp.gate_proj.weight")
-            up = self._linear(y, f"{LAYER}mlp.up_proj.weight")
-            x = x + self._linear(F.silu(gate) * up, f"{LAYER}mlp.down_proj.weight")
-            hidden = x  # [B, T, h] pre-norm: the next step's feature
+                ahead = cols + step + 1  # column t reads token t + step + 1 (0 past the end)
+                token_embeds = self.embed[
+                    torch.where(ahead < length, tokens[rows, ahead.clamp(max=length - 1)], 0)
+                ]
+                if step == 1:
+                    hidden = hidden[rows, columns]  # step 0's outputs at the columns
+            x = self._layer(token_embeds, hidden, cols + step, keys, values)
+            hidden = x  # pre-norm: the next step's feature
             outputs.append(x)
         return outputs
+
+    def _layer(
+        self,
+        token_embeds: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        keys: list[Tensor],
+        values: list[Tensor],
+    ) -> Tensor:
+        """The decoder layer over one step's entries (token embeddings and features [B, N, h]
+        at `positions` [1 or B, N]), its keys and values appended to `keys` / `values`; the
+        first step's entries attend causally among themselves, a later step's to step 0's up
+        to their own column and to their own column's later steps (`_ttt_attention`)."""
+        lay = self.config.layer
+        eps = lay.rms_norm_eps
+        batch, count, _ = hidden.shape
+        heads, kv_heads, dim = lay.num_heads, lay.num_kv_heads, lay.head_dim
+        embeds = rms_norm(token_embeds, self.p(f"{LAYER}input_layernorm.weight"), eps)
+        normed = rms_norm(hidden, self.p(f"{LAYER}hidden_norm.weight"), eps)
+        residual = normed if self.config.norm_before_residual else hidden
+        x = torch.cat([embeds.to(normed.dtype), normed], dim=-1)  # [B, N, 2h]
+        q = self._linear(x, f"{LAYER}self_attn.q_proj.weight")
+        k = self._linear(x, f"{LAYER}self_attn.k_proj.weight")
+        v = self._linear(x, f"{LAYER}self_attn.v_proj.weight")
+        q = q.view(batch, count, heads, dim).transpose(1, 2)  # [B, H, N, D]
+        k = k.view(batch, count, kv_heads, dim).transpose(1, 2)  # [B, Hkv, N, D]
+        v = v.view(batch, count, kv_heads, dim).transpose(1, 2)
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [1|B, N, D/2]
+        angles = torch.cat([angles, angles], dim=-1)[:, None]  # [1|B, 1, N, D]
+        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        group = heads // kv_heads
+        keys.append(k.repeat_interleave(group, dim=1))  # [B, H, N, D]
+        values.append(v.repeat_interleave(group, dim=1))
+        # a later step's query at column c sees step 0's keys 0..c: its position minus the step
+        attn = self._ttt_attention(q, keys, values, positions - (len(keys) - 1))  # [B, H, N, D]
+        attn = attn.transpose(1, 2).reshape(batch, count, heads * dim)
+        x = residual + self._linear(attn, f"{LAYER}self_attn.o_proj.weight")
+        y = rms_norm(x, self.p(f"{LAYER}post_attention_layernorm.weight"), eps)
+        gate = self._linear(y, f"{LAYER}mlp.gate_proj.weight")
+        up = self._linear(y, f"{LAYER}mlp.up_proj.weight")
+        return x + self._linear(F.silu(gate) * up, f"{LAYER}mlp.down_proj.weight")  # [B, N, h]
 
     def logits(self, hidden: Tensor) -> Tensor:
         """The output head over pre-norm outputs: [..., h] -> [..., Vd] logits."""
@@ -128,17 +157,21 @@ class TrainableEagle3(HeadParameters):
         return self._linear(normed, "lm_head.weight")
 
     @staticmethod
-    def _ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor]) -> Tensor:
-        """Step len(keys) - 1's attention: causal over step 0, plus its own column's entries of
-        steps 1..j. q: [B, H, T, D]; keys, values: per step [B, H, T, D]."""
+    def _ttt_attention(
+        q: Tensor, keys: list[Tensor], values: list[Tensor], columns: Tensor
+    ) -> Tensor:
+        """Step j = len(keys) - 1's attention. Step 0: causal over its own entries. Step j > 0,
+        its queries at `columns` ([1 or B, N]): step 0's entries 0..column, plus its own
+        column's entries of steps 1..j. q: [B, H, N, D]; keys, values: step 0's [B, H, T, D],
+        then per later step [B, H, N, D]."""
         if len(keys) == 1:
             return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        length = q.shape[2]
-        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        scores = (q @ keys[0].transpose(-1, -2)).float() * scale  # [B, H, T, T]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        diag = torch.stack([(q * k).sum(-1).float() * scale for k in keys[1:]], -1)  # [B,H,T,j]
+        length = keys[0].shape[2]
+        seen = torch.arange(length, device=q.device) <= columns[..., None]  # [1|B, N, T]
+        scores = (q @ keys[0].transpose(-1, -2)).float() * scale  # [B, H, N, T]
+        scores = scores.masked_fill(~seen[:, None], float("-inf"))
+        diag = torch.stack([(q * k).sum(-1).float() * scale for k in keys[1:]], -1)  # [B,H,N,j]
         probs = torch.cat([scores, diag], dim=-1).softmax(-1).to(q.dtype)
         out = probs[..., :length] @ values[0]
         for s, v in enumerate(values[1:]):

@@ -31,15 +31,19 @@ class TrainableExitHead(HeadParameters):
         super().__init__(cfg.tensor_shapes(), weights)
         self.config = cfg
         self.shift = 1 if cfg.kind == "medusa" else 0
+        self.gathers = False  # every output covers every column
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
         """The target layers whose inputs the head reads."""
         return (self.config.feature_layer,)
 
-    def forward(self, features: Tensor, tokens: Tensor, steps: int) -> list[Tensor]:
+    def forward(
+        self, features: Tensor, tokens: Tensor, steps: int, columns: Tensor | None = None
+    ) -> list[Tensor]:
         """Per head k: y_k = x + SiLU(W_k x + b_k) over x = the (normed) target states
-        (features [B, T, h]; tokens and steps are not read: the heads see no drafted token).
+        (features [B, T, h]; tokens, steps and columns are not read: the heads see no drafted
+        token, and each is one cheap block over every column).
         Returns [B, T, h] per head; head j's column t predicts token t + j + shift + 1."""
         x = features.to(self.p("lm_head.weight").dtype)
         if self.config.normed_input:

@@ -35,9 +35,13 @@ class TrainableHead(Protocol):
     """What the objective needs of a trainable head (`TrainableEagle3`, `TrainableExitHead`)."""
 
     shift: int  # output j of column t predicts token t + j + shift + 1
+    gathers: bool  # outputs j > 0 are at `columns` only ([B, A, h]), else at every column
 
-    def __call__(self, features: Tensor, tokens: Tensor, steps: int) -> list[Tensor]:
-        """Outputs ([B, T, h] each) over target states [B, T, F] and tokens [B, T]."""
+    def __call__(
+        self, features: Tensor, tokens: Tensor, steps: int, columns: Tensor | None = None
+    ) -> list[Tensor]:
+        """Outputs over target states [B, T, F] and tokens [B, T]: [B, T, h] each, or for
+        j > 0 of a head that `gathers`, [B, A, h] at `columns` ([B, A])."""
         ...
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -111,9 +115,28 @@ def padded_batch(
         tokens[b, :n], argmax[b, :n] = p.tokens, p.argmax
         features[b, :n], finals[b, :n] = p.at(layers), p.at((final,))
         answer[b, p.prompt_length - 1 : n - 1] = True  # the last position has no next token
-    return Batch(
-        *(t.to(device, non_blocking=True) for t in (tokens, features, finals, argmax, answer))
-    )
+    parts = (tokens, features, finals, argmax, answer)
+    return Batch(*(t.to(device, non_blocking=True) for t in parts))
+
+
+def later_columns(answer: Tensor, reach: int) -> tuple[Tensor, Tensor]:
+    """The columns a loss reads of outputs after the first: for row b, first[b], first[b] + 1,
+    ... up to its last answer position, where first[b] is `reach` columns before its first
+    (an output j of column t predicts token t + j + shift + 1, so it reads prompt columns
+    down to reach = the largest j + shift). answer: [B, T] bool (`Batch.answer`). Returns
+    columns [B, A] int64 (a shorter row repeats its last; A is the longest row's count
+    rounded up to SHAPE_BUCKET, at most T) and first [B] int64.
+
+    Example: answer [[0, 0, 1, 1, 1, 0]] (T 6) and reach 1 give first [1] and columns
+    [[1, 2, 3, 4, 4, 4]].
+    """
+    length = answer.shape[1]
+    last = length - 1 - answer.flip(1).int().argmax(1)  # [B]
+    first = (answer.int().argmax(1) - reach).clamp(min=0)  # [B]
+    counts = last - first + 1  # [B]
+    width = min(-(-int(counts.max()) // SHAPE_BUCKET) * SHAPE_BUCKET, length)
+    steps = torch.arange(width, device=answer.device)[None]  # [1, A]
+    return first[:, None] + torch.minimum(steps, (counts - 1)[:, None]), first
 
 
 def batch_loss(
@@ -131,8 +154,9 @@ def batch_loss(
     total = torch.zeros((), device=device)
     agree, counted = [], []
     autocast = torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32)
+    columns, first = later_columns(batch.answer, steps - 1 + head.shift)
     with autocast:
-        outputs = head(batch.features, batch.tokens, steps)
+        outputs = head(batch.features, batch.tokens, steps, columns)
     target_p, slot = _teacher_probs(batch, teacher, autocast)
     for j, hidden in enumerate(outputs):
         ahead = j + head.shift  # column t predicts token t + ahead + 1: teacher row t + ahead
@@ -144,8 +168,9 @@ def batch_loss(
         padded = -(-n // ROW_BUCKET) * ROW_BUCKET
         rows = torch.cat([rows, rows[:1].expand(padded - n)])
         cols_at = torch.cat([cols_at, cols_at[:1].expand(padded - n)])
+        at = cols_at - first[rows] if j and head.gathers else cols_at  # output columns
         with autocast:
-            logits = head.logits(hidden[rows, cols_at])  # [padded, Vd]
+            logits = head.logits(hidden[rows, at])  # [padded, Vd]
         logp = F.log_softmax(logits.float(), dim=-1)[:n]  # [n, Vd]
         ce = -(target_p[slot[rows[:n], cols_at[:n] + ahead]] * logp).sum(-1)  # [n]
         total = total + STEP_DECAY**j * ce.mean()
