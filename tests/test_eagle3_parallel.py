@@ -16,7 +16,12 @@ from train_cases import chat_prompts, examples, train_config
 
 from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.errors import UserError
-from specdecode.heads.eagle3 import MASK, load_eagle3_head, read_head_weights, save_eagle3_head
+from specdecode.heads.eagle3 import (
+    load_eagle3_head,
+    mask_token,
+    read_head_weights,
+    save_eagle3_head,
+)
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
 from specdecode.llm import LLM
 from specdecode.model.loading import load_model
@@ -105,8 +110,8 @@ def test_the_trainable_head_scores_what_one_drafter_pass_drafts(
     with torch.no_grad():
         steps = [trainable.logits(h) for h in trainable(states, tokens, P)]
     n = 12  # committed entries 0..11: entry t reads (token t + 1, state t)
-    ids = [*tokens[0, 1 : n + 1].tolist(), *[MASK] * (P - 1)]
-    hidden = torch.cat([head.fuse(states[0, :n]), head.mask_hidden.expand(P - 1, -1)])
+    ids = [*tokens[0, 1 : n + 1].tolist(), *[mask_token(j) for j in range(1, P)]]
+    hidden = torch.cat([head.fuse(states[0, :n]), head.mask_hidden])
     meta = AttentionMetadata.prefill([n + P - 1], "cpu")
     index = torch.arange(n - 1, n + P - 1)[None]
     logits, _ = head(torch.tensor([ids]), hidden[None], meta, head.new_cache(1, 32), index)

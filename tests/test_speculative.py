@@ -277,6 +277,12 @@ def example_config(method: str, model_dir: Path) -> dict[str, object]:
             "model": str(build_tiny_eagle3_head(model_dir, model_dir / "eagle3")),
             "num_speculative_tokens": 3,
         },
+        "eagle3_parallel": {
+            "model": str(
+                build_tiny_eagle3_head(model_dir, model_dir / "eagle3_parallel", parallel_tokens=3)
+            ),
+            "num_speculative_tokens": 3,
+        },
         **{
             kind: {
                 "model": str(build_tiny_exit_head(model_dir, model_dir / kind, kind)),

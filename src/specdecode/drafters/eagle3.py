@@ -48,7 +48,7 @@ from specdecode.drafters.base import (
 )
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, reduced_log_confidence
 from specdecode.errors import UserError
-from specdecode.heads.eagle3 import MASK, Eagle3Head, load_eagle3_head
+from specdecode.heads.eagle3 import Eagle3Head, load_eagle3_head, mask_token
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
 from specdecode.types import Draft, TargetOutputs, Verdict
@@ -231,9 +231,10 @@ class Eagle3Drafter(DrafterBase):
         head, device = self.head, self.head.device
         fused = head.fuse(torch.cat(row.pending).to(device))  # [n, h]
         n = len(fused)
-        tokens = torch.tensor([[*ids[row.fed + 1 :], *[MASK] * masks]], device=device)
+        levels = [mask_token(j) for j in range(1, masks + 1)]
+        tokens = torch.tensor([[*ids[row.fed + 1 :], *levels]], device=device)  # [1, n + masks]
         if masks:
-            fused = torch.cat([fused, head.mask_hidden.expand(masks, -1)])  # [n + masks, h]
+            fused = torch.cat([fused, head.mask_hidden[:masks]])  # [n + masks, h]
         mode = AttentionMode.PREFILL if row.fed == 0 else AttentionMode.DECODE
         meta = AttentionMetadata.contiguous(mode, [row.fed], [n + masks], device)
         index = torch.arange(n - 1, n + masks, device=device)[None]  # [1, 1 + masks]

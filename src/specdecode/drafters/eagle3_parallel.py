@@ -2,20 +2,21 @@
 
 P-EAGLE / PARD style. A parallel head (`Eagle3HeadConfig.parallel_tokens` = P, trained by
 `specdecode train --method eagle3_parallel`) is an EAGLE-3 head whose drafted entries read a
-learned mask token and mask feature instead of the token drafted before and the head's own
-output. So one pass holds everything a draft needs: the entries of the new target states (the
-catch-up, as in `drafters.eagle3`), then K - 1 mask entries at the next positions. The last
-state's entry gives level 0 (d_1), mask entry j gives level j (d_(j+1)); no level sees the
-tokens drafted before it, like Medusa's heads, so chains and trees come from the levels alike
-(`drafters.level_drafts`). The mask entries are dropped from the head's cache before the next
-draft, which feeds the target's states of the tokens the step kept.
+learned mask token and mask feature of its level instead of the token drafted before and the
+head's own output. So one pass holds everything a draft needs: the entries of the new target
+states (the catch-up, as in `drafters.eagle3`), then K - 1 mask entries at the next
+positions. The last state's entry gives level 0 (d_1), mask entry j gives level j (d_(j+1));
+no level sees the tokens drafted before it, like Medusa's heads, so chains and trees come from
+the levels alike (`drafters.level_drafts`). The mask entries are dropped from the head's cache
+before the next draft, which feeds the target's states of the tokens the step kept.
 
 Worked example, K = 3, committed t0..t5, entries 0..3 fed before, the last target pass kept s4:
 
-    propose: one pass over (t5, s4) at position 4, (MASK, m) at 5 and at 6 -> d1, d2, d3.
+    propose: one pass over (t5, s4) at position 4, (M1, m1) at 5, (M2, m2) at 6 -> d1, d2, d3
+             (Mj, mj: level j's mask embedding and feature).
     verdict: accepted d1, recovered r; the target pass kept s5, s6.
     propose: drop entries 5, 6 (cache back to entries 0..4); one pass over (d1, s5), (r, s6),
-             (MASK, m), (MASK, m) at 5..8 -> d1', d2', d3'.
+             (M1, m1), (M2, m2) at 5..8 -> d1', d2', d3'.
 
 A step's drafting is one head pass however long the draft (the sequential head makes K).
 """

@@ -44,7 +44,12 @@ from specdecode.model.transformer import (
 )
 
 LAYER = "layers.0."
-MASK = -1  # the token id of a parallel head's mask entry (its embedding is `mask_embed`)
+
+
+def mask_token(level: int) -> int:
+    """The token id of a parallel head's mask entry for draft level `level` (1..P-1): -level;
+    its embedding and feature are row level - 1 of `mask_embed` / `mask_hidden`."""
+    return -level
 
 
 def head_tensor_shapes(cfg: Eagle3HeadConfig) -> dict[str, tuple[int, ...]]:
@@ -71,8 +76,9 @@ def head_tensor_shapes(cfg: Eagle3HeadConfig) -> dict[str, tuple[int, ...]]:
         "lm_head.weight": (cfg.draft_vocab_size, h),
         "d2t": (cfg.draft_vocab_size,),
     }
-    if cfg.parallel_tokens:
-        shapes |= {"mask_embed": (h,), "mask_hidden": (h,)}
+    if cfg.parallel_tokens:  # one mask token embedding and feature per drafted level 1..P-1
+        levels = max(cfg.parallel_tokens - 1, 1)
+        shapes |= {"mask_embed": (levels, h), "mask_hidden": (levels, h)}
     if lay.qkv_bias:
         shapes |= {
             f"{LAYER}self_attn.q_proj.bias": (q_out,),
@@ -119,7 +125,7 @@ class Eagle3Head(nn.Module):
         )
         # draft row -> target id
         self.register_buffer("draft_to_target", d2t_to_draft_ids(weights["d2t"]))
-        # a parallel head's mask entry: its token embedding and its feature ([h] each)
+        # a parallel head's mask entries: per level 1..P-1 a token embedding and a feature
         self.mask_embed: Tensor | None = weights.get("mask_embed")
         self.mask_hidden: Tensor | None = weights.get("mask_hidden")
         device = weights["norm.weight"].device
@@ -149,7 +155,7 @@ class Eagle3Head(nn.Module):
     @torch.inference_mode()
     def forward(
         self,
-        tokens: Tensor,  # [B, T] int64 target ids (entry t: token t + 1), MASK: a mask entry
+        tokens: Tensor,  # [B, T] int64 target ids (entry t: token t + 1); < 0: mask_token(j)
         hidden: Tensor,  # [B, T, h]: fused target states, the head's own pre-norm outputs,
         # or (mask entries) mask_hidden
         meta: AttentionMetadata,
@@ -165,7 +171,8 @@ class Eagle3Head(nn.Module):
         view, cos, sin = pass_view(self.self_attn, self.rotary, meta, self.dtype)
         embeds = self.embed_tokens(tokens.clamp(min=0))  # [B, T, h]
         if self.mask_embed is not None:
-            embeds = torch.where((tokens == MASK)[..., None], self.mask_embed, embeds)
+            masks = self.mask_embed[(-tokens - 1).clamp(min=0)]  # [B, T, h]
+            embeds = torch.where((tokens < 0)[..., None], masks, embeds)
         embeds = self.input_layernorm(embeds)
         normed = self.hidden_norm(hidden)  # [B, T, h]
         residual = normed if self.config.norm_before_residual else hidden

@@ -42,8 +42,8 @@ class Eagle3HeadConfig:
     norm_before_residual: the residual is the normed feature (one speculators variant).
     parallel_tokens: 0 for a head that drafts token by token; P > 0 for a parallel head
         (P-EAGLE / PARD style): after the entry of the newest target state, P - 1 mask entries
-        (a learned token embedding and feature, `mask_embed` / `mask_hidden`) at the next
-        positions draft tokens 2..P in the same pass.
+        (per level a learned token embedding and feature, `mask_embed` / `mask_hidden`
+        [P - 1, h]) at the next positions draft tokens 2..P in the same pass.
     verifier: the target's name; verifier_layers / verifier_hidden / verifier_vocab: its layer
         count, hidden size and vocabulary (None when the file does not say).
     """

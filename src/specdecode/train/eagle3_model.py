@@ -9,9 +9,10 @@ exactly what the drafter's cache holds when it drafts its (j + 1)-th token after
 entry t. So step j's loss trains the head on its own drafted features, as at inference.
 
 A parallel head (`parallel_tokens` > 0) drafts all its tokens in one pass: its step j > 0
-entries read the learned mask embedding and mask feature (`mask_embed`, `mask_hidden`) in
-place of token t + j + 1 and step j - 1's output, with the same positions and the same mask,
-which is what the drafter's one pass holds: the newest entry, then its mask entries.
+entries read level j's learned mask embedding and mask feature (row j - 1 of `mask_embed`,
+`mask_hidden`) in place of token t + j + 1 and step j - 1's output, with the same positions
+and the same mask, which is what the drafter's one pass holds: the newest entry, then its mask
+entries.
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ class TrainableEagle3(HeadParameters):
         rows = torch.arange(batch, device=features.device)[:, None]  # [B, 1]
         for step in range(steps):
             cols = torch.arange(length, device=features.device)[None] if step == 0 else columns
-            if step and self.config.parallel_tokens:  # mask entries
-                token_embeds = self.p("mask_embed").expand(*cols.shape, -1)
-                hidden = self.p("mask_hidden").expand(*cols.shape, -1).to(hidden.dtype)
+            if step and self.config.parallel_tokens:  # mask entries of level `step`
+                token_embeds = self.p("mask_embed")[step - 1].expand(*cols.shape, -1)
+                hidden = self.p("mask_hidden")[step - 1].expand(*cols.shape, -1).to(hidden.dtype)
             else:
                 ahead = cols + step + 1  # column t reads token t + step + 1 (0 past the end)
                 token_embeds = self.embed[
