@@ -45,16 +45,15 @@ class PassSource:
         self.max_length = max_length
         self.computed = 0  # passes this source ran (not read)
 
-    def passes(self, batch: Sequence[Encoded], keep: bool = True) -> list[TargetPass]:
-        """The passes of `batch`, in its order; those run are stored when `keep`."""
+    def passes(self, batch: Sequence[Encoded]) -> list[TargetPass]:
+        """The passes of `batch`, in its order; those the store lacked are run and stored."""
         missing = [item for item in batch if item[0] not in self.store]
         if self.responses == "target":
             missing = self._answered(missing)
         ran = {index: run_target(self.llm.model, ids, n, self.layers) for index, ids, n in missing}
         self.computed += len(ran)
-        if keep:
-            for index, p in ran.items():
-                self.store.put(index, p)
+        for index, p in ran.items():
+            self.store.put(index, p)
         out = []
         for index, ids, n in batch:
             p = ran[index] if index in ran else self.store.get(index)
