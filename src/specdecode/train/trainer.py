@@ -46,7 +46,7 @@ from specdecode.corpus.examples import (
 )
 from specdecode.corpus.vocab import draft_vocabulary
 from specdecode.errors import UserError
-from specdecode.heads.eagle3_config import Eagle3HeadConfig
+from specdecode.heads.eagle3_config import Eagle3HeadConfig, default_aux_layers
 from specdecode.heads.exit_head import ExitHeadConfig
 from specdecode.llm import LLM
 from specdecode.model.loading import parse_dtype
@@ -323,7 +323,8 @@ def _sources(
     """The training examples' and the held-out examples' pass sources, over the feature store
     (`features_folder`; held-out passes in its "held-out" subfolder)."""
     final = llm.model.config.num_layers
-    layers = tuple(sorted({*head_layers, *_store_layers(llm), final}))
+    # every store also keeps EAGLE-3's layers, so that Medusa and EAGLE-3 runs share one
+    layers = tuple(sorted({*head_layers, *default_aux_layers(final), final}))
     key = store_key(
         str(llm.model_path),
         llm.model.device.type,
@@ -340,13 +341,6 @@ def _sources(
         PassSource(llm, FeatureStore(root, key), *args),
         PassSource(llm, FeatureStore(root / "held-out", key), *args),
     )
-
-
-def _store_layers(llm: LLM) -> tuple[int, ...]:
-    """The layers every store keeps beside a head's own: EAGLE-3's, so that Medusa and EAGLE-3
-    runs share one store."""
-    cfg = Eagle3HeadConfig.for_target(llm.model.config, 1)
-    return cfg.aux_layers
 
 
 def features_folder(config: TrainConfig, key: dict[str, object]) -> Path:
