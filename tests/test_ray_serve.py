@@ -17,7 +17,7 @@ from conftest import build_tiny_model
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
-from specdecode.server.app import REPLICA_HEADER
+from specdecode.server.guard import REPLICA_HEADER
 from specdecode.server.ray_serve import APP_NAME, DEPLOYMENT_NAME, check_replicas, start
 from specdecode.server.spec import ServeSpec
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import gguf
@@ -13,6 +15,7 @@ from tiny_tokenizer import byte_alphabet, make_byte_tokenizer
 from tokenizers.models import BPE
 from transformers import AutoTokenizer
 
+from specdecode.errors import UserError
 from specdecode.model.tokenizer import Tokenizer, tokenizer_from_gguf
 
 TEXTS = [
@@ -260,10 +263,36 @@ def test_bad_ids_and_text(tiny: Tokenizer, tmp_path: Path) -> None:
         tiny.decode([1.5])
     with pytest.raises(TypeError, match="takes a str"):
         tiny.encode(b"bytes")
+    with pytest.raises(UserError, match=r"lone UTF-16 surrogate \('.{6}' at character 2\)"):
+        tiny.encode("ab\udc00")
     with pytest.raises(FileNotFoundError, match=r"no tokenizer\.json"):
         Tokenizer.from_folder(tmp_path)
     with pytest.raises(ValueError, match="needs a bos_token_id"):
         Tokenizer(tokenizers.Tokenizer(BPE()), bos_token_id=None, eos_token_ids=[], add_bos=True)
+
+
+def test_encode_lets_other_threads_run(tiny: Tokenizer) -> None:
+    """A long text's encode releases the GIL: a thread beside it keeps ticking (with the GIL
+    held for the whole encode, it would tick about once)."""
+    text = "the cat sat on the mat " * 60_000  # ~1.4 MB: about a second of encoding
+    ticks: list[int] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(1)
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.01)
+    before = len(ticks)
+    ids = tiny.encode(text, add_special_tokens=False)
+    during = len(ticks) - before
+    done.set()
+    ticker.join()
+    assert len(ids) == len(text)  # one token per byte
+    assert during >= 20
 
 
 QWEN_GGUF = os.environ.get("SPECDECODE_QWEN_GGUF")

@@ -65,11 +65,17 @@ def _texts(chrome: webdriver.Chrome, selector: str) -> list[str]:
     return chrome.execute_script(script, selector)
 
 
-def test_the_page_draws_a_submitted_prompt(browser: webdriver.Chrome, served: LLM) -> None:
+@pytest.mark.parametrize("api_key", [None, "sekrit"])
+def test_the_page_draws_a_submitted_prompt(
+    browser: webdriver.Chrome, served: LLM, api_key: str | None
+) -> None:
+    """With --api-key, the page is opened as a browser user would after the Basic prompt
+    (the key as the password): its own calls then carry the key."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     (want,) = served.generate(PROMPT, params)
-    with running_server(served, ServeConfig(NAME)) as base:
-        browser.get(f"{base}/viz")
+    with running_server(served, ServeConfig(NAME, api_key=api_key)) as base:
+        login = "" if api_key is None else f"viewer:{api_key}@"
+        browser.get(f"{base.replace('://', '://' + login)}/viz")
         wait = WebDriverWait(browser, PAGE_TIMEOUT_S)
         wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#drafter option")) == 2)
         browser.find_element(By.ID, "prompt").clear()

@@ -167,11 +167,15 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special-token text such as `<|im_end|>` maps to its own id.
 
-        With `add_special_tokens`, BOS is prepended when `add_bos` is set.
+        With `add_special_tokens`, BOS is prepended when `add_bos` is set. Other threads run
+        meanwhile (the backend's batch call releases the GIL: a server's event loop is not held
+        for the seconds a long text takes). Raises UserError for text that is not valid Unicode
+        (a lone UTF-16 surrogate such as '\\ud800', which JSON's escapes can carry).
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        check_unicode(text, "the text")
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special tokens (control tokens) are dropped if `skip_special_tokens`.
@@ -239,6 +243,24 @@ class Tokenizer:
 
     def _token_or_none(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.id_to_token(token_id)
+
+
+def check_unicode(text: str, what: str) -> None:
+    """UserError naming `what` when `text` is not valid Unicode: it holds a lone UTF-16
+    surrogate (U+D800..U+DFFF), which no UTF-8 text can and JSON's \\uXXXX escapes can.
+
+    Example: check_unicode("a\\ud800b", "the prompt") raises "the prompt holds a lone UTF-16
+    surrogate ('\\ud800' at character 1): ..."
+    """
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise UserError(
+            f"{what} holds a lone UTF-16 surrogate ({text[error.start]!r} at character "
+            f"{error.start}): text must be valid Unicode (a surrogate is only half of a pair)"
+        ) from None
 
 
 def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP app: routes, validation, streaming, errors, metrics.
 
 The app never runs the model on its event loop: requests go to an `AsyncEngine` (the engine in
-its own thread, continuous batching). Every refusal is an OpenAI-shaped error (400 bad JSON or
-field, prompt or max_tokens that do not fit the context or the KV cache, 401 wrong API key,
-404 unknown model); a client that disconnects aborts its request, which frees its slot.
+its own thread, continuous batching), and tokenizing runs on worker threads. `Guard`
+(`server/guard.py`) checks the key and the body's size before any route. Every refusal is an
+OpenAI-shaped error (400 bad JSON, field or Unicode, prompt or max_tokens that do not fit the
+context or the KV cache, 401 wrong API key, 404 unknown model or route, 413 body too large); a
+client that disconnects aborts its request, which frees its slot.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode import energy
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
@@ -31,6 +34,7 @@ from specdecode.engine.request import Request as EngineRequest
 from specdecode.errors import UserError, context_overflow
 from specdecode.llm import LLM
 from specdecode.server.errors import APIError, bad_request
+from specdecode.server.guard import MAX_BODY_BYTES, PUBLIC_PATHS, Guard, GuardConfig
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.protocol import (
     ChatCompletionRequest,
@@ -45,7 +49,6 @@ from specdecode.types import RequestOutput
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is there
-REPLICA_HEADER = "x-specdecode-replica"  # which replica answered (ServeConfig.replica_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,14 +56,23 @@ class ServeConfig:
     """What `specdecode serve` adds to the model and its speculative config.
 
     served_model_name: the name clients pass as `model` (and /v1/models lists).
-    api_key: when set, /v1 routes need `Authorization: Bearer <api_key>`.
+    api_key: when set, every route but `public_paths` needs `Authorization: Bearer <api_key>`
+        (or HTTP Basic with it as the password).
     replica_id: when set (one replica of several, `server/ray_serve.py`), every response
         carries it in the `x-specdecode-replica` header.
+    public_paths: the paths open without the key (default /health and /metrics).
+    max_body_bytes: the largest request body the server reads; a longer one is a 413.
     """
 
     served_model_name: str
     api_key: str | None = None
     replica_id: str | None = None
+    public_paths: tuple[str, ...] = PUBLIC_PATHS
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    def guard(self) -> GuardConfig:
+        """The middleware's part of this config."""
+        return GuardConfig(self.api_key, self.public_paths, self.max_body_bytes, self.replica_id)
 
 
 def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
@@ -91,40 +103,19 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
         return bad_request(str(error)).response()
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        try:
-            json.loads(await request.body())
-        except ValueError as bad:
-            message = f"the body is not valid JSON: {bad}"
-            return APIError(400, message, code="bad_json").response()
+    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
         return _validation_error(error).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return _http_error(error).response()
 
     @app.exception_handler(Exception)
     async def internal(_: Request, error: Exception) -> JSONResponse:
         message = f"internal error: {type(error).__name__}: {error}"
         return APIError(500, message, "internal_server_error", None, "internal_error").response()
 
-    if config.replica_id is not None:
-
-        @app.middleware("http")
-        async def name_the_replica(request: Request, call_next: Any) -> Response:
-            response = await call_next(request)
-            response.headers[REPLICA_HEADER] = str(config.replica_id)
-            return response
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Any) -> Response:
-        guarded = config.api_key is not None and request.url.path.startswith("/v1")
-        if guarded and request.headers.get("authorization") != f"Bearer {config.api_key}":
-            error = APIError(
-                401,
-                "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                "authentication_error",
-                None,
-                "invalid_api_key",
-            )
-            return error.response()
-        return await call_next(request)
+    app.add_middleware(Guard, config=config.guard())
 
     @app.get("/health")
     async def health() -> Response:
@@ -154,11 +145,11 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return api.tokenize(body)
+        return await asyncio.to_thread(api.tokenize, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return api.detokenize(body)
+        return await asyncio.to_thread(api.detokenize, body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -184,12 +175,32 @@ def seed_pass_costs(engine: Engine, max_num_seqs: int) -> dict[tuple[int, int], 
 
 
 def _validation_error(error: RequestValidationError) -> APIError:
-    """400 for a body with a bad or missing field, naming the first problem."""
+    """400 for a body that is not JSON, or has a bad or missing field (naming the first)."""
     first = error.errors()[0]
+    if first.get("type") == "json_invalid":
+        reason = first.get("ctx", {}).get("error", first.get("msg"))
+        return APIError(400, f"the body is not valid JSON: {reason}", code="bad_json")
+    if isinstance(error.body, bytes):  # sent without a JSON content type: FastAPI kept bytes
+        try:
+            json.loads(error.body)
+        except (ValueError, RecursionError) as bad:
+            return APIError(400, f"the body is not valid JSON: {bad}", code="bad_json")
     where = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(where) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return bad_request(message, param)
+
+
+def _http_error(error: StarletteHTTPException) -> APIError:
+    """Starlette's and FastAPI's own refusals (an unknown route, a wrong method, a body that
+    cannot be parsed: invalid UTF-8, nesting too deep) in the OpenAI shape."""
+    kinds = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "bad_method")}
+    kind, code = kinds.get(error.status_code, ("invalid_request_error", "invalid_value"))
+    message = str(error.detail)
+    if error.status_code == 400 and "parsing the body" in message:
+        message = "the body cannot be parsed: it must be UTF-8 JSON, not nested too deeply"
+        code = "bad_json"
+    return APIError(error.status_code, message, kind, None, code)
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -239,6 +250,14 @@ class _Api:
             )
         return ids
 
+    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """The conversation's prompt ids, its chat template applied and checked."""
+        try:
+            ids = self.llm.chat_prompt(body.conversation())["prompt_token_ids"]
+        except UserError as error:
+            raise bad_request(str(error), "messages") from error
+        return self.prompt_ids(ids, "messages")
+
     def _check_token_ids(self, ids: list[int], what: str, param: str) -> None:
         """400 (naming `param`) for token ids outside the vocabulary."""
         try:
@@ -272,7 +291,8 @@ class _Api:
             raise bad_request(str(error)) from error
         return request
 
-    # -- routes -----------------------------------------------------------------------------
+    # -- routes (tokenize, detokenize and the prompts run on worker threads: a long text takes
+    # seconds, and the tokenizer lets the event loop serve other requests meanwhile) ---------
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
@@ -292,7 +312,7 @@ class _Api:
 
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         self.check_model(body.model)
-        ids = self.prompt_ids(body.prompt_one(), "prompt")
+        ids = await asyncio.to_thread(self.prompt_ids, body.prompt_one(), "prompt")
         limit = self.max_tokens(body.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
         request = await self.request(ids, body, limit, "cmpl")
         head = envelope("text_completion", request.request_id, body.model)
@@ -312,11 +332,7 @@ class _Api:
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         self.check_model(body.model)
-        try:
-            ids = self.llm.chat_prompt(body.conversation())["prompt_token_ids"]
-        except UserError as error:
-            raise bad_request(str(error), "messages") from error
-        ids = self.prompt_ids(ids, "messages")
+        ids = await asyncio.to_thread(self.chat_ids, body)
         asked = body.max_completion_tokens or body.max_tokens
         limit = self.max_tokens(asked, len(ids), None)
         request = await self.request(ids, body, limit, "chatcmpl")

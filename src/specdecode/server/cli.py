@@ -7,6 +7,7 @@ import sys
 
 from specdecode.cli_args import add_weight_flags, json_object
 from specdecode.errors import UserError
+from specdecode.server.guard import MAX_BODY_BYTES, PUBLIC_PATHS
 from specdecode.server.spec import (
     DEFAULT_KV_CACHE_GIB,
     DEFAULT_MAX_NUM_SEQS,
@@ -29,7 +30,26 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", help="the name clients use (default: MODEL)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     p.add_argument("--port", type=int, default=8000, help="(default 8000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (or HTTP Basic with KEY as the password, "
+        "which a browser prompts for) on every route but --public-paths",
+    )
+    p.add_argument(
+        "--public-paths",
+        type=_paths,
+        default=PUBLIC_PATHS,
+        help="comma-separated paths answered without the key "
+        f"(default {','.join(PUBLIC_PATHS)}; '' for none)",
+    )
+    p.add_argument(
+        "--max-body-mib",
+        type=float,
+        default=MAX_BODY_BYTES / 2**20,
+        help="the largest request body read, in MiB; a longer one gets a 413 before it is read "
+        f"(default {MAX_BODY_BYTES / 2**20:g})",
+    )
     p.add_argument(
         "--speculative-config",
         type=json_object,
@@ -89,7 +109,25 @@ def serve_spec(args: argparse.Namespace) -> ServeSpec:
         kv_cache_gib=args.kv_cache_memory,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
+        public_paths=args.public_paths,
+        max_body_bytes=_mib_bytes(args.max_body_mib),
     )
+
+
+def _paths(text: str) -> tuple[str, ...]:
+    """'/health,/metrics' -> ('/health', '/metrics'); each must start with '/'."""
+    paths = tuple(part.strip() for part in text.split(",") if part.strip())
+    for path in paths:
+        if not path.startswith("/"):
+            raise argparse.ArgumentTypeError(f"a path starts with '/', got {path!r}")
+    return paths
+
+
+def _mib_bytes(mib: float) -> int:
+    """--max-body-mib in bytes (UserError unless positive)."""
+    if not mib > 0:
+        raise UserError(f"--max-body-mib must be positive, got {mib:g}")
+    return int(mib * 2**20)
 
 
 def run_serve(args: argparse.Namespace) -> int:

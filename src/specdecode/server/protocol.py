@@ -1,19 +1,21 @@
 """The request bodies the server accepts (OpenAI's fields, `response_format` included, plus
 vLLM's `top_k`, `ignore_eos`, `structured_outputs` and `guided_*`, and ours:
 `num_speculative_tokens`, `drafter` and `step_events`, see `SamplingParams`) and the response
-objects it sends. Unknown fields are ignored, as vLLM does; fields we cannot honour (n > 1,
-logprobs, echo, penalties) are refused with a 400 that names them."""
+objects it sends. Unknown fields are ignored, as vLLM does; a string that is not valid Unicode
+is a 400; fields we cannot honour (n > 1, logprobs, echo, penalties) are refused with a 400
+that names them."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from specdecode import energy
 from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
+from specdecode.model.tokenizer import check_unicode
 from specdecode.sampling_params import (
     MAX_SPECULATIVE_TOKENS,
     SamplingParams,
@@ -23,11 +25,37 @@ from specdecode.server.errors import bad_request
 from specdecode.types import RequestOutput
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A request body's part: unknown fields ignored (as vLLM does), and every string in it,
+    however deep, valid Unicode (a lone surrogate is a 400 naming the field, not a crash in
+    the tokenizer or the JSON encoder)."""
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        for text in _strings(value):
+            check_unicode(text, "the text")
+        return value
+
+
+def _strings(value: Any) -> Any:
+    """Every str in `value` (lists, tuples and dicts, keys too; a model checks its own)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_Body):
     """`response_format.json_schema`: OpenAI's named schema."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -38,20 +66,16 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Body):
     """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or
     "json_schema" (JSON valid against `json_schema.schema`)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -165,8 +189,8 @@ class CompletionRequest(_Sampling):
         return prompt  # type: ignore[return-value]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Body):
+    """One message of a conversation: a text, or a list of text parts."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -196,10 +220,8 @@ class ChatCompletionRequest(_Sampling):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """POST /tokenize: a prompt or a conversation (vLLM's shape)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     prompt: str | None = None
@@ -207,10 +229,8 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     """POST /detokenize."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     tokens: list[int]

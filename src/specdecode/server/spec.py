@@ -11,6 +11,7 @@ from specdecode.engine.scheduler import SchedulerConfig
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.transformer import Transformer
+from specdecode.server.guard import MAX_BODY_BYTES, PUBLIC_PATHS
 
 if TYPE_CHECKING:
     from specdecode.server.app import ServeConfig
@@ -29,7 +30,7 @@ class ServeSpec:
     speculative_configs: one per drafter served (`LLM.with_drafters`); () = plain decoding.
     max_num_seqs, max_num_batched_tokens: the continuous batch's limits.
     kv_cache_gib: GiB of KV cache the running batch may take.
-    served_model_name, api_key: as `ServeConfig` has them.
+    served_model_name, api_key, public_paths, max_body_bytes: as `ServeConfig` has them.
     """
 
     model: str
@@ -42,6 +43,8 @@ class ServeSpec:
     kv_cache_gib: float = DEFAULT_KV_CACHE_GIB
     served_model_name: str | None = None
     api_key: str | None = None
+    public_paths: tuple[str, ...] = PUBLIC_PATHS
+    max_body_bytes: int = MAX_BODY_BYTES
 
     @property
     def name(self) -> str:
@@ -64,7 +67,10 @@ class ServeSpec:
                 kv_cache_tokens=kv_cache_tokens(llm.model, self.kv_cache_gib),
             )
         )
-        return llm, ServeConfig(self.name, self.api_key, replica_id)
+        config = ServeConfig(
+            self.name, self.api_key, replica_id, self.public_paths, self.max_body_bytes
+        )
+        return llm, config
 
 
 def kv_cache_tokens(model: Transformer, gib: float) -> int:

@@ -6,6 +6,11 @@
 const $ = (selector, root = document) => root.querySelector(selector);
 let served = null; // GET /viz/config
 
+// This server's routes by their origin: a page opened as http://user:key@host/viz (HTTP Basic,
+// when the server has --api-key) would otherwise resolve "/viz/config" to a URL that carries
+// the credentials, which fetch() refuses. The browser sends the key it was given itself.
+const route = (path) => new URL(path, location.origin);
+
 function showError(message) {
   const box = $("#error");
   box.textContent = message;
@@ -13,7 +18,7 @@ function showError(message) {
 }
 
 async function loadConfig() {
-  const response = await fetch("/viz/config");
+  const response = await fetch(route("/viz/config"));
   served = await response.json();
   const select = $("#drafter");
   select.replaceChildren();
@@ -52,7 +57,7 @@ async function stream(body, onSteps) {
   const payload = { model: served.model, stream: true, step_events: true, ...body };
   if (chat) payload.messages = [{ role: "user", content: prompt }];
   else payload.prompt = prompt;
-  const response = await fetch(url, {
+  const response = await fetch(route(url), {
     method: "POST",
     headers: { "Content-Type": "application/json" },
     body: JSON.stringify(payload),
