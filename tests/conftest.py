@@ -54,8 +54,9 @@ def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     kernels.available.cache_clear()
 
 
-def build_tiny_model(path: Path, architecture: str, seed: int = 0) -> Path:
-    """Save a tiny random Hugging Face model (+ a byte-level tokenizer) into `path`."""
+def build_tiny_model(path: Path, architecture: str, seed: int = 0, context: int = 256) -> Path:
+    """Save a tiny random Hugging Face model (+ a byte-level tokenizer) into `path`, with a
+    `context` of tokens."""
     from tiny_tokenizer import make_byte_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -70,7 +71,7 @@ def build_tiny_model(path: Path, architecture: str, seed: int = 0) -> Path:
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         rope_theta=5000.0,
         tie_word_embeddings=architecture == "llama",
     )

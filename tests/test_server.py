@@ -165,8 +165,22 @@ def test_errors_have_openai_shape_and_say_what_is_wrong(plain: LLM) -> None:
         assert (
             too_many.status_code == 400 and str(context) in message and "2 in the prompt" in message
         )
-        two = httpx.post(url, json={**ok, "n": 2}, headers=auth)
-        assert two.status_code == 400 and _error(two)["param"] == "n"
+        many = httpx.post(url, json={**ok, "n": 17}, headers=auth)
+        assert many.status_code == 400 and _error(many)["param"] == "n"
+        best = httpx.post(url, json={**ok, "n": 2, "best_of": 3}, headers=auth)
+        assert best.status_code == 400 and _error(best)["param"] == "best_of"
+        bias = httpx.post(url, json={**ok, "logit_bias": {"x": 1}}, headers=auth)
+        assert bias.status_code == 400 and _error(bias)["param"] == "logit_bias"
+        far = httpx.post(url, json={**ok, "logit_bias": {"300": 1}}, headers=auth)
+        assert far.status_code == 400 and "outside the vocabulary" in _error(far)["message"]
+        echoed = httpx.post(url, json={**ok, "echo": True, "logprobs": 1}, headers=auth)
+        assert echoed.status_code == 400 and _error(echoed)["param"] == "echo"
+        penalty = httpx.post(url, json={**ok, "presence_penalty": 3}, headers=auth)
+        assert penalty.status_code == 400 and _error(penalty)["param"] == "presence_penalty"
+        chat_url = f"{base}/v1/chat/completions"
+        top = {"model": NAME, "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}
+        alone = httpx.post(chat_url, json=top, headers=auth)
+        assert alone.status_code == 400 and _error(alone)["param"] == "top_logprobs"
         seed = httpx.post(url, json={**ok, "seed": 2**70}, headers=auth)
         assert seed.status_code == 400 and "seed" in _error(seed)["message"]
         temp = httpx.post(url, json={**ok, "temperature": -1}, headers=auth)

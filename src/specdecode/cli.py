@@ -1,7 +1,7 @@
 """`specdecode` command line: registers every subcommand and dispatches to it.
 
-Each subcommand's flags and run live beside its code: generate, models, pull, certify and env in
-`specdecode.commands`, bench and plan in `specdecode.bench`, train in `specdecode.train.cli`,
+Each subcommand's flags and run live beside its code: generate, chat, models, pull, certify and
+env in `specdecode.commands`, bench and plan in `specdecode.bench`, train in `specdecode.train.cli`,
 serve in `specdecode.server.cli`. Bad input is one line on stderr and exit code 2: a flag
 argparse refuses (`OneLineParser`) or a `UserError` from the command; anything else is a bug
 and keeps its traceback.
@@ -17,6 +17,7 @@ from specdecode.bench.cli import add_bench_parser, run_bench_command
 from specdecode.bench.plan_cli import add_plan_parser, run_plan_command
 from specdecode.cli_args import BAD_INPUT, OneLineParser
 from specdecode.commands.certify import add_certify_parser, run_certify
+from specdecode.commands.chat import add_chat_parser, run_chat
 from specdecode.commands.env import add_env_parser, run_env
 from specdecode.commands.generate import add_generate_parser, run_generate
 from specdecode.commands.models import add_models_parser, add_pull_parser, run_models, run_pull
@@ -32,6 +33,7 @@ COMMANDS: dict[str, tuple[Register, Run]] = {
     "models": (add_models_parser, run_models),
     "pull": (add_pull_parser, run_pull),
     "generate": (add_generate_parser, run_generate),
+    "chat": (add_chat_parser, run_chat),
     "bench": (add_bench_parser, run_bench_command),
     "plan": (add_plan_parser, run_plan_command),
     "certify": (add_certify_parser, run_certify),

@@ -13,6 +13,7 @@ from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.loading import DTYPES
 from specdecode.model.quant import AUTO, QUANTIZATIONS
+from specdecode.sampling_params import SamplingParams
 
 BAD_INPUT = 2  # the exit code of every bad input
 
@@ -81,6 +82,36 @@ def add_weight_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     add_quantization(p)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """--temperature, --top-k, --top-p and --seed (`sampling_from_args` reads them)."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=-1, help="-1 = disabled")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = disabled")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_from_args(args: argparse.Namespace, **fields: object) -> SamplingParams:
+    """The SamplingParams of `add_sampling_flags`'s flags and --max-tokens, plus `fields`."""
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def add_speculative_flag(p: argparse.ArgumentParser) -> None:
+    """--speculative-config: one drafter's JSON config (`llm_from_args` reads it)."""
+    p.add_argument(
+        "--speculative-config",
+        type=json_object,
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'',
+    )
 
 
 def llm_from_args(args: argparse.Namespace) -> LLM:

@@ -93,6 +93,9 @@ class StructuredOutputsParams:
 
 
 MAX_SPECULATIVE_TOKENS = 64  # the longest draft; the engine keeps this many spare cache slots
+MAX_LOGPROBS = 20  # the most top log-probabilities per token (OpenAI's limit)
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +120,17 @@ class SamplingParams:
         choice or grammar; `StructuredOutputsParams`, or a dict of its fields); it ends with
         the end-of-sequence token, so it cannot go with ignore_eos. Speculation stays exact
         under it.
+    presence_penalty, frequency_penalty: in [-2, 2]; a token's logit loses presence_penalty
+        once it has been generated, and frequency_penalty for every time it has (OpenAI's).
+    repetition_penalty: > 0; a token in the prompt or generated has its logit divided by it
+        when positive, multiplied when negative (vLLM's, from CTRL); 1 disables.
+    logit_bias: token id -> a bias in [-100, 100] added to its logit at every step.
+        Penalties and biases apply at every verified position with the tokens before it (the
+        drafted ones included), so speculation keeps the output exact under them.
+    logprobs: with an int n in 0..20, every generated token comes with its log-probability
+        and the n most likely tokens' (`CompletionOutput.logprobs`): the target's raw
+        distribution (before penalties, temperature and constraints, as vLLM's default), the
+        same with speculation as without. None: none.
     """
 
     temperature: float = 1.0
@@ -130,6 +144,11 @@ class SamplingParams:
     drafter: str | None = None
     step_events: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -173,12 +192,57 @@ class SamplingParams:
                 "structured_outputs must be None, a StructuredOutputsParams or a dict of its "
                 f"fields, got {type(constraint).__name__}"
             )
+        self._check_adjustments()
         if self.structured_outputs is not None and self.ignore_eos:
             raise UserError(
                 "structured_outputs end with the end-of-sequence token; ignore_eos cannot be set "
                 "with them"
             )
 
+    def _check_adjustments(self) -> None:
+        """Validate the penalties, the logit bias (a dict becomes sorted (id, bias) pairs)
+        and logprobs."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise UserError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+        rep = self.repetition_penalty
+        if not isinstance(rep, int | float) or not 0.0 < rep < float("inf"):
+            raise UserError(f"repetition_penalty must be a number > 0 (1 = off), got {rep!r}")
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        try:
+            checked = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        except (TypeError, ValueError):
+            raise UserError(
+                f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}"
+            ) from None
+        for token, value in checked:
+            if token < 0 or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise UserError(
+                    f"logit_bias maps token ids >= 0 to numbers in [-100, 100], got "
+                    f"{token}: {value}"
+                )
+        object.__setattr__(self, "logit_bias", checked)
+        n = self.logprobs
+        if n is not None and (
+            not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS
+        ):
+            raise UserError(
+                f"logprobs must be None or an int in 0..{MAX_LOGPROBS} (how many top tokens "
+                f"besides the chosen one), got {n!r}"
+            )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a logit bias changes the target's logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )

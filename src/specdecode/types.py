@@ -171,6 +171,17 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target's raw distribution at its
+    position, and the `top` most likely tokens there ((id, log-probability), best first;
+    as many as `SamplingParams.logprobs` asked)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class CompletionOutput:
     """One generated continuation (vLLM's `CompletionOutput`)."""
 
@@ -180,6 +191,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS or stop string), "length", or None while running
     stop_reason: str | int | None = None  # the stop string or EOS id that ended it
     steps: tuple[StepEvent, ...] = ()  # with SamplingParams(step_events=True): every step so far
+    logprobs: tuple[TokenLogprob, ...] | None = None  # with SamplingParams(logprobs=n): per token
 
 
 @dataclass(frozen=True, slots=True)

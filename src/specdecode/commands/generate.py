@@ -8,7 +8,14 @@ import json
 import sys
 from dataclasses import replace
 
-from specdecode.cli_args import add_weight_flags, json_object, llm_from_args
+from specdecode.cli_args import (
+    add_sampling_flags,
+    add_speculative_flag,
+    add_weight_flags,
+    json_object,
+    llm_from_args,
+    sampling_from_args,
+)
 from specdecode.errors import UserError, context_overflow
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
@@ -28,18 +35,10 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         default=128,
         help="new tokens at most (default 128; prompt + these must fit the model's context)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=-1, help="-1 = disabled")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = disabled")
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_flags(p)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     add_weight_flags(p)
-    p.add_argument(
-        "--speculative-config",
-        type=json_object,
-        default=None,
-        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'',
-    )
+    add_speculative_flag(p)
     p.add_argument(
         "--structured-outputs",
         type=json_object,
@@ -62,14 +61,8 @@ def run_generate(args: argparse.Namespace) -> int:
     object; refuses --max-tokens beyond the model's context as the server does."""
     if args.compare and args.speculative_config is None:
         raise UserError("--compare needs --speculative-config: it compares it with plain decoding")
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        stop=tuple(args.stop or ()),
-        structured_outputs=args.structured_outputs,
+    params = sampling_from_args(
+        args, stop=tuple(args.stop or ()), structured_outputs=args.structured_outputs
     )
     llm = llm_from_args(args)
     prompt: object = args.prompt
@@ -94,8 +87,8 @@ def run_generate(args: argparse.Namespace) -> int:
         printed = len(out.text)
     assert out is not None and out.metrics is not None
     label = "speculative: " if args.compare else ""
-    summary = _summary(out, llm.drafter_config is not None)
-    print(f"\n[{label}{llm.weight_format}: {summary}]", file=sys.stderr)
+    line = summary(out, llm.drafter_config is not None)
+    print(f"\n[{label}{llm.weight_format}: {line}]", file=sys.stderr)
     if args.compare:
         plain = _comparison(llm, prompt, params, out)
         print(
@@ -131,7 +124,7 @@ def _result_json(out: RequestOutput) -> dict[str, object]:
     }
 
 
-def _summary(out: RequestOutput, speculative: bool) -> str:
+def summary(out: RequestOutput, speculative: bool) -> str:
     """One line on a finished request: tokens, time, speed, first token, speculative counters
     (only when it speculated), finish reason."""
     m = out.metrics

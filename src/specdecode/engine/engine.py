@@ -27,13 +27,19 @@ from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.request import Request
 from specdecode.engine.scheduler import Scheduler, SchedulerConfig
-from specdecode.engine.step import VerifyOutput, commit, speculative_step, target_outputs
+from specdecode.engine.step import (
+    VerifyOutput,
+    commit,
+    score,
+    speculative_step,
+    target_outputs,
+    token_logprobs,
+)
 from specdecode.errors import UserError
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 from specdecode.sampling.decide import decide, pad_tokens
 from specdecode.sampling.probs import SamplingTensors
-from specdecode.structured.drafts import mask_logits
 from specdecode.structured.grammars import Grammars
 from specdecode.structured.state import all_allowed
 from specdecode.types import RequestOutput
@@ -108,8 +114,13 @@ class Engine:
     def prepare(self, request: Request) -> None:
         """Check a request before it runs (`add` does; a server calls it first, to answer a
         bad request at once): its drafter name, and its constraint, compiled into its grammar
-        here (once: a prepared request keeps it)."""
+        here (once: a prepared request keeps it), and the token ids of its logit bias."""
         self.check_drafter_name(request.params.drafter)
+        bias, vocab = request.params.logit_bias, self.model.config.vocab_size
+        if bias and bias[-1][0] >= vocab:
+            raise UserError(
+                f"logit_bias names token {bias[-1][0]}, outside the vocabulary [0, {vocab})"
+            )
         constraint = request.params.structured_outputs
         if constraint is not None and request.grammar is None:
             request.grammar = self.grammars.start(constraint, request.eos_ids)
@@ -225,10 +236,11 @@ class Engine:
         layers = needs.hidden_layers or None
         last = torch.tensor([[length - 1]], device=device)  # [1, 1]
         logits, hidden = self.model(tokens, meta, view, logits_index=last, hidden_layers=layers)
+        masks = None
         if req.grammar is not None:
-            mask = all_allowed(1, self.model.config.vocab_size)  # [1, W]
-            req.grammar.fill(mask, 0)
-            mask_logits(logits, [mask])
+            masks = [all_allowed(1, self.model.config.vocab_size)]  # [1, W]
+            req.grammar.fill(masks[0], 0)
+        raw = score(logits, [req], [EMPTY_DRAFT], masks)  # [1, 1, V] ready for the decision
         self.cache.set_length(row, view.lengths[0])
         st = SamplingTensors.from_params([req.params], device)
         none, zero = pad_tokens([EMPTY_DRAFT], device)  # [1, 0], [1]
@@ -239,7 +251,8 @@ class Engine:
         targets = target_outputs(needs, meta.starts, [length], hidden, decision, [0])
         seconds = time.perf_counter() - start
         req.cpu_s += cpu_seconds() - cpu  # before commit: the output snapshot reads it
-        verified = VerifyOutput(decision.verdicts, targets)
+        verdicts = decision.verdicts
+        verified = VerifyOutput(verdicts, targets, token_logprobs(raw, [req], verdicts))
         (text,) = commit([req], [EMPTY_DRAFT], verified, self.drafter, self.outputs, 0.0, seconds)
         return self._event(req, text)
 

@@ -120,6 +120,7 @@ class OutputProcessor:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             steps=tuple(request.steps),
+            logprobs=None if request.logprobs is None else tuple(request.logprobs),
         )
         return RequestOutput(
             request_id=request.request_id,

@@ -16,7 +16,7 @@ from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
 from specdecode.sampling_params import SamplingParams
 from specdecode.structured.state import GrammarState
-from specdecode.types import StepEvent
+from specdecode.types import StepEvent, TokenLogprob
 
 
 class Request:
@@ -60,6 +60,8 @@ class Request:
         self.output_ids: list[int] = []
         self.spec = SpecCounters()  # draft / accept counters of this request
         self.steps: list[StepEvent] = []  # with params.step_events: one per step
+        # with params.logprobs: one per generated token
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.cpu_s = 0.0  # CPU seconds of its prefill and its share of each batch step
         self.grammar: GrammarState | None = None  # with params.structured_outputs (the engine's)
         self.chain_bounds: tuple[float, ...] = ()  # this step's (`SeqView.chain_bounds`)
@@ -111,6 +113,8 @@ class Request:
         """A stop string ended at generated token `num_generated - 1`: drop the later tokens
         and finish with "stop" (whatever finished the request at a later token before)."""
         del self.output_ids[num_generated:]
+        if self.logprobs is not None:
+            del self.logprobs[num_generated:]
         self.finish("stop", stop)
 
     def finish(self, reason: str, stop_reason: str | int | None) -> None:

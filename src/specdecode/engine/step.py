@@ -26,7 +26,9 @@ from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.request import Request
 from specdecode.model.transformer import Transformer
+from specdecode.sampling.adjust import History, adjust_logits
 from specdecode.sampling.decide import Decision, decide, pad_tokens
+from specdecode.sampling.logprobs import emitted_logprobs, raw_logprobs
 from specdecode.sampling.probs import SamplingTensors
 from specdecode.structured.drafts import constrain_drafts, mask_logits
 from specdecode.tree.batch import kept_offsets, tree_metadata
@@ -37,17 +39,48 @@ from specdecode.types import (
     StepEvent,
     TargetFeatures,
     TargetOutputs,
+    TokenLogprob,
     Verdict,
 )
 
 
 @dataclass(frozen=True, slots=True)
 class VerifyOutput:
-    """What verification hands the commit phase: per row, its verdict and what the target's
-    pass hands the drafter (`TargetOutputs`, as the drafter's needs asked)."""
+    """What verification hands the commit phase: per row, its verdict, what the target's
+    pass hands the drafter (`TargetOutputs`, as the drafter's needs asked) and, for a request
+    that asked for them, its tokens' log-probabilities (else None)."""
 
     verdicts: list[Verdict]
     targets: list[TargetOutputs]
+    logprobs: list[list[TokenLogprob] | None]
+
+
+def score(
+    logits: Tensor, reqs: Seq[Request], drafts: Seq[Draft], masks: Seq[Tensor | None] | None
+) -> list[Tensor | None]:
+    """Ready a pass's logits [B, T, V] for the decision, in place: each row's logit bias and
+    penalties (`adjust_logits`, position by position), then the grammars' `masks`. Returns
+    the raw log-probabilities [T, V] of the rows that asked for logprobs, taken before."""
+    raw = [
+        raw_logprobs(logits[row]) if req.params.logprobs is not None else None
+        for row, req in enumerate(reqs)
+    ]
+    if any(req.params.adjusts_logits for req in reqs):
+        rows = zip(reqs, drafts, strict=True)
+        adjust_logits(logits, [History(r.params, r.prompt_ids, r.output_ids, d) for r, d in rows])
+    if masks is not None:
+        mask_logits(logits, masks)
+    return raw
+
+
+def token_logprobs(
+    raw: Seq[Tensor | None], reqs: Seq[Request], verdicts: Seq[Verdict]
+) -> list[list[TokenLogprob] | None]:
+    """Per row, its verdict's tokens with their log-probabilities from `raw` (`score`)."""
+    return [
+        None if lp is None else emitted_logprobs(lp, verdict, req.params.logprobs or 0)
+        for lp, req, verdict in zip(raw, reqs, verdicts, strict=True)
+    ]
 
 
 def target_outputs(
@@ -105,8 +138,7 @@ def verify(
         )
     layers = needs.hidden_layers or None
     logits, hidden = model(tokens, meta, cache, hidden_layers=layers)  # [B, K + 1, V]
-    if masks is not None:
-        mask_logits(logits, masks)
+    raw = score(logits, reqs, drafts, masks)
     generators = [r.generator for r in reqs]
     decision = decide(
         logits, drafts, draft_tokens, num_draft, trees, st, generators, needs.target_argmax
@@ -119,7 +151,8 @@ def verify(
         kept = kept_offsets(decision.paths)
         cache.compact(meta.starts, kept)
     targets = target_outputs(needs, meta.starts, kept, hidden, decision, lengths)
-    return VerifyOutput(decision.verdicts, targets)
+    verdicts = decision.verdicts
+    return VerifyOutput(verdicts, targets, token_logprobs(raw, reqs, verdicts))
 
 
 def final_kind(draft: Draft, verdict: Verdict) -> str:
@@ -177,11 +210,13 @@ def commit(
     each), record its `StepEvent` when the request asked (with the batch's `verify_s`), hand
     the drafter the verdict and its target outputs; returns new texts."""
     texts = []
-    rows = zip(reqs, drafts, verified.verdicts, verified.targets, strict=True)
-    for req, draft, verdict, target in rows:
+    rows = zip(reqs, drafts, verified.verdicts, verified.targets, verified.logprobs, strict=True)
+    for req, draft, verdict, target, logprobs in rows:
         before = len(req.output_ids)
         pieces: list[str] | None = [] if req.params.step_events else None
         taken = req.append(verdict.tokens.tolist())
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs.extend(logprobs[: len(taken)])
         if req.grammar is not None:
             req.grammar.commit(taken)
         texts.append(outputs.process(req, taken, pieces))

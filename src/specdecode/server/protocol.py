@@ -2,12 +2,13 @@
 vLLM's `top_k`, `ignore_eos`, `structured_outputs` and `guided_*`, and ours:
 `num_speculative_tokens`, `drafter` and `step_events`, see `SamplingParams`) and the response
 objects it sends. Unknown fields are ignored, as vLLM does; a string that is not valid Unicode
-is a 400; fields we cannot honour (n > 1, logprobs, echo, penalties) are refused with a 400
-that names them."""
+is a 400; what we cannot honour (`best_of` other than `n`, `echo` with `logprobs`,
+`step_events` with `n` > 1) is refused with a 400 that names the field."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -17,12 +18,16 @@ from specdecode.errors import UserError
 from specdecode.metrics import SpecCounters
 from specdecode.model.tokenizer import check_unicode
 from specdecode.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_PENALTY,
     MAX_SPECULATIVE_TOKENS,
     SamplingParams,
     StructuredOutputsParams,
 )
 from specdecode.server.errors import bad_request
 from specdecode.types import RequestOutput
+
+MAX_CHOICES = 16  # the most choices (n) one request may ask for: each one runs as a request
 
 
 class _Body(BaseModel):
@@ -86,11 +91,13 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    best_of: int | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Any = None
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     drafter: str | None = None
     step_events: bool = False
@@ -132,35 +139,60 @@ class _Sampling(_Body):
         except (UserError, TypeError) as error:
             raise bad_request(str(error), name) from error
 
-    def refuse_unsupported(self) -> None:
-        """400 for fields whose non-default values we cannot honour."""
-        if self.n != 1:
-            raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported (only 0)", name)
-        if self.logprobs not in (None, False):
-            raise bad_request("logprobs are not supported", "logprobs")
+    def logprob_count(self) -> int | None:
+        """How many top tokens each generated token's log-probability comes with (None: no
+        log-probabilities); the two routes spell it differently."""
+        raise NotImplementedError
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's parameters, with `max_tokens` already resolved."""
+    def refuse_unsupported(self) -> None:
+        """400 for combinations we cannot honour."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(
+                f"best_of is not supported (only equal to n, {self.n}), got {self.best_of}",
+                "best_of",
+            )
+        if self.step_events and self.n > 1:
+            raise bad_request("step_events needs n = 1 (one choice)", "step_events")
+
+    def bias(self) -> dict[int, float]:
+        """`logit_bias` with int keys (400 for a key that is not a token id)."""
+        try:
+            return {int(token): value for token, value in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise bad_request(
+                'logit_bias maps token ids (as strings, e.g. "50256") to a bias in '
+                f"[-100, 100], got keys {sorted(self.logit_bias or {})[:5]}",
+                "logit_bias",
+            ) from None
+
+    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine's parameters for choice number `choice` (its seed is `seed + choice`,
+        as vLLM's), with `max_tokens` already resolved."""
         self.refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=max_tokens,
-            seed=self.seed,
-            stop=tuple(stop),
-            ignore_eos=self.ignore_eos,
-            num_speculative_tokens=self.num_speculative_tokens,
-            drafter=self.drafter,
-            step_events=self.step_events,
-            structured_outputs=self.constraint(),
-        )
+        try:
+            return SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_tokens=max_tokens,
+                seed=None if self.seed is None else self.seed + choice,
+                stop=tuple(stop),
+                ignore_eos=self.ignore_eos,
+                num_speculative_tokens=self.num_speculative_tokens,
+                drafter=self.drafter,
+                step_events=self.step_events,
+                structured_outputs=self.constraint(),
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                logit_bias=self.bias(),
+                logprobs=self.logprob_count(),
+            )
+        except UserError as error:
+            raise bad_request(str(error)) from error
 
     @property
     def include_usage(self) -> bool:
@@ -172,6 +204,10 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def prompt_one(self) -> str | list[int]:
         """The prompt as one text or one list of token ids (400 for several prompts)."""
@@ -184,8 +220,12 @@ class CompletionRequest(_Sampling):
             prompt = prompt[0]
         if not prompt:
             raise bad_request("the prompt is empty", "prompt")
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs is not supported (the prompt's log-probabilities are not "
+                "computed); drop one of them",
+                "echo",
+            )
         return prompt  # type: ignore[return-value]
 
 
@@ -215,6 +255,13 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -236,12 +283,19 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    """OpenAI's usage object plus `speculative_decoding` (the request's drafting counters) and
-    `energy` (its CPU seconds and the energy they are estimated at, `specdecode.energy`)."""
-    assert out.metrics is not None
-    spec: SpecCounters = out.metrics.spec
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """OpenAI's usage object for a response's choices (the prompt counted once, the
+    completions summed) plus `speculative_decoding` (their drafting counters, summed) and
+    `energy` (their CPU seconds and the energy they are estimated at, `specdecode.energy`)."""
+    spec = SpecCounters()
+    cpu_s = energy_j = 0.0
+    for out in outs:
+        assert out.metrics is not None
+        spec += out.metrics.spec
+        cpu_s += out.metrics.cpu_s
+        energy_j += out.metrics.energy_j
+    prompt = len(outs[0].prompt_token_ids)
+    completion = sum(len(out.token_ids) for out in outs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -255,9 +309,9 @@ def usage(out: RequestOutput) -> dict[str, Any]:
             "accepted_per_position": list(spec.accepted_per_position),
         },
         "energy": {
-            "cpu_s": out.metrics.cpu_s,
-            "joules_estimate": out.metrics.energy_j,
-            "joules_per_token_estimate": out.metrics.energy_j / max(1, completion),
+            "cpu_s": cpu_s,
+            "joules_estimate": energy_j,
+            "joules_per_token_estimate": energy_j / max(1, completion),
             "method": energy.method(),
         },
     }
