@@ -146,6 +146,7 @@ class RequestMetrics:
     time_to_first_token_s: float  # from the start of the request to its first generated token
     spec: SpecCounters = field(default_factory=SpecCounters)  # drafting / acceptance counters
     cpu_s: float = 0.0  # CPU seconds of its prefill and its share of each batch step
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache gave (not prefilled)
 
     @property
     def energy_j(self) -> float:
@@ -160,6 +161,7 @@ class RequestMetrics:
     def as_dict(self) -> dict[str, float | int]:
         return {
             "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "elapsed_s": self.elapsed_s,
             "time_to_first_token_s": self.time_to_first_token_s,

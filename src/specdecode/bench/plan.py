@@ -43,6 +43,7 @@ from specdecode.drafters.registry import (
     parse_speculative_config,
 )
 from specdecode.engine.costs import expected_tokens
+from specdecode.engine.scheduler import NO_PREFIX_CACHE
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
@@ -171,7 +172,13 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
         raise UserError(f"--max-k must be in 1..{MAX_SPECULATIVE_TOKENS}, got {config.max_k}")
     if config.context < 1:
         raise UserError(f"--context must be >= 1 cached token, got {config.context}")
-    target = LLM(config.model, config.dtype, device=config.device, quantization=config.quantization)
+    target = LLM(
+        config.model,
+        config.dtype,
+        device=config.device,
+        quantization=config.quantization,
+        scheduler=NO_PREFIX_CACHE,
+    )
     room = target.model.config.max_position_embeddings
     widest = max(config.max_k + 1, PASS_TABLE_WIDTH)
     if config.context + widest > room:

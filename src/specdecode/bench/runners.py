@@ -17,6 +17,7 @@ from specdecode.bench.llamacpp import LlamaCppRunner
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.openvino import OpenVinoRunner
 from specdecode.bench.records import Timing
+from specdecode.engine.scheduler import NO_PREFIX_CACHE
 from specdecode.errors import MissingDependencyError
 from specdecode.llm import LLM
 from specdecode.model.quant import parse_quantization
@@ -159,7 +160,13 @@ def build_runners(
         key = llm.model.quantization if quantization is None else parse_quantization(quantization)
         if key not in targets:
             device = str(llm.model.device)
-            targets[key] = LLM(llm.model_name, llm.dtype, device=device, quantization=key)
+            targets[key] = LLM(
+                llm.model_name,
+                llm.dtype,
+                device=device,
+                quantization=key,
+                scheduler=NO_PREFIX_CACHE,
+            )
         return targets[key]
 
     eos = list(llm.tokenizer.eos_token_ids)

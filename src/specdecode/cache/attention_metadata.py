@@ -28,7 +28,9 @@ class AttentionMode(Enum):
         passes; its rounding may depend on how many tokens the pass holds).
     DECODE: causal, and each new token attends by itself, exactly as a one-token step would
         (row-exact where the model's kernels allow it): decode steps, chain verification, a
-        drafter's catch-up. Valid for any starts, so a batch may mix fresh and running rows.
+        drafter's catch-up, prefills under prefix caching (a cached block and a fresh prefill
+        then agree bit for bit). Valid for any starts, so a batch may mix fresh and running
+        rows.
     TREE: each new token attends by itself (like DECODE) to the slots before `tree_starts[b]`
         and to the slots `tree_starts[b] + r` where `tree_mask[b, t, r]`: token trees, whose
         nodes see their ancestors and themselves. `tree_starts` defaults to `starts` (a tree

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.cache.attention_metadata import AttentionMetadata
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
+from specdecode.cache.prefix_cache import PrefixCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
 from specdecode.drafters.plain import EMPTY_DRAFT, PlainDrafter
 from specdecode.energy import cpu_seconds
@@ -79,6 +80,7 @@ class Engine:
         self.outputs = OutputProcessor(tokenizer)
         self.grammars = Grammars(tokenizer, model.config.vocab_size)
         self.scheduler = Scheduler(scheduler or SchedulerConfig())
+        self.prefix_cache = _prefix_cache(self.scheduler.config)
         self.cache: KVCache | None = None  # rows = scheduler.running, in order
         self._ids: set[str] = set()  # requests added and not yet released
 
@@ -95,6 +97,7 @@ class Engine:
         if self.has_unfinished():
             raise UserError("the scheduler's limits change only while no request is in flight")
         self.scheduler = Scheduler(scheduler)
+        self.prefix_cache = _prefix_cache(scheduler)
 
     def has_unfinished(self) -> bool:
         """Whether any request waits or runs."""
@@ -229,13 +232,23 @@ class Engine:
         device = self.model.device
         row = self.scheduler.running.index(req)
         view = self.cache.row(row)
-        length = len(req.prompt_ids)
-        tokens = torch.tensor([req.prompt_ids], device=device)  # [1, T]
-        meta = AttentionMetadata.prefill([length], device)
         needs = self.drafter.needs
+        prompt = req.prompt_ids
+        if self.prefix_cache is not None and not needs.hidden_layers:
+            req.num_cached_tokens = self.prefix_cache.load(prompt, view)
+        cached = req.num_cached_tokens
+        length = len(prompt) - cached  # the tokens this pass prefills
+        tokens = torch.tensor([prompt[cached:]], device=device)  # [1, T]
+        # Under prefix caching every prefill attends per token (DECODE), as decoding does: a
+        # token's keys and values then have the same bits however the sequence was split into
+        # passes, so a hit gives exactly what a cold prefill gives (row-exact formats).
+        mode = AttentionMode.PREFILL if self.prefix_cache is None else AttentionMode.DECODE
+        meta = AttentionMetadata.contiguous(mode, [cached], [length], device)
         layers = needs.hidden_layers or None
         last = torch.tensor([[length - 1]], device=device)  # [1, 1]
         logits, hidden = self.model(tokens, meta, view, logits_index=last, hidden_layers=layers)
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(prompt, view, 0)
         masks = None
         if req.grammar is not None:
             masks = [all_allowed(1, self.model.config.vocab_size)]  # [1, W]
@@ -265,8 +278,10 @@ class Engine:
         keep = [row for row, req in enumerate(running) if not req.finished]
         if len(keep) == len(running):
             return
-        for req in running:
+        for row, req in enumerate(running):
             if req.finished:
+                if self.prefix_cache is not None and self.cache is not None:
+                    self.prefix_cache.store(req.token_ids, self.cache, row)
                 self._release(req.request_id)
         if self.cache is not None:
             self.cache.keep_rows(keep)
@@ -278,3 +293,9 @@ class Engine:
         self.drafter.release(request_id)
         self.draft_length.release(request_id)
         self.outputs.release(request_id)
+
+
+def _prefix_cache(config: SchedulerConfig) -> PrefixCache | None:
+    """The prefix cache `config` asks for (None: off)."""
+    tokens = config.prefix_cache_tokens
+    return PrefixCache(tokens) if tokens else None

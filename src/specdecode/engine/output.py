@@ -112,6 +112,7 @@ class OutputProcessor:
             time_to_first_token_s=first - request.t_start,
             spec=request.spec.copy(),
             cpu_s=request.cpu_s,
+            num_cached_tokens=request.num_cached_tokens,
         )
         completion = CompletionOutput(
             index=0,

@@ -63,6 +63,7 @@ class Request:
         # with params.logprobs: one per generated token
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.cpu_s = 0.0  # CPU seconds of its prefill and its share of each batch step
+        self.num_cached_tokens = 0  # prompt tokens whose keys and values the prefix cache gave
         self.grammar: GrammarState | None = None  # with params.structured_outputs (the engine's)
         self.chain_bounds: tuple[float, ...] = ()  # this step's (`SeqView.chain_bounds`)
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"

@@ -22,9 +22,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from specdecode.cache.prefix_cache import BLOCK_TOKENS
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.engine.request import Request
 from specdecode.errors import UserError
+
+DEFAULT_PREFIX_CACHE_TOKENS = 16384  # ~0.5 GB of bf16 keys and values for a 1.5B model
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,11 +38,15 @@ class SchedulerConfig:
     max_num_batched_tokens: tokens one step may feed (prompts admitted + verification), >= 1.
     kv_cache_tokens: KV slots the running batch may hold (rows x slots per row); None = no
         limit (the cache grows as needed).
+    prefix_cache_tokens: tokens of earlier sequences' keys and values kept for prompts that
+        start the same way (`cache/prefix_cache.py`; vLLM's automatic prefix caching); 0 =
+        off. Beside the running batch's cache, not inside it.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kv_cache_tokens: int | None = None
+    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -51,6 +58,16 @@ class SchedulerConfig:
             not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1
         ):
             raise UserError(f"kv_cache_tokens must be None or an int >= 1, got {tokens!r}")
+        cached = self.prefix_cache_tokens
+        if (
+            not isinstance(cached, int)
+            or isinstance(cached, bool)
+            or (cached != 0 and cached < BLOCK_TOKENS)
+        ):
+            raise UserError(
+                f"prefix_cache_tokens must be 0 (off) or an int >= {BLOCK_TOKENS} (one block), "
+                f"got {cached!r}"
+            )
 
 
 def kv_need(request: Request) -> int:
@@ -118,3 +135,8 @@ class Scheduler:
                 self.waiting.remove(request)
                 return request
         return None
+
+
+# Measurements (`specdecode bench`, `plan`) run each prompt again and again: a prefix cache
+# would skip the prefills their peers pay. Training's target answers are each asked once.
+NO_PREFIX_CACHE = SchedulerConfig(prefix_cache_tokens=0)

@@ -11,6 +11,7 @@ from specdecode.server.guard import MAX_BODY_BYTES, PUBLIC_PATHS
 from specdecode.server.spec import (
     DEFAULT_KV_CACHE_GIB,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PREFIX_CACHE_GIB,
     DEFAULT_SCHEDULER,
     ServeSpec,
 )
@@ -80,6 +81,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help=f"GiB the running batch's KV cache may take (default {DEFAULT_KV_CACHE_GIB:g})",
     )
     p.add_argument(
+        "--prefix-cache-memory",
+        type=float,
+        default=DEFAULT_PREFIX_CACHE_GIB,
+        help="GiB of earlier requests' keys and values kept, so a prompt that starts like one "
+        "before (a chat's next turn, a shared system prompt) prefills only what is new "
+        f"(default {DEFAULT_PREFIX_CACHE_GIB:g}; 0 = off)",
+    )
+    p.add_argument(
         "--replicas",
         type=int,
         default=None,
@@ -107,6 +116,7 @@ def serve_spec(args: argparse.Namespace) -> ServeSpec:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_gib=args.kv_cache_memory,
+        prefix_cache_gib=args.prefix_cache_memory,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         public_paths=args.public_paths,
@@ -155,7 +165,8 @@ def run_serve(args: argparse.Namespace) -> int:
     print(
         f"specdecode: serving {args.model} as {config.served_model_name!r} on "
         f"http://{args.host}:{args.port}/v1 (max {scheduler.max_num_seqs} running, "
-        f"KV cache {scheduler.kv_cache_tokens} tokens; live steps at "
+        f"KV cache {scheduler.kv_cache_tokens} tokens, prefix cache "
+        f"{scheduler.prefix_cache_tokens} tokens; live steps at "
         f"http://{args.host}:{args.port}/viz)",
         file=sys.stderr,
     )

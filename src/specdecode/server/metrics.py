@@ -45,6 +45,12 @@ class ServerMetrics:
             "position",
         )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of completed requests.")
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prompt tokens the prefix cache gave (not prefilled)."
+        )
         self.generation_tokens = counter(
             "generation_tokens", "Generated tokens of completed requests."
         )
@@ -110,6 +116,8 @@ class ServerMetrics:
         assert out.metrics is not None
         spec, model = out.metrics.spec, self.model
         self.prompt_tokens.labels(model).inc(len(out.prompt_token_ids))
+        self.prefix_queries.labels(model).inc(len(out.prompt_token_ids))
+        self.prefix_hits.labels(model).inc(out.metrics.num_cached_tokens)
         self.generation_tokens.labels(model).inc(len(out.token_ids))
         self.num_drafts.labels(model).inc(spec.num_drafts)
         self.num_draft_tokens.labels(model).inc(spec.num_draft_tokens)

@@ -284,8 +284,9 @@ class DetokenizeRequest(_Body):
 
 
 def usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
-    """OpenAI's usage object for a response's choices (the prompt counted once, the
-    completions summed) plus `speculative_decoding` (their drafting counters, summed) and
+    """OpenAI's usage object for a response's choices (the prompt counted once, with the
+    tokens the prefix cache gave as `prompt_tokens_details.cached_tokens`; the completions
+    summed) plus `speculative_decoding` (their drafting counters, summed) and
     `energy` (their CPU seconds and the energy they are estimated at, `specdecode.energy`)."""
     spec = SpecCounters()
     cpu_s = energy_j = 0.0
@@ -296,10 +297,12 @@ def usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
         energy_j += out.metrics.energy_j
     prompt = len(outs[0].prompt_token_ids)
     completion = sum(len(out.token_ids) for out in outs)
+    cached = outs[0].metrics.num_cached_tokens if outs[0].metrics is not None else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
         "speculative_decoding": {
             "num_drafts": spec.num_drafts,
             "num_draft_tokens": spec.num_draft_tokens,

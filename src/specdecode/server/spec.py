@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from specdecode.cache.prefix_cache import BLOCK_TOKENS
 from specdecode.engine.scheduler import SchedulerConfig
 from specdecode.errors import UserError
 from specdecode.llm import LLM
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 DEFAULT_SCHEDULER = SchedulerConfig()
 DEFAULT_MAX_NUM_SEQS = 16  # a CPU's batch: past ~16 rows a verification pass is compute-bound
 DEFAULT_KV_CACHE_GIB = 4.0
+DEFAULT_PREFIX_CACHE_GIB = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,8 @@ class ServeSpec:
     speculative_configs: one per drafter served (`LLM.with_drafters`); () = plain decoding.
     max_num_seqs, max_num_batched_tokens: the continuous batch's limits.
     kv_cache_gib: GiB of KV cache the running batch may take.
+    prefix_cache_gib: GiB of earlier sequences' keys and values kept for prompts that start
+        the same way (0 = no prefix caching).
     served_model_name, api_key, public_paths, max_body_bytes: as `ServeConfig` has them.
     """
 
@@ -41,6 +45,7 @@ class ServeSpec:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_SCHEDULER.max_num_batched_tokens
     kv_cache_gib: float = DEFAULT_KV_CACHE_GIB
+    prefix_cache_gib: float = DEFAULT_PREFIX_CACHE_GIB
     served_model_name: str | None = None
     api_key: str | None = None
     public_paths: tuple[str, ...] = PUBLIC_PATHS
@@ -65,6 +70,7 @@ class ServeSpec:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 kv_cache_tokens=kv_cache_tokens(llm.model, self.kv_cache_gib),
+                prefix_cache_tokens=prefix_cache_tokens(llm.model, self.prefix_cache_gib),
             )
         )
         config = ServeConfig(
@@ -75,9 +81,25 @@ class ServeSpec:
 
 def kv_cache_tokens(model: Transformer, gib: float) -> int:
     """KV slots that `gib` GiB hold for `model` (keys and values of every layer)."""
-    cfg = model.config
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
-    tokens = int(gib * 2**30) // per_token
+    tokens = int(gib * 2**30) // _token_bytes(model)
     if tokens < 1:
-        raise UserError(f"--kv-cache-memory {gib:g} GiB holds no token ({per_token} bytes each)")
+        raise UserError(
+            f"--kv-cache-memory {gib:g} GiB holds no token ({_token_bytes(model)} bytes each)"
+        )
     return tokens
+
+
+def prefix_cache_tokens(model: Transformer, gib: float) -> int:
+    """Tokens of prefix cache that `gib` GiB hold for `model`, whole blocks (0: off)."""
+    if gib < 0:
+        raise UserError(f"--prefix-cache-memory must be >= 0 GiB (0 = off), got {gib:g}")
+    tokens = int(gib * 2**30) // _token_bytes(model) // BLOCK_TOKENS * BLOCK_TOKENS
+    if gib > 0 and tokens == 0:
+        raise UserError(f"--prefix-cache-memory {gib:g} GiB holds no block of {BLOCK_TOKENS}")
+    return tokens
+
+
+def _token_bytes(model: Transformer) -> int:
+    """Bytes of one token's keys and values, every layer."""
+    cfg = model.config
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize

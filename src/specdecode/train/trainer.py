@@ -45,6 +45,7 @@ from specdecode.corpus.examples import (
     stdlib_code_examples,
 )
 from specdecode.corpus.vocab import draft_vocabulary
+from specdecode.engine.scheduler import NO_PREFIX_CACHE
 from specdecode.errors import UserError
 from specdecode.heads.eagle3_config import Eagle3HeadConfig, default_aux_layers
 from specdecode.heads.exit_head import ExitHeadConfig
@@ -225,7 +226,11 @@ def train(
     started = time.perf_counter()
     device = training_device(config.device)
     llm = LLM(
-        config.model, dtype=config.dtype, quantization=config.quantization, device=str(device)
+        config.model,
+        dtype=config.dtype,
+        quantization=config.quantization,
+        device=str(device),
+        scheduler=NO_PREFIX_CACHE,
     )
     stream, held_default, bench = default_examples()
     saved = _load_checkpoint(config)

@@ -1,0 +1,110 @@
+"""Automatic prefix caching: blocks stored from a row load back as the same keys and values;
+a hit stops at the first block that differs and always leaves a prompt token to prefill;
+eviction keeps the cache within its size, a sequence's later blocks first; and through the
+engine, prompts that repeat or extend earlier ones (a chat's next turn) prefill only what is
+new and give the tokens a cold run gives, plain and speculative, alone and batched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_eagle3_head
+
+from specdecode.cache.prefix_cache import BLOCK_TOKENS, PrefixCache
+from specdecode.engine.scheduler import SchedulerConfig
+from specdecode.errors import UserError
+from specdecode.llm import LLM
+from specdecode.model.loading import load_model
+from specdecode.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+SYSTEM = torch.randint(0, 256, (3 * BLOCK_TOKENS + 5,), generator=torch.Generator().manual_seed(0))
+SYSTEM = SYSTEM.tolist()  # a shared opening of three blocks and a bit
+
+
+def _filled_row(model, token_ids: list[int]):
+    """A one-row cache holding `token_ids`' keys and values (a prefill)."""
+    from specdecode.cache.attention_metadata import AttentionMetadata
+
+    cache = model.new_cache(1, len(token_ids) + 8)
+    meta = AttentionMetadata.prefill([len(token_ids)], "cpu")
+    model(torch.tensor([token_ids]), meta, cache)
+    return cache
+
+
+def test_blocks_load_back_and_stop_where_the_prompt_differs(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir, dtype="float32")
+    source = _filled_row(model, SYSTEM)
+    store = PrefixCache(max_tokens=64 * BLOCK_TOKENS)
+    store.store(SYSTEM, source, 0)
+    assert store.num_tokens == 3 * BLOCK_TOKENS  # full blocks only
+    target = model.new_cache(1, 80)
+    view = target.row(0)
+    loaded = store.load([*SYSTEM, 7, 8], view)
+    assert loaded == 3 * BLOCK_TOKENS and view.lengths == [loaded]
+    assert torch.equal(target.k[:, 0, :, :loaded], source.k[:, 0, :, :loaded])
+    assert torch.equal(target.v[:, 0, :, :loaded], source.v[:, 0, :, :loaded])
+    changed = list(SYSTEM)
+    changed[BLOCK_TOKENS + 3] += 1  # the second block differs: only the first is served
+    assert store.load(changed, model.new_cache(1, 80).row(0)) == BLOCK_TOKENS
+    exact = SYSTEM[: 2 * BLOCK_TOKENS]  # two whole blocks: the last token stays to prefill
+    assert store.load(exact, model.new_cache(1, 80).row(0)) == BLOCK_TOKENS
+    assert store.queried_tokens == 2 * len(SYSTEM) + 2 + len(exact)
+    assert store.hit_tokens == loaded + BLOCK_TOKENS + BLOCK_TOKENS
+
+
+def test_eviction_keeps_the_size_and_takes_later_blocks_first(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir, dtype="float32")
+    store = PrefixCache(max_tokens=4 * BLOCK_TOKENS)
+    first = SYSTEM[: 3 * BLOCK_TOKENS]
+    store.store(first, _filled_row(model, first), 0)
+    other = [t + 1 for t in first[: 2 * BLOCK_TOKENS]]
+    store.store(other, _filled_row(model, other), 0)  # 5 blocks > 4: one goes
+    assert store.num_tokens == 4 * BLOCK_TOKENS
+    # the older sequence lost its last block, not its first
+    assert store.load([*first, 1], model.new_cache(1, 80).row(0)) == 2 * BLOCK_TOKENS
+    with pytest.raises(ValueError, match="holds no block"):
+        PrefixCache(max_tokens=BLOCK_TOKENS - 1)
+    with pytest.raises(UserError, match="prefix_cache_tokens must be 0"):
+        SchedulerConfig(prefix_cache_tokens=5)
+
+
+def _llm(model_dir: Path, cached: bool, **kwargs) -> LLM:
+    llm = LLM(model=str(model_dir), dtype="float32", **kwargs)
+    llm.set_scheduler(SchedulerConfig(prefix_cache_tokens=4096 if cached else 0))
+    return llm
+
+
+@pytest.mark.parametrize("config", [None, NGRAM], ids=["plain", "ngram"])
+def test_hits_give_the_tokens_of_a_cold_run(tiny_model_dir: Path, config) -> None:
+    cold = _llm(tiny_model_dir, cached=False, speculative_config=config)
+    warm = _llm(tiny_model_dir, cached=True, speculative_config=config)
+    turn1 = {"prompt_token_ids": [*SYSTEM, 40, 41, 42]}
+    (first,) = warm.generate(turn1, GREEDY)
+    assert first.metrics.num_cached_tokens == 0
+    assert first.token_ids == cold.generate(turn1, GREEDY)[0].token_ids
+    # the next turn: the conversation so far, then a new message
+    turn2 = {"prompt_token_ids": [*SYSTEM, 40, 41, 42, *first.token_ids, 50, 51]}
+    (second,) = warm.generate(turn2, GREEDY)
+    grown = len(SYSTEM) + 3 + len(first.token_ids) - 1  # the row held all but the last token
+    assert second.metrics.num_cached_tokens == grown // BLOCK_TOKENS * BLOCK_TOKENS
+    assert second.token_ids == cold.generate(turn2, GREEDY)[0].token_ids
+    # a batch sharing the system prompt, some hits and some not
+    batch = [{"prompt_token_ids": SYSTEM + [60 + i] * (i + 1)} for i in range(3)]
+    batch.append({"prompt_token_ids": [9, 8, 7]})
+    outs = warm.generate(batch, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold.generate(batch, GREEDY)]
+    assert [o.metrics.num_cached_tokens for o in outs] == [3 * BLOCK_TOKENS] * 3 + [0]
+
+
+def test_a_drafter_that_reads_hidden_states_gets_no_hits(tiny_model_dir: Path) -> None:
+    head = build_tiny_eagle3_head(tiny_model_dir, tiny_model_dir / "eagle3_prefix")
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    warm = _llm(tiny_model_dir, cached=True, speculative_config=config)
+    prompt = {"prompt_token_ids": [*SYSTEM, 1, 2]}
+    (first,) = warm.generate(prompt, GREEDY)
+    (again,) = warm.generate(prompt, GREEDY)
+    assert again.metrics.num_cached_tokens == 0 and again.token_ids == first.token_ids
