@@ -43,7 +43,7 @@ from specdecode.drafters.registry import (
     parse_speculative_config,
 )
 from specdecode.engine.costs import expected_tokens
-from specdecode.engine.scheduler import NO_PREFIX_CACHE
+from specdecode.engine.scheduler import ONE_PASS_PREFILL
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
@@ -177,7 +177,7 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
         config.dtype,
         device=config.device,
         quantization=config.quantization,
-        scheduler=NO_PREFIX_CACHE,
+        scheduler=ONE_PASS_PREFILL,
     )
     room = target.model.config.max_position_embeddings
     widest = max(config.max_k + 1, PASS_TABLE_WIDTH)

@@ -21,7 +21,7 @@ from specdecode.bench.roofline import measure_bandwidth, roofline
 from specdecode.bench.runners import OursRunner, Runner, build_runners
 from specdecode.bench.stats import summarize
 from specdecode.corpus.prompts import load_prompts
-from specdecode.engine.scheduler import NO_PREFIX_CACHE
+from specdecode.engine.scheduler import ONE_PASS_PREFILL
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
 
@@ -84,7 +84,7 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
         config.dtype,
         device=config.device,
         quantization=config.quantization,
-        scheduler=NO_PREFIX_CACHE,
+        scheduler=ONE_PASS_PREFILL,
     )
     config = replace(config, quantization=_format(llm))  # "auto" as it resolved
     rendered = [(p, llm.chat_prompt(list(p.messages))["prompt_token_ids"]) for p in prompts]

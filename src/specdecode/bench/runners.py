@@ -17,7 +17,7 @@ from specdecode.bench.llamacpp import LlamaCppRunner
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.openvino import OpenVinoRunner
 from specdecode.bench.records import Timing
-from specdecode.engine.scheduler import NO_PREFIX_CACHE
+from specdecode.engine.scheduler import ONE_PASS_PREFILL
 from specdecode.errors import MissingDependencyError
 from specdecode.llm import LLM
 from specdecode.model.quant import parse_quantization
@@ -165,7 +165,7 @@ def build_runners(
                 llm.dtype,
                 device=device,
                 quantization=key,
-                scheduler=NO_PREFIX_CACHE,
+                scheduler=ONE_PASS_PREFILL,
             )
         return targets[key]
 

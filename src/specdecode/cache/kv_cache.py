@@ -11,7 +11,8 @@ attends; the metadata does.
 Rows come and go (continuous batching): the buffers hold a pool of allocated rows, the first
 `batch_size` of them active. `add_rows` activates rows at the end (growing the pool or the
 capacity, amortised, when it must), `row` is a one-row cache that writes into an active row in
-place (a request's prefill runs there alone), and `keep_rows` moves the kept rows down over
+place (a request's prefill runs there alone), `head` the same over the first rows (the rows
+that decode while later ones still prefill), and `keep_rows` moves the kept rows down over
 the dropped ones (copying only rows that move, only their filled slots).
 """
 
@@ -108,6 +109,22 @@ class KVCache:
         view.lengths = [0]
         view._activate()
         return view
+
+    def head(self, count: int) -> KVCache:
+        """A cache over the first `count` active rows' storage (writes land in place) and their
+        lengths; give its lengths back with `take_lengths` after its passes."""
+        if not 0 < count <= self.batch_size:
+            raise ValueError(f"head of {count} rows: the cache has {self.batch_size} active")
+        view = KVCache.__new__(KVCache)
+        view._k_pool = self._k_pool[:, :count]
+        view._v_pool = self._v_pool[:, :count]
+        view.lengths = self.lengths[:count]
+        view._activate()
+        return view
+
+    def take_lengths(self, head: KVCache) -> None:
+        """The lengths of a `head` view's rows, after its passes."""
+        self.lengths[: head.batch_size] = head.lengths
 
     def set_length(self, index: int, length: int) -> None:
         """Row `index` holds `length` slots (written through a `row` view)."""

@@ -19,7 +19,7 @@ import torch
 
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
-from specdecode.cache.prefix_cache import PrefixCache
+from specdecode.cache.prefix_cache import BLOCK_TOKENS, PrefixCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
 from specdecode.drafters.plain import EMPTY_DRAFT, PlainDrafter
 from specdecode.energy import cpu_seconds
@@ -169,26 +169,66 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Event]:
-        """Drop finished rows, admit and prefill waiting requests (their first tokens), then
-        one speculative step over every running request; return the events in order (a
-        request's last event has `output.finished` True)."""
+        """Drop finished rows, admit waiting requests, prefill (their first tokens; a chunk of
+        a long prompt while others decode, `_prefill_chunks`), then one speculative step over
+        every request past its prefill; return the events in order (a request's last event
+        has `output.finished` True)."""
         self._drop_finished()
         admitted = self.scheduler.admit(self.draft_length.max_tokens)
-        events = [self._prefill(req) for req in self._new_rows(admitted)]
+        self._new_rows(admitted)
+        events = self._prefill_chunks()
         self._drop_finished()  # requests done at their first token
         running = self.scheduler.running
-        if running:
-            self._seed_pass_costs(len(running))
+        decoding = sum(not r.prefilling for r in running)  # the first rows: prefills are FIFO
+        assert not any(r.prefilling for r in running[:decoding])
+        if decoding:
+            rows = running[:decoding]
+            self._seed_pass_costs(decoding)
             cpu = cpu_seconds()
-            st = SamplingTensors.from_params([r.params for r in running], self.model.device)
+            st = SamplingTensors.from_params([r.params for r in rows], self.model.device)
+            assert self.cache is not None
+            cache = self.cache if decoding == len(running) else self.cache.head(decoding)
             texts = speculative_step(
-                self.model, self.cache, running, self.drafter, st, self.outputs, self.draft_length
+                self.model, cache, rows, self.drafter, st, self.outputs, self.draft_length
             )
-            share = (cpu_seconds() - cpu) / len(running)
-            for req in running:
+            self.cache.take_lengths(cache)
+            share = (cpu_seconds() - cpu) / decoding
+            for req in rows:
                 req.cpu_s += share
-            events += [self._event(r, t) for r, t in zip(running, texts, strict=True)]
+            events += [self._event(r, t) for r, t in zip(rows, texts, strict=True)]
         return [e for e in events if e.text or e.output.finished]
+
+    def _prefill_chunks(self) -> list[Event]:
+        """Prefill the requests still prefilling, in order (each row after the ones that
+        decode); a request whose prompt is all in is given its first token. While other rows
+        decode, the step prefills at most as many prompt tokens as they verify (at least one
+        block, within the step's budget): their pace at most halves. A drafter that reads the
+        target's hidden states gets each prompt whole."""
+        running = self.scheduler.running
+        decoding = sum(not r.prefilling for r in running)
+        budget = None
+        if (
+            decoding
+            and self.scheduler.config.chunked_prefill
+            and not self.drafter.needs.hidden_layers
+        ):
+            verify = decoding * (1 + self.draft_length.max_tokens)
+            room = self.scheduler.config.max_num_batched_tokens - verify
+            budget = max(BLOCK_TOKENS, min(verify, room))
+        events = []
+        for row in range(decoding, len(running)):
+            req = running[row]
+            left = len(req.prompt_ids) - req.num_computed_tokens
+            chunk = left if budget is None else min(left, budget)
+            if chunk < 1:
+                break  # the budget is spent: later prompts wait (they finish in order)
+            event = self._prefill(req, row, chunk)
+            if budget is not None:
+                budget -= chunk
+            if event is None:
+                break  # its prompt goes on next step; later prompts wait behind it
+            events.append(event)
+        return events
 
     def _seed_pass_costs(self, rows: int) -> None:
         """Under the "cost" draft-length policy, measure the passes a batch of `rows` rows
@@ -214,54 +254,63 @@ class Engine:
                     self.abort(req.request_id)
             self._drop_finished()
 
-    def _new_rows(self, admitted: list[Request]) -> list[Request]:
+    def _new_rows(self, admitted: list[Request]) -> None:
         """Give each admitted request a cache row (the cache grows as the scheduler allows)."""
         if not admitted:
-            return admitted
+            return
         capacity = self.scheduler.capacity()
         if self.cache is None:
             self.cache = self.model.new_cache(0, capacity)
         self.cache.add_rows(len(admitted), capacity, self.scheduler.config.kv_cache_tokens)
-        return admitted
 
-    def _prefill(self, req: Request) -> Event:
-        """Run one prompt alone into its cache row; draw its first token (`decide`, with an
-        empty draft) and commit it."""
+    def _prefill(self, req: Request, row: int, chunk: int) -> Event | None:
+        """Prefill the next `chunk` prompt tokens of `req` into cache row `row` (first, the
+        prefix cache's hit); when its prompt is all in, draw its first token (`decide`, with
+        an empty draft), commit it and return its event (else None)."""
         assert self.cache is not None  # _new_rows made it
         start, cpu = time.perf_counter(), cpu_seconds()
         device = self.model.device
-        row = self.scheduler.running.index(req)
         view = self.cache.row(row)
         needs = self.drafter.needs
         prompt = req.prompt_ids
-        if self.prefix_cache is not None and not needs.hidden_layers:
-            req.num_cached_tokens = self.prefix_cache.load(prompt, view)
-        cached = req.num_cached_tokens
-        length = len(prompt) - cached  # the tokens this pass prefills
-        tokens = torch.tensor([prompt[cached:]], device=device)  # [1, T]
-        # Under prefix caching every prefill attends per token (DECODE), as decoding does: a
-        # token's keys and values then have the same bits however the sequence was split into
-        # passes, so a hit gives exactly what a cold prefill gives (row-exact formats).
-        mode = AttentionMode.PREFILL if self.prefix_cache is None else AttentionMode.DECODE
-        meta = AttentionMetadata.contiguous(mode, [cached], [length], device)
+        if req.num_computed_tokens == 0:
+            if self.prefix_cache is not None and not needs.hidden_layers:
+                req.num_cached_tokens = self.prefix_cache.load(prompt, view)
+                chunk = min(chunk, len(prompt) - req.num_cached_tokens)
+            req.num_computed_tokens = req.num_cached_tokens
+        else:
+            view.set_length(0, req.num_computed_tokens)
+        done = req.num_computed_tokens
+        tokens = torch.tensor([prompt[done : done + chunk]], device=device)  # [1, T]
+        # Under prefix caching or chunked prefill, a prefill attends per token (DECODE), as
+        # decoding does: a token's keys and values then have the same bits however the
+        # sequence was split into passes, so a hit or a chunked prefill gives exactly what one
+        # cold pass gives (row-exact formats), alone or in a busy batch.
+        exact = self.prefix_cache is not None or self.scheduler.config.chunked_prefill
+        mode = AttentionMode.DECODE if exact else AttentionMode.PREFILL
+        meta = AttentionMetadata.contiguous(mode, [done], [chunk], device)
         layers = needs.hidden_layers or None
-        last = torch.tensor([[length - 1]], device=device)  # [1, 1]
+        last = torch.tensor([[chunk - 1]], device=device)  # [1, 1]
         logits, hidden = self.model(tokens, meta, view, logits_index=last, hidden_layers=layers)
+        req.num_computed_tokens += chunk
+        self.cache.set_length(row, view.lengths[0])
         if self.prefix_cache is not None:
             self.prefix_cache.store(prompt, view, 0)
+        if req.num_computed_tokens < len(prompt):
+            req.cpu_s += cpu_seconds() - cpu
+            return None
         masks = None
         if req.grammar is not None:
             masks = [all_allowed(1, self.model.config.vocab_size)]  # [1, W]
             req.grammar.fill(masks[0], 0)
         raw = score(logits, [req], [EMPTY_DRAFT], masks)  # [1, 1, V] ready for the decision
-        self.cache.set_length(row, view.lengths[0])
         st = SamplingTensors.from_params([req.params], device)
         none, zero = pad_tokens([EMPTY_DRAFT], device)  # [1, 0], [1]
         generators = [req.generator]
         decision = decide(
             logits, [EMPTY_DRAFT], none, zero, None, st, generators, needs.target_argmax
         )
-        targets = target_outputs(needs, meta.starts, [length], hidden, decision, [0])
+        targets = target_outputs(needs, meta.starts, [chunk], hidden, decision, [0])
         seconds = time.perf_counter() - start
         req.cpu_s += cpu_seconds() - cpu  # before commit: the output snapshot reads it
         verdicts = decision.verdicts

@@ -64,6 +64,7 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.cpu_s = 0.0  # CPU seconds of its prefill and its share of each batch step
         self.num_cached_tokens = 0  # prompt tokens whose keys and values the prefix cache gave
+        self.num_computed_tokens = 0  # prompt tokens in its cache row (cached or prefilled)
         self.grammar: GrammarState | None = None  # with params.structured_outputs (the engine's)
         self.chain_bounds: tuple[float, ...] = ()  # this step's (`SeqView.chain_bounds`)
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
@@ -75,6 +76,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether its prompt is not all in its cache row yet (its first token is not drawn)."""
+        return self.num_computed_tokens < len(self.prompt_ids)
 
     @property
     def token_ids(self) -> list[int]:

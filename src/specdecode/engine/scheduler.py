@@ -7,9 +7,9 @@ these hold after the move:
 - at most `max_num_seqs` requests run;
 - the step's tokens stay within `max_num_batched_tokens`: the prompts admitted now plus the
   verification tokens of every request that will run the step, the newly admitted included
-  (1 + K each). The first request admitted in a step is
-  admitted even when its prompt exceeds what is left of the budget (there is no chunked
-  prefill), so no prompt waits forever;
+  (1 + K each). The first request admitted in a step is admitted even when its prompt
+  exceeds what is left of the budget, so no prompt waits forever (with `chunked_prefill`,
+  the engine then prefills it a chunk per step while others decode);
 - the KV cache holds at most `kv_cache_tokens` slots: the cache is rectangular (every row has
   the capacity of the longest request), so the check is rows x the longest request's need,
   where a request needs its prompt + max_tokens + the spare slots of a draft
@@ -41,12 +41,17 @@ class SchedulerConfig:
     prefix_cache_tokens: tokens of earlier sequences' keys and values kept for prompts that
         start the same way (`cache/prefix_cache.py`; vLLM's automatic prefix caching); 0 =
         off. Beside the running batch's cache, not inside it.
+    chunked_prefill: while requests decode, a prompt is prefilled a chunk per step, no
+        larger than the step's verification tokens (at least one 16-token block, within
+        `max_num_batched_tokens`), so the running requests keep their pace (`Engine.step`);
+        False = each prompt whole in the step that admits it.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kv_cache_tokens: int | None = None
     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS
+    chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -137,6 +142,7 @@ class Scheduler:
         return None
 
 
-# Measurements (`specdecode bench`, `plan`) run each prompt again and again: a prefix cache
-# would skip the prefills their peers pay. Training's target answers are each asked once.
-NO_PREFIX_CACHE = SchedulerConfig(prefix_cache_tokens=0)
+# Each prompt whole in one batched pass, no prefix cache: for measurements (`specdecode bench`,
+# `plan`), which run each prompt again and again (a cache would skip the prefills their peers
+# pay) one at a time, and for training's target answers, each asked once.
+ONE_PASS_PREFILL = SchedulerConfig(prefix_cache_tokens=0, chunked_prefill=False)

@@ -45,7 +45,7 @@ from specdecode.corpus.examples import (
     stdlib_code_examples,
 )
 from specdecode.corpus.vocab import draft_vocabulary
-from specdecode.engine.scheduler import NO_PREFIX_CACHE
+from specdecode.engine.scheduler import ONE_PASS_PREFILL
 from specdecode.errors import UserError
 from specdecode.heads.eagle3_config import Eagle3HeadConfig, default_aux_layers
 from specdecode.heads.exit_head import ExitHeadConfig
@@ -230,7 +230,7 @@ def train(
         dtype=config.dtype,
         quantization=config.quantization,
         device=str(device),
-        scheduler=NO_PREFIX_CACHE,
+        scheduler=ONE_PASS_PREFILL,
     )
     stream, held_default, bench = default_examples()
     saved = _load_checkpoint(config)

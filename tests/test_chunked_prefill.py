@@ -1,0 +1,116 @@
+"""Chunked prefill: a long prompt that arrives while others decode is prefilled a chunk per
+step (no larger than what the running rows verify), the running rows get a token every step
+meanwhile, and every request's output is the one it gets alone; chunked equals one-pass
+prefill (fp32 tokens; int8 bit for bit, logprobs included)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specdecode.cache.prefix_cache import BLOCK_TOKENS
+from specdecode.engine.scheduler import ONE_PASS_PREFILL, SchedulerConfig
+from specdecode.llm import LLM
+from specdecode.sampling_params import SamplingParams
+
+SHORT = [{"prompt_token_ids": [5, 6, 7, 5, 6]}, {"prompt_token_ids": [9, 1, 9, 1]}]
+LONG = {"prompt_token_ids": [(i * 7) % 250 for i in range(150)]}
+PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1)
+SHORT_PARAMS = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, logprobs=1)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+def _run(llm: LLM) -> tuple[dict[str, object], list[int], list[int]]:
+    """Two short requests decode; after two steps the long one arrives. Returns the outputs
+    by request id, and for each step the long prompt spent prefilling: its computed tokens
+    after the step, and how many of the short requests got tokens in it."""
+    engine = llm.engine
+    short = [llm.make_request(p, SHORT_PARAMS) for p in SHORT]
+    for req in short:
+        engine.add(req)
+    outputs: dict[str, object] = {}
+    for _ in range(2):
+        for event in engine.step():
+            outputs[event.request.request_id] = event.output
+    long = llm.make_request(LONG, PARAMS)
+    engine.add(long)
+    computed, served = [], []
+    while engine.has_unfinished():
+        prefilling = long.prefilling
+        before = [len(r.output_ids) for r in short]
+        for event in engine.step():
+            outputs[event.request.request_id] = event.output
+        if prefilling:
+            computed.append(long.num_computed_tokens)
+            served.append(sum(len(r.output_ids) > n for r, n in zip(short, before, strict=True)))
+    return {r.request_id: outputs[r.request_id] for r in [*short, long]}, computed, served
+
+
+@pytest.mark.parametrize("config", [None, NGRAM], ids=["plain", "ngram"])
+def test_a_long_prompt_is_prefilled_in_chunks_beside_running_rows(
+    tiny_model_dir: Path, config
+) -> None:
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    outs, computed, served = _run(llm)
+    chunks = [b - a for a, b in zip([0, *computed], computed, strict=False) if b > a]
+    assert len(chunks) > 1  # the prompt took several steps
+    k = 0 if config is None else NGRAM["num_speculative_tokens"]
+    assert max(chunks[:-1]) <= max(BLOCK_TOKENS, 2 * (1 + k))  # no more than the rows verify
+    assert served == [2] * len(served)  # both short rows got tokens every step meanwhile
+    alone = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    for prompt, params, out in zip(
+        [*SHORT, LONG], [SHORT_PARAMS, SHORT_PARAMS, PARAMS], outs.values(), strict=True
+    ):
+        (want,) = alone.generate(prompt, params)
+        assert out.token_ids == want.token_ids
+
+
+def test_chunked_equals_one_pass_bit_for_bit_in_int8(tiny_model_dir: Path) -> None:
+    int8 = {"dtype": "bfloat16", "quantization": "int8"}
+    chunked = LLM(model=str(tiny_model_dir), **int8)
+    chunked.set_scheduler(SchedulerConfig(prefix_cache_tokens=0))
+    outs, computed, _ = _run(chunked)
+    assert len({c for c in computed if c < len(LONG["prompt_token_ids"])}) > 1
+    whole = LLM(model=str(tiny_model_dir), **int8)
+    whole.set_scheduler(SchedulerConfig(prefix_cache_tokens=0, max_num_batched_tokens=8192))
+    (want,) = whole.generate(LONG, PARAMS)  # alone: one pass, per-token attention
+    got = list(outs.values())[-1]
+    assert got.token_ids == want.token_ids
+    assert got.outputs[0].logprobs == want.outputs[0].logprobs
+
+
+@pytest.mark.real_model
+def test_smollm2_chunks_and_prefix_hits_equal_one_cold_pass_bit_for_bit(smollm2_dir: Path) -> None:
+    """In the default format (gguf, bf16 activations), where a batched prefill's rounding
+    depends on the pass: a prompt split into chunks, or served partly from the prefix cache,
+    gives the logprobs of the one-pass cold prefill, bit for bit."""
+    text = " ".join(f"item {i} is {i * i}." for i in range(36))  # ~250 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    cold = LLM(model=str(smollm2_dir), scheduler=SchedulerConfig(prefix_cache_tokens=0))
+    (want,) = cold.generate(text, params)
+    warm = cold.with_speculative_config(None)
+    warm.set_scheduler(SchedulerConfig(prefix_cache_tokens=4096))
+    warm.generate(text[: len(text) // 2], params)  # leaves the prompt's first half cached
+    (hit,) = warm.generate(text, params)
+    assert hit.metrics.num_cached_tokens > 0
+    assert hit.outputs[0].logprobs == want.outputs[0].logprobs
+    chunked = cold.with_speculative_config(None)
+    chunked.set_scheduler(SchedulerConfig(prefix_cache_tokens=0, max_num_batched_tokens=64))
+    engine = chunked.engine
+    busy = chunked.make_request("hello", SamplingParams(max_tokens=60, ignore_eos=True))
+    engine.add(busy)
+    engine.step()  # a row decodes: the long prompt is chunked beside it
+    request = chunked.make_request(text, params)
+    engine.add(request)
+    steps = 0
+    while request.prefilling:
+        engine.step()
+        steps += 1
+    while not request.finished:
+        engine.step()
+    assert steps > 1
+    assert tuple(request.logprobs) == want.outputs[0].logprobs
+    batched = LLM(model=str(smollm2_dir), scheduler=ONE_PASS_PREFILL)
+    (fast,) = batched.generate(text, params)
+    assert fast.outputs[0].logprobs != want.outputs[0].logprobs  # the test can tell them apart
