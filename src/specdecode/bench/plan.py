@@ -35,6 +35,7 @@ from specdecode.bench.costs import (
 )
 from specdecode.bench.replay import ReplayStats, replay
 from specdecode.bench.roofline import measure_bandwidth, roofline, roofline_text
+from specdecode.bench.runners import measured_target
 from specdecode.corpus.prompts import load_prompts
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.drafters.registry import (
@@ -43,7 +44,6 @@ from specdecode.drafters.registry import (
     parse_speculative_config,
 )
 from specdecode.engine.costs import expected_tokens
-from specdecode.engine.scheduler import ONE_PASS_PREFILL
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
@@ -172,13 +172,7 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
         raise UserError(f"--max-k must be in 1..{MAX_SPECULATIVE_TOKENS}, got {config.max_k}")
     if config.context < 1:
         raise UserError(f"--context must be >= 1 cached token, got {config.context}")
-    target = LLM(
-        config.model,
-        config.dtype,
-        device=config.device,
-        quantization=config.quantization,
-        scheduler=ONE_PASS_PREFILL,
-    )
+    target = measured_target(config.model, config.dtype, config.device, config.quantization)
     room = target.model.config.max_position_embeddings
     widest = max(config.max_k + 1, PASS_TABLE_WIDTH)
     if config.context + widest > room:

@@ -18,10 +18,9 @@ from specdecode.bench.methods import parse_methods
 from specdecode.bench.records import Run
 from specdecode.bench.report import markdown
 from specdecode.bench.roofline import measure_bandwidth, roofline
-from specdecode.bench.runners import OursRunner, Runner, build_runners
+from specdecode.bench.runners import OursRunner, Runner, build_runners, measured_target
 from specdecode.bench.stats import summarize
 from specdecode.corpus.prompts import load_prompts
-from specdecode.engine.scheduler import ONE_PASS_PREFILL
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
 
@@ -79,13 +78,7 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
         seed=config.seed if config.temperature > 0 else None,
         ignore_eos=config.ignore_eos,
     )
-    llm = LLM(
-        config.model,
-        config.dtype,
-        device=config.device,
-        quantization=config.quantization,
-        scheduler=ONE_PASS_PREFILL,
-    )
+    llm = measured_target(config.model, config.dtype, config.device, config.quantization)
     config = replace(config, quantization=_format(llm))  # "auto" as it resolved
     rendered = [(p, llm.chat_prompt(list(p.messages))["prompt_token_ids"]) for p in prompts]
     n_ctx = max(len(ids) for _, ids in rendered) + config.max_tokens + WARMUP_TOKENS

@@ -27,6 +27,12 @@ from specdecode.sampling_params import SamplingParams
 HF_REQUIREMENT = "transformers>=4.45 accelerate>=0.34"
 
 
+def measured_target(model: str, dtype: str, device: str, quantization: str | None) -> LLM:
+    """The target as a measurement loads it: `ONE_PASS_PREFILL` (no prefix cache, each prompt
+    in one batched pass), since a bench repeats its prompts and its peers cache none."""
+    return LLM(model, dtype, device=device, quantization=quantization, scheduler=ONE_PASS_PREFILL)
+
+
 class Runner(Protocol):
     spec: MethodSpec
 
@@ -160,13 +166,7 @@ def build_runners(
         key = llm.model.quantization if quantization is None else parse_quantization(quantization)
         if key not in targets:
             device = str(llm.model.device)
-            targets[key] = LLM(
-                llm.model_name,
-                llm.dtype,
-                device=device,
-                quantization=key,
-                scheduler=ONE_PASS_PREFILL,
-            )
+            targets[key] = measured_target(llm.model_name, llm.dtype, device, key)
         return targets[key]
 
     eos = list(llm.tokenizer.eos_token_ids)

@@ -74,15 +74,16 @@ class PrefixCache:
         (a one-row view, empty) and set its length; returns the tokens loaded: a multiple of
         the block size, and fewer than len(token_ids)."""
         self.queried_tokens += len(token_ids)
+        keys = self._keys(token_ids, len(token_ids) - 1)
         found: list[_Block] = []
-        for index, (key, parent) in enumerate(self._keys(token_ids, len(token_ids) - 1)):
+        for index, (key, parent) in enumerate(keys):
             block = self._blocks.get(key)
             start = index * self.block_tokens
             tokens = tuple(token_ids[start : start + self.block_tokens])
             if block is None or block.parent != parent or block.tokens != tokens:
                 break
             found.append(block)
-        self._touch([key for key, _ in self._keys(token_ids, len(found) * self.block_tokens)])
+        self._touch([key for key, _ in keys[: len(found)]])
         if not found:
             return 0
         length = len(found) * self.block_tokens

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from specdecode.sampling_params import SamplingParams
-from specdecode.tree.token_tree import TokenTree
 from specdecode.types import Draft
 
 
@@ -45,16 +44,9 @@ def drafted_before(draft: Draft, positions: int) -> list[list[int]]:
     if draft.tree is None or not draft.is_tree:  # a chain (or a chain-shaped tree: in order)
         prefixes = [tokens[:t] for t in range(len(tokens) + 1)]
     else:
-        prefixes = [[]] + [_path_tokens(draft.tree, tokens, i) for i in range(len(tokens))]
+        paths = [draft.tree.path(node) for node in range(len(tokens))]
+        prefixes = [[]] + [[tokens[n] for n in path] for path in paths]
     return [prefixes[min(t, len(prefixes) - 1)] for t in range(positions)]
-
-
-def _path_tokens(tree: TokenTree, tokens: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(tokens[node])
-        node = tree.parents[node]
-    return path[::-1]
 
 
 def adjust_logits(logits: Tensor, rows: Seq[History]) -> None:

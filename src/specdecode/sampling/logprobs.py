@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specdecode.tree.batch import kept_offsets
 from specdecode.types import TokenLogprob, Verdict
 
 
@@ -25,7 +26,7 @@ def verdict_positions(verdict: Verdict) -> list[int]:
     """
     if verdict.path is None:
         return list(range(verdict.num_accepted + 1))
-    return [0] + [1 + node for node in verdict.path]
+    return kept_offsets([verdict.path])[0]  # the offsets a tree's compaction keeps
 
 
 def emitted_logprobs(logprobs: Tensor, verdict: Verdict, top: int) -> list[TokenLogprob]:
