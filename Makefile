@@ -7,7 +7,7 @@ MODEL ?= smollm2-135m
 PROMPT ?= Add type hints to this Python function. Reply with the whole function only.\n\ndef is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n        if n %% d == 0:\n            return False\n    return True\n
 SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
-.PHONY: install kernels demo serve browser test test-native test-arm64 lint bench bench-docs \
+.PHONY: install kernels demo serve browser test test-slow test-native test-arm64 lint bench bench-docs \
     openvino-exporter heads
 
 install: $(VENV)/.installed
@@ -52,6 +52,11 @@ test: install browser
 
 # The kernels' native test driver (tests/native: the C++ cores against scalar references, no
 # torch, no install) built and run for every variant this CPU executes.
+# The checks `make test` leaves out for time (marked slow: certify's ngram and sampling
+# drafter runs, the SmolLM2-for-Qwen cross-tokenizer run, the int4 real-model run).
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
 test-native:
 	python3 tests/native/run.py
 

@@ -88,6 +88,7 @@ def _unigram_llm(model_dir: Path) -> LLM:
     return LLM(str(model_dir), dtype="float32", drafter=UnigramDrafter(2))
 
 
+@pytest.mark.slow
 def test_ngram_passes(target: LLM, prompt: tuple[int, ...]) -> None:
     llm = target.with_speculative_config(NGRAM)
     result = certify(llm, CertifyConfig(prompt, top_k=4, num_samples=SAMPLES))
@@ -96,6 +97,7 @@ def test_ngram_passes(target: LLM, prompt: tuple[int, ...]) -> None:
     assert result.num_draft_tokens > SAMPLES // 2 and result.num_bins > 10
 
 
+@pytest.mark.slow
 def test_sampling_drafter_passes(model_dir: Path, prompt: tuple[int, ...]) -> None:
     config = CertifyConfig(prompt, top_k=4, num_samples=SAMPLES, seed=1)
     result = certify(_unigram_llm(model_dir), config)

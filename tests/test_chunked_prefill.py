@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.cache.prefix_cache import BLOCK_TOKENS
+from specdecode.cache.block_pool import BLOCK_TOKENS
 from specdecode.engine.scheduler import ONE_PASS_PREFILL, SchedulerConfig
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams

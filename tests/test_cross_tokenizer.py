@@ -287,6 +287,7 @@ REAL_TARGET, REAL_DRAFT = "qwen2.5-coder-1.5b", "smollm2-135m"
     not (is_pulled(REAL_TARGET) and is_pulled(REAL_DRAFT)),
     reason=f"needs the pulled {REAL_TARGET} and {REAL_DRAFT} (`specdecode pull`)",
 )
+@pytest.mark.slow
 def test_smollm2_drafting_for_qwen_is_lossless_and_accepted() -> None:
     """The real pair (49,152 vs 151,936 tokens), int8: greedy output equals plain decoding on
     a chat prompt and a code prompt, and some drafts are accepted."""

@@ -125,10 +125,56 @@ def test_decode_attention_gives_each_query_what_a_one_token_call_gives(
         assert torch.equal(together[:, :, t : t + 1], alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tree", [False, True])
+def test_paged_attention_gives_the_rectangular_bits(
+    dtype: torch.dtype, tree: bool, kernel_path: str
+) -> None:
+    """The same keys and values in blocks of 16 scattered over a pool (shuffled, with blocks
+    no row uses), read through a block table: the rectangular cache's bits, chain and tree."""
+    gen = torch.Generator().manual_seed(3)
+    rows, heads, kv_heads, new, slots, dim, size = 3, 4, 2, 5, 70, 64, 16
+    per_row = -(-slots // size)
+    q = torch.randn(rows, heads, new, dim, generator=gen).to(dtype)
+    k = torch.randn(rows, kv_heads, slots, dim, generator=gen).to(dtype)
+    v = torch.randn(rows, kv_heads, slots, dim, generator=gen).to(dtype)
+    order = torch.randperm(rows * per_row + 5, generator=gen)
+    table = order[: rows * per_row].view(rows, per_row)  # [B, max_blocks]
+    pools = []
+    for x in (k, v):
+        padded = torch.zeros(rows, kv_heads, per_row * size, dim, dtype=dtype)
+        padded[:, :, :slots] = x
+        blocks = padded.view(rows, kv_heads, per_row, size, dim).transpose(1, 2)
+        pool = torch.randn(len(order), kv_heads, size, dim, generator=gen).to(dtype)
+        pool[table.flatten()] = blocks.reshape(-1, kv_heads, size, dim)
+        pools.append(pool)
+    starts = [60, 0, 33]
+    mask, tree_starts = None, ()
+    if tree:
+        tree_starts = [55, 0, 30]
+        mask = torch.rand(rows, new, 15, generator=gen) < 0.5
+        for b, (start, first) in enumerate(zip(starts, tree_starts, strict=True)):
+            offset = start - first
+            mask[b, :, offset + new :] = False
+            for t in range(new):
+                mask[b, t, offset + t] = True
+                mask[b, t, offset + t + 1 :] = False
+    want = kernels.decode_attention(q, k, v, starts, tree_starts, mask)
+    got = kernels.decode_attention(q, *pools, starts, tree_starts, mask, table)
+    assert torch.equal(got, want)
+
+
 def test_decode_attention_checks_its_arguments() -> None:
     q, kv = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 10, 16)
-    with pytest.raises(RuntimeError, match="start 9 \\+ 2 new tokens exceed the 10 cached slots"):
+    with pytest.raises(RuntimeError, match="slots 9 \\+ 2 need 2 blocks of 10, the table holds 1"):
         kernels.decode_attention(q, kv, kv, [9])
+    pool = torch.randn(3, 2, 16, 16)
+    with pytest.raises(RuntimeError, match="block 7 is outside the pool's 3"):
+        kernels.decode_attention(q, pool, pool, [1], (), None, torch.tensor([[7]]))
+    with pytest.raises(RuntimeError, match="block_table must be a contiguous int64"):
+        kernels.decode_attention(
+            q, pool, pool, [1], (), None, torch.tensor([[0]], dtype=torch.int32)
+        )
     with pytest.raises(RuntimeError, match="one start per batch row"):
         kernels.decode_attention(q, kv, kv, [1, 2])
     with pytest.raises(RuntimeError, match="decode_attention takes fp32 or bf16"):

@@ -127,14 +127,15 @@ def test_bfloat16_close_to_float32(tiny_model_dir: Path) -> None:
     assert (got.float() - ref).abs().max() < 0.05 * scale
 
 
-def test_cache_capacity_and_truncate_errors(models) -> None:
+def test_cache_limit_and_truncate_errors(models) -> None:
     ours, _ = models
-    cache = ours.new_cache(1, 4)
-    _run(ours, torch.tensor([[1, 2, 3]]), cache=cache)
+    cache = ours.new_cache(1, 4, max_tokens=16)  # one block
+    _run(ours, torch.tensor([[1] * 15]), cache=cache)
     with pytest.raises(ValueError, match="KV cache full"):
-        _run(ours, torch.tensor([[4, 5]]), start=3, cache=cache)
+        _run(ours, torch.tensor([[4, 5]]), start=15, cache=cache)
+    assert cache.lengths == [15]
     with pytest.raises(ValueError, match="cannot truncate"):
-        cache.truncate(5)
+        cache.truncate(16)
 
 
 @pytest.mark.parametrize("num_new", [1, 3, 16])
@@ -249,9 +250,10 @@ def test_load_prefix_copies_one_row_into_every_row(models) -> None:
     copies = ours.new_cache(3, 32)
     copies.load_prefix(source, 5)
     assert copies.lengths == [5, 5, 5]
+    want_k, want_v = source.gather(0)
     for row in range(3):
-        assert torch.equal(copies.k[:, row, :, :5], source.k[:, 0, :, :5])
-        assert torch.equal(copies.v[:, row, :, :5], source.v[:, 0, :, :5])
+        got_k, got_v = copies.gather(row)
+        assert torch.equal(got_k, want_k[:, :, :5]) and torch.equal(got_v, want_v[:, :, :5])
     with pytest.raises(ValueError, match="cannot load 7 slots"):
         copies.load_prefix(source, 7)
 
@@ -312,7 +314,8 @@ def test_native_blocks_give_the_python_blocks_bits(
             AttentionMode.TREE, (10, 7), (3, 3), positions, parents_mask.expand(2, 3, 3)
         )
         outs.append(model(tree_tokens, tree, cache)[0])
-        return outs, cache.k[:, :, :, :13].clone(), cache.v[:, :, :, :13].clone()
+        (k0, v0), (k1, v1) = cache.gather(0), cache.gather(1)
+        return outs, torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2)
 
     native = run()
     natives = [block.native for block in model.layers]

@@ -1,6 +1,7 @@
-"""Automatic prefix caching: blocks stored from a row load back as the same keys and values;
-a hit stops at the first block that differs and always leaves a prompt token to prefill;
-eviction keeps the cache within its size, a sequence's later blocks first; and through the
+"""Automatic prefix caching: a row's blocks entered in the cache are shared by a later row whose
+prompt starts the same way (the same blocks, no copy); a hit stops at the first block that
+differs and always leaves a prompt token to prefill; idle blocks stay within the cache's size,
+a sequence's later blocks evicted first; and through the
 engine, prompts that repeat or extend earlier ones (a chat's next turn) prefill only what is
 new and give the tokens a cold run gives, plain and speculative, alone and batched."""
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 from conftest import build_tiny_eagle3_head
 
-from specdecode.cache.prefix_cache import BLOCK_TOKENS, PrefixCache
+from specdecode.cache.block_pool import BLOCK_TOKENS
+from specdecode.cache.prefix_cache import PrefixCache
 from specdecode.engine.scheduler import SchedulerConfig
 from specdecode.errors import UserError
 from specdecode.llm import LLM
@@ -25,47 +27,65 @@ SYSTEM = torch.randint(0, 256, (3 * BLOCK_TOKENS + 5,), generator=torch.Generato
 SYSTEM = SYSTEM.tolist()  # a shared opening of three blocks and a bit
 
 
-def _filled_row(model, token_ids: list[int]):
-    """A one-row cache holding `token_ids`' keys and values (a prefill)."""
+def _fill(model, cache, token_ids: list[int]) -> int:
+    """A new row of `cache` holding `token_ids`' keys and values (a prefill); returns it."""
     from specdecode.cache.attention_metadata import AttentionMetadata
 
-    cache = model.new_cache(1, len(token_ids) + 8)
+    (row,) = cache.add_rows(1)
+    view = cache.row(row)
     meta = AttentionMetadata.prefill([len(token_ids)], "cpu")
-    model(torch.tensor([token_ids]), meta, cache)
-    return cache
+    model(torch.tensor([token_ids]), meta, view)
+    cache.set_length(row, view.lengths[0])
+    return row
 
 
-def test_blocks_load_back_and_stop_where_the_prompt_differs(tiny_model_dir: Path) -> None:
-    model = load_model(tiny_model_dir, dtype="float32")
-    source = _filled_row(model, SYSTEM)
+def _cache(model_dir: Path):
+    """A float32 tiny model and an empty cache of it."""
+    model = load_model(model_dir, dtype="float32")
+    return model, model.new_cache(0, 0)
+
+
+def test_blocks_are_shared_and_stop_where_the_prompt_differs(tiny_model_dir: Path) -> None:
+    model, cache = _cache(tiny_model_dir)
+    source = _fill(model, cache, SYSTEM)
     store = PrefixCache(max_tokens=64 * BLOCK_TOKENS)
-    store.store(SYSTEM, source, 0)
+    store.store(SYSTEM, cache, source)
     assert store.num_tokens == 3 * BLOCK_TOKENS  # full blocks only
-    target = model.new_cache(1, 80)
-    view = target.row(0)
+    (row,) = cache.add_rows(1)
+    view = cache.row(row)
+    held = cache.pool.blocks_in_use
     loaded = store.load([*SYSTEM, 7, 8], view)
     assert loaded == 3 * BLOCK_TOKENS and view.lengths == [loaded]
-    assert torch.equal(target.k[:, 0, :, :loaded], source.k[:, 0, :, :loaded])
-    assert torch.equal(target.v[:, 0, :, :loaded], source.v[:, 0, :, :loaded])
+    cache.set_length(row, loaded)
+    assert cache.tables[row] == cache.tables[source][:3]  # the same blocks: nothing copied
+    assert cache.pool.blocks_in_use == held
+    for got, want in zip(cache.gather(row), cache.gather(source), strict=True):
+        assert torch.equal(got, want[:, :, :loaded])
     changed = list(SYSTEM)
     changed[BLOCK_TOKENS + 3] += 1  # the second block differs: only the first is served
-    assert store.load(changed, model.new_cache(1, 80).row(0)) == BLOCK_TOKENS
+    assert store.load(changed, cache.row(cache.add_rows(1)[0])) == BLOCK_TOKENS
     exact = SYSTEM[: 2 * BLOCK_TOKENS]  # two whole blocks: the last token stays to prefill
-    assert store.load(exact, model.new_cache(1, 80).row(0)) == BLOCK_TOKENS
+    assert store.load(exact, cache.row(cache.add_rows(1)[0])) == BLOCK_TOKENS
     assert store.queried_tokens == 2 * len(SYSTEM) + 2 + len(exact)
     assert store.hit_tokens == loaded + BLOCK_TOKENS + BLOCK_TOKENS
+    _, other = _cache(tiny_model_dir)  # another pool: the entries of this one do not apply
+    assert store.load(SYSTEM, other.row(other.add_rows(1)[0])) == 0
 
 
-def test_eviction_keeps_the_size_and_takes_later_blocks_first(tiny_model_dir: Path) -> None:
-    model = load_model(tiny_model_dir, dtype="float32")
+def test_idle_blocks_stay_within_the_size_later_blocks_first(tiny_model_dir: Path) -> None:
+    model, cache = _cache(tiny_model_dir)
     store = PrefixCache(max_tokens=4 * BLOCK_TOKENS)
     first = SYSTEM[: 3 * BLOCK_TOKENS]
-    store.store(first, _filled_row(model, first), 0)
+    store.store(first, cache, _fill(model, cache, first))
     other = [t + 1 for t in first[: 2 * BLOCK_TOKENS]]
-    store.store(other, _filled_row(model, other), 0)  # 5 blocks > 4: one goes
-    assert store.num_tokens == 4 * BLOCK_TOKENS
+    store.store(other, cache, _fill(model, cache, other))
+    assert store.num_tokens == 5 * BLOCK_TOKENS  # held by rows: none is idle yet
+    cache.keep_rows([])  # both finish: 5 idle blocks > 4, one goes
+    assert store.num_tokens == 4 * BLOCK_TOKENS and cache.pool.blocks_in_use == 0
     # the older sequence lost its last block, not its first
-    assert store.load([*first, 1], model.new_cache(1, 80).row(0)) == 2 * BLOCK_TOKENS
+    assert store.load([*first, 1], cache.row(cache.add_rows(1)[0])) == 2 * BLOCK_TOKENS
+    store.clear()
+    assert store.num_tokens == 0 and not cache.pool.idle
     with pytest.raises(ValueError, match="holds no block"):
         PrefixCache(max_tokens=BLOCK_TOKENS - 1)
     with pytest.raises(UserError, match="prefix_cache_tokens must be 0"):

@@ -149,7 +149,9 @@ PARITY = 0.95
 TOP1_AGREEMENT = {"int8": 0.8, "int4": 0.65, "gguf": 0.9}
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4", "gguf"])
+@pytest.mark.parametrize(
+    "quantization", ["int8", pytest.param("int4", marks=pytest.mark.slow), "gguf"]
+)
 def test_quantized_real_model_tracks_fp32_and_speculates_exactly(
     llm32: LLM, quantization: str
 ) -> None:

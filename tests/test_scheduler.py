@@ -1,5 +1,5 @@
-"""The scheduler's admission rules (hand-built requests, no model) and the KV cache's row pool
-(hand-made keys/values compared exactly)."""
+"""The scheduler's admission rules (hand-built requests, no model) and the paged KV cache's rows
+and blocks (hand-made keys/values compared exactly)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import itertools
 import pytest
 import torch
 
-from specdecode.cache.attention_metadata import AttentionMetadata
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.cache.block_pool import BLOCK_TOKENS, KVCacheFull, blocks_for
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.engine.request import Request
-from specdecode.engine.scheduler import Scheduler, SchedulerConfig, kv_need
+from specdecode.engine.scheduler import Scheduler, SchedulerConfig, kv_need, step_blocks
 from specdecode.errors import UserError
 from specdecode.sampling_params import SamplingParams
 
@@ -119,58 +120,86 @@ def test_budget_exhausted_stops_later_requests() -> None:
     assert list(sched.waiting) == [reqs[4]]
 
 
-def test_kv_cache_limit_is_rows_times_longest_need() -> None:
-    """Sum of needs fits, the rectangle (rows x longest) does not: the request waits."""
-    short, long = make_request(3, 3), make_request(26, 10)
-    n_short, n_long = need(3, 3), need(26, 10)
-    limit = n_short + n_long + 5  # sum fits; 2 x n_long does not
-    assert 2 * n_long > limit
-    sched = queued(SchedulerConfig(kv_cache_tokens=limit), short, long)
-    assert sched.admit(0) == [short]
-    assert list(sched.waiting) == [long]
-    assert sched.capacity() == n_short
-    assert sched.admit(0) == []  # still no room
-    sched.running.remove(short)  # it finished
-    assert sched.admit(0) == [long]
-    assert sched.capacity() == n_long
-    # The other way round: a long request running keeps a short one out too.
-    other = make_request(3, 3)
-    sched.add(other)
-    assert sched.admit(0) == []
-    assert list(sched.waiting) == [other]
+def blocks(prompt: int, max_tokens: int) -> int:
+    """KV blocks a request of this shape may come to hold."""
+    return blocks_for(need(prompt, max_tokens))
 
 
-def test_kv_cache_limit_admits_up_to_the_rectangle() -> None:
-    reqs = [make_request(10, 10) for _ in range(3)]
-    sched = queued(SchedulerConfig(kv_cache_tokens=2 * need(10, 10)), *reqs)
-    assert sched.admit(0) == reqs[:2]
-    assert list(sched.waiting) == [reqs[2]]
-    sched.running.pop(0)
-    assert sched.admit(0) == [reqs[2]]
-    assert sched.running == [reqs[1], reqs[2]]
+def test_kv_cache_limit_is_the_blocks_requests_hold_through_the_next_step() -> None:
+    """Paged: a request counts the blocks of its committed tokens + 1 + K (not its whole
+    max_tokens): a long and two short requests run side by side where the rectangle (rows x
+    the longest need) held one; another long one waits."""
+    long, short, other, long2 = (make_request(n, 5) for n in (60, 3, 3, 60))
+    k = 4
+    assert step_blocks(short, k) == blocks_for(3 + 1 + k) == 1
+    assert step_blocks(long, k) == blocks_for(60 + 1 + k) == 5
+    limit = blocks(60, 5) * BLOCK_TOKENS  # 9 blocks: the long one fits alone
+    assert 2 * need(60, 5) > limit  # the rectangle held one row
+    sched = queued(SchedulerConfig(kv_cache_tokens=limit), long, short, other, long2)
+    assert sched.admit(k) == [long, short, other]  # 5 + 1 + 1 blocks
+    assert list(sched.waiting) == [long2]  # 7 + 5 > 9
+    sched.running.remove(short)  # it finished: 6 + 5 > 9 still
+    assert sched.admit(k) == []
+    sched.running.remove(long)
+    assert sched.admit(k) == [long2]
 
 
 def test_kv_cache_limit_keeps_fcfs() -> None:
     """The head does not fit beside the running request; a smaller one behind it would."""
-    running, head, small = make_request(3, 3), make_request(40, 10), make_request(3, 3)
-    limit = 2 * need(3, 3) + 10  # two small ones fit; small + head does not
+    running, head, small = make_request(60, 5), make_request(60, 5), make_request(3, 3)
+    limit = blocks(60, 5) * BLOCK_TOKENS  # 9 blocks; 5 + 5 do not fit
     sched = queued(SchedulerConfig(kv_cache_tokens=limit), running)
-    assert sched.admit(0) == [running]
+    assert sched.admit(4) == [running]
     sched.add(head)
     sched.add(small)
-    assert sched.admit(0) == []
+    assert sched.admit(4) == []
     assert list(sched.waiting) == [head, small]
 
 
+def test_preempt_takes_the_newest_back_to_the_head_of_the_queue() -> None:
+    reqs = [make_request(30, 20) for _ in range(3)]
+    limit = blocks(30, 20) * BLOCK_TOKENS  # 8 blocks
+    sched = queued(SchedulerConfig(kv_cache_tokens=limit), *reqs)
+    assert sched.admit(1) == reqs and sched.preempt(1) == []  # 2 blocks each
+    waiting = make_request(30, 20)
+    sched.add(waiting)
+    for req in reqs:
+        req.num_computed_tokens = 30  # prefilled
+        req.append([5, 6, 7])  # each grows to 33 + 1 + 1 tokens: 3 blocks
+    assert sched.preempt(1) == [reqs[2]]  # the newest; 6 blocks are left
+    assert sched.running == reqs[:2]
+    assert list(sched.waiting) == [reqs[2], waiting]
+    resumed = reqs[2]
+    assert resumed.num_preemptions == 1 and resumed.prefilling
+    assert resumed.num_computed_tokens == 0
+    assert resumed.prefill_ids == resumed.token_ids[:-1]  # the last is the next step's input
+    assert sched.admit(1) == []  # 6 + 3 > 8: it waits for room
+    sched.running.remove(reqs[0])  # it finished
+    assert sched.admit(1) == [resumed, waiting]  # 3 + 3 + 2
+
+
+def test_preempt_during_the_prefill_starts_the_prompt_again_and_keeps_the_oldest() -> None:
+    first, second = make_request(20, 60), make_request(20, 60)
+    limit = blocks(20, 60) * BLOCK_TOKENS  # 9 blocks
+    sched = queued(SchedulerConfig(kv_cache_tokens=limit), first, second)
+    assert sched.admit(20) == [first, second]  # 20 + 1 + 20 tokens: 3 blocks each
+    second.num_computed_tokens = 16  # a chunk of its prompt is in
+    first.append([1] * 59)  # 79 + 1 + 20 tokens: 7 blocks, beside the second's 3
+    assert sched.preempt(20) == [second]
+    assert second.prefill_ids == second.prompt_ids and second.num_computed_tokens == 0
+    assert sched.preempt(40) == []  # the oldest always stays, whatever it needs
+
+
 def test_check_fits_refuses_a_request_that_could_never_fit() -> None:
-    limit = need(30, 6)
+    limit = blocks(30, 6) * BLOCK_TOKENS
+    prompt = limit - need(0, 6)  # the longest prompt whose blocks fit
     sched = Scheduler(SchedulerConfig(kv_cache_tokens=limit))
-    sched.add(make_request(30, 6))  # exactly fits: accepted
-    too_big = make_request(31, 6)
+    sched.add(make_request(prompt, 6))  # exactly fits: accepted
+    too_big = make_request(prompt + 1, 6)
     with pytest.raises(UserError, match=rf"needs {limit + 1} KV cache slots.*holds {limit}"):
         sched.add(too_big)
     assert too_big not in sched.waiting and len(sched.waiting) == 1
-    with pytest.raises(UserError, match="31 prompt tokens"):
+    with pytest.raises(UserError, match=f"{prompt + 1} prompt tokens"):
         sched.check_fits(too_big)
     Scheduler(SchedulerConfig()).check_fits(make_request(5000, 5000))  # no limit: fits
 
@@ -187,13 +216,13 @@ def test_remove_waiting() -> None:
     assert sched.running == [a] and list(sched.waiting) == [c]
 
 
-# -- KVCache row pool ----------------------------------------------------------------------
+# -- KVCache: paged rows ---------------------------------------------------------------------
 
 LAYERS, HEADS, DIM = 2, 2, 3
 
 
-def empty_cache(capacity: int = 4) -> KVCache:
-    return KVCache(LAYERS, 0, HEADS, DIM, capacity, torch.float32)
+def empty_cache(max_tokens: int | None = None) -> KVCache:
+    return KVCache(LAYERS, 0, HEADS, DIM, 0, torch.float32, max_tokens=max_tokens)
 
 
 def fill_row(cache: KVCache, index: int, length: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -204,8 +233,9 @@ def fill_row(cache: KVCache, index: int, length: int, seed: int) -> tuple[torch.
     v = torch.randn(LAYERS, 1, length, HEADS, DIM, generator=gen)
     view = cache.row(index)
     meta = AttentionMetadata.prefill([length], "cpu")
+    view.prepare(meta)
     for layer in range(LAYERS):
-        view.write(layer, k[layer], v[layer], meta, meta.write_slots())
+        view.write(layer, k[layer], v[layer])
     view.advance(meta)
     cache.set_length(index, view.lengths[0])
     return k[:, 0].transpose(1, 2), v[:, 0].transpose(1, 2)  # [L, Hkv, T, D]
@@ -213,111 +243,125 @@ def fill_row(cache: KVCache, index: int, length: int, seed: int) -> tuple[torch.
 
 def assert_row(cache: KVCache, index: int, kv: tuple[torch.Tensor, ...]) -> None:
     k, v = kv
-    n = k.shape[2]
-    assert cache.lengths[index] == n
-    assert torch.equal(cache.k[:, index, :, :n], k)
-    assert torch.equal(cache.v[:, index, :, :n], v)
+    assert cache.lengths[index] == k.shape[2]
+    got_k, got_v = cache.gather(index)
+    assert torch.equal(got_k, k)
+    assert torch.equal(got_v, v)
 
 
-def test_row_view_writes_into_its_row_only() -> None:
-    cache = empty_cache(6)
-    assert cache.add_rows(3, 6) == [0, 1, 2]
+def held(cache: KVCache) -> int:
+    """Blocks the pool has handed out and not taken back."""
+    return cache.pool.blocks_in_use
+
+
+def test_rows_hold_whole_blocks_of_their_own() -> None:
+    cache = empty_cache()
+    assert cache.add_rows(3) == [0, 1, 2]
     row0 = fill_row(cache, 0, 5, seed=0)
-    row2 = fill_row(cache, 2, 2, seed=2)
+    row2 = fill_row(cache, 2, BLOCK_TOKENS + 1, seed=2)
     row1 = fill_row(cache, 1, 4, seed=1)
-    assert cache.lengths == [5, 4, 2]
+    assert cache.lengths == [5, 4, BLOCK_TOKENS + 1]
     for index, kv in enumerate((row0, row1, row2)):
         assert_row(cache, index, kv)
-    assert not cache.k[:, 2, :, 2:].any()  # row 1's write did not spill into row 2's slots
+    assert [len(t) for t in cache.tables] == [1, 1, 2]
+    assert held(cache) == 4 and len({b for t in cache.tables for b in t}) == 4
 
 
 def test_row_and_set_length_refuse_bad_arguments() -> None:
-    cache = empty_cache(4)
-    cache.add_rows(2, 4)
+    cache = empty_cache()
+    cache.add_rows(2)
+    fill_row(cache, 0, 3, seed=0)
     with pytest.raises(ValueError, match="not active"):
         cache.row(2)
     with pytest.raises(ValueError, match="not active"):
         cache.row(-1)
     with pytest.raises(ValueError, match="outside"):
-        cache.set_length(0, cache.capacity + 1)
+        cache.set_length(0, BLOCK_TOKENS + 1)  # past the row's one block
 
 
-def test_add_rows_keeps_data_when_growing_rows_and_slots() -> None:
-    cache = empty_cache(4)
-    assert cache.add_rows(2, 4) == [0, 1]
-    rows = [fill_row(cache, 0, 3, seed=0), fill_row(cache, 1, 4, seed=1)]
-    assert cache.add_rows(3, 10) == [2, 3, 4]  # more rows and more slots at once
-    assert cache.batch_size == 5 and cache.lengths == [3, 4, 0, 0, 0]
-    assert cache.capacity >= 10 and cache.pool_rows >= 5
-    assert cache.k.shape == (LAYERS, 5, HEADS, cache.capacity, DIM)
-    for index, kv in enumerate(rows):
-        assert_row(cache, index, kv)
-    rows.append(fill_row(cache, 4, 10, seed=4))  # a new row holds the new capacity
-    assert cache.add_rows(1, 30) == [5]  # slots only (the pool has spare rows or grows)
-    for index, kv in zip((0, 1, 4), rows, strict=True):
-        assert_row(cache, index, kv)
+def test_truncate_and_advance_return_blocks_past_the_length() -> None:
+    cache = empty_cache()
+    cache.add_rows(1)
+    kv = fill_row(cache, 0, 3 * BLOCK_TOKENS, seed=0)
+    assert held(cache) == 3
+    cache.truncate([BLOCK_TOKENS + 2])
+    assert held(cache) == 2 and len(cache.tables[0]) == 2
+    assert_row(cache, 0, tuple(x[:, :, : BLOCK_TOKENS + 2] for x in kv))
+    # a pass wider than the row's tokens holds blocks for its padding only while it runs
+    meta = AttentionMetadata.contiguous(AttentionMode.DECODE, cache.lengths, [1], "cpu", 20)
+    cache.prepare(meta)
+    assert len(cache.tables[0]) == 3
+    cache.advance(meta)
+    assert cache.lengths == [BLOCK_TOKENS + 3] and held(cache) == 2
 
 
-def test_add_rows_reuses_the_pool_when_it_has_room() -> None:
-    cache = empty_cache(8)
-    cache.add_rows(4, 8)
-    rows, slots = cache.pool_rows, cache.capacity
-    kept = fill_row(cache, 3, 5, seed=3)
-    cache.keep_rows([3])
-    assert cache.add_rows(2, 6) == [1, 2]
-    assert (cache.pool_rows, cache.capacity) == (rows, slots)
-    assert cache.lengths == [5, 0, 0]
-    assert_row(cache, 0, kept)
+def test_pool_limit_refuses_and_changes_nothing() -> None:
+    cache = empty_cache(max_tokens=2 * BLOCK_TOKENS)
+    cache.add_rows(2)
+    fill_row(cache, 0, BLOCK_TOKENS + 1, seed=0)
+    meta = AttentionMetadata.prefill([BLOCK_TOKENS + 1], "cpu")
+    with pytest.raises(KVCacheFull, match="KV cache full"):
+        cache.row(1).prepare(meta)
+    assert cache.tables[1] == [] and held(cache) == 2
+    cache.keep_rows([1])  # row 0 finishes: its blocks come back
+    assert held(cache) == 0
+    fill_row(cache, 0, 2 * BLOCK_TOKENS, seed=1)
 
 
-def test_add_rows_respects_max_slots() -> None:
-    cache = empty_cache(8)
-    limit = 30
-    data = {}
-    for step, (count, capacity) in enumerate([(1, 8), (1, 10), (1, 10)]):
-        first = cache.batch_size
-        assert cache.add_rows(count, capacity, limit) == list(range(first, first + count))
-        assert cache.capacity >= capacity
-        assert cache.pool_rows >= cache.batch_size
-        assert cache.pool_rows * cache.capacity <= limit, (cache.pool_rows, cache.capacity)
-        data[first] = fill_row(cache, first, min(capacity, 7 + step), seed=step)
-        for index, kv in data.items():
-            assert_row(cache, index, kv)
-    assert cache.batch_size == 3
+def test_memory_follows_tokens_not_the_longest_row() -> None:
+    """One long and many short rows: the pool holds their tokens in whole blocks (<= 1.1x
+    here), where a rectangular cache held rows x the longest."""
+    cache = empty_cache()
+    lengths = [1000] + [40] * 15
+    cache.add_rows(len(lengths))
+    for index, n in enumerate(lengths):
+        fill_row(cache, index, n, seed=index)
+    tokens = sum(lengths)
+    assert held(cache) * BLOCK_TOKENS <= 1.1 * tokens
+    assert cache.pool.num_blocks * BLOCK_TOKENS < len(lengths) * max(lengths) / 4
 
 
-def test_add_rows_max_slots_many_small_rows() -> None:
-    cache = empty_cache(4)
-    data = {}
-    for index in range(6):
-        cache.add_rows(1, 5, max_slots=30)
-        assert cache.pool_rows * cache.capacity <= 30
-        assert cache.capacity >= 5
-        data[index] = fill_row(cache, index, 5, seed=index)
-    for index, kv in data.items():
-        assert_row(cache, index, kv)
+def test_compact_moves_kept_tree_slots_across_blocks() -> None:
+    cache = empty_cache()
+    cache.add_rows(1)
+    kv = fill_row(cache, 0, BLOCK_TOKENS - 2, seed=0)  # the tree starts 2 slots before a block ends
+    meta = AttentionMetadata.contiguous(AttentionMode.DECODE, cache.lengths, [5], "cpu")
+    nodes = tuple(torch.randn(LAYERS, 1, 5, HEADS, DIM) for _ in range(2))  # [L, 1, 5, Hkv, D]
+    cache.prepare(meta)
+    for layer in range(LAYERS):
+        cache.write(layer, nodes[0][layer], nodes[1][layer])
+    cache.advance(meta)
+    cache.compact([BLOCK_TOKENS - 2], [[0, 2, 4]])
+    assert cache.lengths == [BLOCK_TOKENS + 1] and len(cache.tables[0]) == 2
+    kept = tuple(x[:, 0, [0, 2, 4]].transpose(1, 2) for x in nodes)  # [L, Hkv, 3, D]
+    want = tuple(torch.cat([a, b], dim=2) for a, b in zip(kv, kept, strict=True))
+    assert_row(cache, 0, want)
 
 
 @pytest.mark.parametrize("keep", [[1, 3], [0, 2, 3], [3], [0, 1, 2, 3], []])
-def test_keep_rows_moves_kept_rows_down(keep: list[int]) -> None:
-    cache = empty_cache(6)
-    cache.add_rows(4, 6)
-    rows = [fill_row(cache, i, n, seed=i) for i, n in enumerate([3, 1, 6, 2])]
+def test_keep_rows_keeps_rows_and_frees_the_others(keep: list[int]) -> None:
+    cache = empty_cache()
+    cache.add_rows(4)
+    lengths = [3, 1, BLOCK_TOKENS + 6, 2]
+    rows = [fill_row(cache, i, n, seed=i) for i, n in enumerate(lengths)]
     cache.keep_rows(keep)
     assert cache.batch_size == len(keep)
-    assert cache.lengths == [rows[r][0].shape[2] for r in keep]
+    assert cache.lengths == [lengths[r] for r in keep]
     for dst, src in enumerate(keep):
         assert_row(cache, dst, rows[src])
+    assert held(cache) == sum(blocks_for(lengths[r]) for r in keep)
 
 
-def test_keep_rows_then_add_rows_leaves_kept_rows_intact() -> None:
-    cache = empty_cache(6)
-    cache.add_rows(3, 6)
+def test_keep_rows_then_add_rows_reuses_freed_blocks() -> None:
+    cache = empty_cache()
+    cache.add_rows(3)
     rows = [fill_row(cache, i, n, seed=i) for i, n in enumerate([4, 5, 2])]
     cache.keep_rows([0, 2])
-    assert cache.add_rows(2, 12) == [2, 3]
+    pool = cache.pool.num_blocks
+    assert cache.add_rows(2) == [2, 3]
     fresh = fill_row(cache, 3, 12, seed=9)
     assert cache.lengths == [4, 2, 0, 12]
+    assert cache.pool.num_blocks == pool  # the freed block was reused
     assert_row(cache, 0, rows[0])
     assert_row(cache, 1, rows[2])
     assert_row(cache, 3, fresh)
@@ -325,8 +369,8 @@ def test_keep_rows_then_add_rows_leaves_kept_rows_intact() -> None:
 
 @pytest.mark.parametrize("bad", [[1, 1], [2, 1], [0, 3], [-1, 0], [3]])
 def test_keep_rows_refuses_rows_not_increasing_or_not_active(bad: list[int]) -> None:
-    cache = empty_cache(4)
-    cache.add_rows(3, 4)
+    cache = empty_cache()
+    cache.add_rows(3)
     rows = [fill_row(cache, i, 2, seed=i) for i in range(3)]
     with pytest.raises(ValueError, match="increasing active rows"):
         cache.keep_rows(bad)

@@ -281,6 +281,8 @@ def test_load_nothing_lost_aborts_free_slots_metrics_add_up(plain: LLM, model_di
                 break
             assert time.monotonic() < deadline, "aborted requests kept their slots"
             time.sleep(0.1)
+    assert metric(scraped, "specdecode:kv_cache_usage_perc") == 0  # every block came back
+    assert f'specdecode:num_preemptions_total{{model_name="{NAME}"}}' in scraped
     completed = [(job, r) for job, r in zip(jobs, results, strict=True) if not job[2]]
     assert len(completed) == LOAD_CLIENTS - LOAD_ABORTS
     for (prompt, max_tokens, _), (text, used) in completed:

@@ -327,7 +327,7 @@ def _decode_logits(model: Transformer, prompt_cache: KVCache, prefixes: list[Out
     """Logits [c, V] after the prompt and each of the c prefixes (all of one length), as the
     engine's DECODE passes compute them, over copies of the prompt's cache."""
     device, length, width = model.device, prompt_cache.lengths[0], len(prefixes[0])
-    cache = model.new_cache(len(prefixes), prompt_cache.capacity)
+    cache = model.new_cache(len(prefixes), length + width)
     cache.load_prefix(prompt_cache, length)
     meta = AttentionMetadata.contiguous(
         AttentionMode.DECODE, cache.lengths, [width] * len(prefixes), device

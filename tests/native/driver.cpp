@@ -376,7 +376,9 @@ void check_gguf(const Format& f, int64_t M, int64_t K, int64_t N) {
 template <typename T>
 void check_attention(int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t S, int64_t D,
                      bool tree) {
-  const sd::AttentionShape shape{B, H, Tq, D, Hkv, {Hkv * S * D, S * D, D}, {Hkv * S * D, S * D, D}};
+  std::vector<int64_t> rows(B);  // rectangular: row b is block b of S slots
+  for (int64_t b = 0; b < B; ++b) rows[b] = b;
+  const sd::AttentionShape shape{B, H, Tq, D, Hkv, Hkv * S * D, S * D, D, S, 1, rows.data()};
   const std::vector<T> q = cast<T>(randn(B * H * Tq * D)), k = cast<T>(randn(B * Hkv * S * D)),
                        v = cast<T>(randn(B * Hkv * S * D));
   std::vector<int64_t> starts(B), tree_starts(B), extra, extra_begin(B * Tq + 1, 0);
@@ -438,7 +440,8 @@ void check_attention(int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t S, i
   bool alone = true;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < Tq; ++t) {
-      const sd::AttentionShape one_shape{1, H, 1, D, Hkv, {0, S * D, D}, {0, S * D, D}};
+      const int64_t zero = 0;
+      const sd::AttentionShape one_shape{1, H, 1, D, Hkv, 0, S * D, D, S, 1, &zero};
       std::vector<T> q1(H * D), o1(H * D);
       for (int64_t h = 0; h < H; ++h)
         std::copy_n(q.data() + ((b * H + h) * Tq + t) * D, D, q1.data() + h * D);
@@ -449,6 +452,58 @@ void check_attention(int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t S, i
         alone &= same_bits(o1.data() + h * D, out.data() + ((b * H + h) * Tq + t) * D, D);
     }
   report(alone, what + ": each query alone gives the same bits");
+}
+
+// A paged cache: the same keys and values in blocks of 16 slots, scattered over a pool in a
+// shuffled order, read through a block table, give the rectangular cache's bits.
+template <typename T>
+void check_paged_attention(int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t S, int64_t D,
+                           bool tree) {
+  constexpr int64_t BS = 16;
+  const int64_t per_row = (S + BS - 1) / BS, blocks = B * per_row + 3;  // 3 unused blocks
+  const std::vector<T> q = cast<T>(randn(B * H * Tq * D)), k = cast<T>(randn(B * Hkv * S * D)),
+                       v = cast<T>(randn(B * Hkv * S * D));
+  std::vector<int64_t> order(blocks);
+  for (int64_t i = 0; i < blocks; ++i) order[i] = i;
+  for (int64_t i = blocks - 1; i > 0; --i) std::swap(order[i], order[integer(0, int32_t(i))]);
+  std::vector<int64_t> table(B * per_row);
+  std::vector<T> kp(blocks * Hkv * BS * D), vp(blocks * Hkv * BS * D);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < per_row; ++j) {
+      const int64_t block = table[b * per_row + j] = order[b * per_row + j];
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t o = 0; o < BS && j * BS + o < S; ++o)
+          for (int64_t d = 0; d < D; ++d) {
+            const int64_t from = ((b * Hkv + h) * S + j * BS + o) * D + d;
+            const int64_t to = ((block * Hkv + h) * BS + o) * D + d;
+            kp[to] = k[from], vp[to] = v[from];
+          }
+    }
+  std::vector<int64_t> rows(B), starts(B), tree_starts(B), extra, extra_begin(B * Tq + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    rows[b] = b;
+    starts[b] = integer(0, int32_t(S - Tq));
+    tree_starts[b] = tree ? integer(0, int32_t(starts[b])) : 0;
+    for (int64_t t = 0; t < Tq; ++t) {
+      const int64_t own = starts[b] - tree_starts[b] + t;
+      for (int64_t r = 0; tree && r <= own; ++r)
+        if (r == own || integer(0, 1)) extra.push_back(r);
+      extra_begin[b * Tq + t + 1] = int64_t(extra.size());
+    }
+  }
+  const sd::AttentionShape flat{B, H, Tq, D, Hkv, Hkv * S * D, S * D, D, S, 1, rows.data()};
+  const sd::AttentionShape paged{B,      H,  Tq,      D, Hkv, Hkv * BS * D, BS * D, D,
+                                 BS, per_row, table.data()};
+  std::vector<T> want(B * H * Tq * D), got(B * H * Tq * D);
+  const int64_t* ts = tree ? tree_starts.data() : nullptr;
+  sd::attention(q.data(), k.data(), v.data(), flat, starts.data(), ts, extra.data(),
+                extra_begin.data(), want.data());
+  sd::attention(q.data(), kp.data(), vp.data(), paged, starts.data(), ts, extra.data(),
+                extra_begin.data(), got.data());
+  report(same_bits(got.data(), want.data(), int64_t(got.size())),
+         std::string("paged attention ") + (tree ? "tree " : "chain ") + name(T()) +
+             " S=" + std::to_string(S) + " D=" + std::to_string(D) +
+             ": the rectangular cache's bits");
 }
 
 // ---------------------------------------------------------------- RMSNorm, RoPE
@@ -516,6 +571,9 @@ int main() {
     check_attention<float>(1, 2, 1, 3, 70, 48, tree);
     check_attention<sd::BFloat16>(2, 4, 2, 5, 40, 64, tree);
     check_attention<sd::BFloat16>(1, 2, 2, 2, 33, 128, tree);
+    check_paged_attention<float>(3, 4, 2, 5, 70, 64, tree);
+    check_paged_attention<sd::BFloat16>(2, 4, 2, 3, 41, 128, tree);
+    check_paged_attention<sd::BFloat16>(2, 2, 1, 2, 35, 48, tree);
   }
   check_pointwise<float>(7, 64);
   check_pointwise<sd::BFloat16>(7, 128);

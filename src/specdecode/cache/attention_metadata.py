@@ -139,15 +139,6 @@ class AttentionMetadata:
         """Each row's cached length after the pass: starts + num_new."""
         return tuple(s + n for s, n in zip(self.starts, self.num_new, strict=True))
 
-    def write_slots(self) -> Tensor | None:
-        """[B, T] cache slots of the new tokens, or None when every row starts at one slot
-        (then the pass writes the slice starts[0] .. starts[0] + T of every row)."""
-        if len(set(self.starts)) == 1:
-            return None
-        device = self.positions.device
-        offsets = torch.arange(self.width, device=device)
-        return torch.tensor(self.starts, device=device)[:, None] + offsets
-
     def attention_mask(self) -> Tensor | None:
         """[B, 1, T, S] bool: query t of row b may read slot s, for batched attention.
 

@@ -1,34 +1,50 @@
-"""Slot-indexed key/value storage: rows append at their own length; rollback moves a length.
+"""A paged key/value cache: each row's slots live in fixed-size blocks of a `BlockPool`, found
+through the row's block table; rollback moves a length and returns whole blocks.
 
-Each batch row `b` owns slots `0 .. capacity-1` and a length: its slots `0 .. length-1` hold
-keys/values that belong to the row. A forward pass writes where its `AttentionMetadata` says
+Each batch row `b` holds a length and a block table: its slot s is slot s % BLOCK_TOKENS of
+block table[b][s // BLOCK_TOKENS], and its slots 0 .. length-1 hold keys/values that belong
+to the row. Memory follows the tokens actually held (whole blocks: at most one partly filled
+block per row), not rows x the longest request. A forward pass first `prepare`s the cache
+(blocks for every slot it writes, padding included), writes where its `AttentionMetadata` says
 (row b's new token t at slot `starts[b] + t`) and then sets each row's length to
-`starts[b] + num_new[b]`. `truncate` moves lengths back in O(1): slots beyond a length are
-never read and get overwritten. Token trees write their nodes at consecutive slots and keep
-the accepted path with `compact`, which copies it once. The cache never decides how a pass
-attends; the metadata does.
+`starts[b] + num_new[b]` (`advance`), returning blocks past it. `truncate` moves lengths back
+the same way. Token trees write their nodes at consecutive slots and keep the accepted path
+with `compact`, which copies it once. The cache never decides how a pass attends; the
+metadata does.
 
-Rows come and go (continuous batching): the buffers hold a pool of allocated rows, the first
-`batch_size` of them active. `add_rows` activates rows at the end (growing the pool or the
-capacity, amortised, when it must), `row` is a one-row cache that writes into an active row in
-place (a request's prefill runs there alone), `head` the same over the first rows (the rows
-that decode while later ones still prefill), and `keep_rows` moves the kept rows down over
-the dropped ones (copying only rows that move, only their filled slots).
+Rows come and go (continuous batching): `add_rows` appends empty rows, `keep_rows` keeps some
+(the others' blocks go back to the pool: no copy), `row` is a one-row cache over an active
+row (a request's prefill runs there alone; writes land in the row's blocks) and `head` the
+same over the first rows (the rows that decode while later ones still prefill). Several rows
+may hold one block (a shared prompt prefix, `PrefixCache`): such blocks are full and never
+written again, since a row only writes past its length.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from specdecode.cache.attention_metadata import AttentionMetadata
+from specdecode.cache.block_pool import BLOCK_TOKENS, BlockPool, blocks_for
+
+
+@dataclass(frozen=True, slots=True)
+class _Pass:
+    """Where one pass writes: its metadata and the block table it runs with."""
+
+    meta: AttentionMetadata
+    table: Tensor  # [B, max_blocks] int64 on the pool's device
+    blocks: Tensor  # [B, T] the block of each new token's slot
+    within: Tensor  # [B, T] its slot inside that block
 
 
 class KVCache:
-    """Key/value buffers for every layer of one batch of sequences."""
+    """Keys and values of every layer for one batch of sequences, in a pool's blocks."""
 
     def __init__(
         self,
@@ -39,144 +55,181 @@ class KVCache:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        max_tokens: int | None = None,
     ) -> None:
-        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-        self._k_pool = torch.zeros(shape, dtype=dtype, device=device)  # [L, R, Hkv, S, D]
-        self._v_pool = torch.zeros(shape, dtype=dtype, device=device)  # [L, R, Hkv, S, D]
-        self.lengths: list[int] = [0] * batch_size  # slots that belong to each row (host side)
-        self._activate()
+        """`batch_size` empty rows; the pool starts with blocks for `capacity` slots per row
+        and grows as rows fill, up to `max_tokens` slots in all (None: no limit)."""
+        max_blocks = None if max_tokens is None else max(1, max_tokens // BLOCK_TOKENS)
+        self.pool = BlockPool(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            device,
+            batch_size * blocks_for(capacity),
+            max_blocks,
+        )
+        self.tables: list[list[int]] = [[] for _ in range(batch_size)]  # blocks of each row
+        self.lengths: list[int] = [0] * batch_size  # slots that belong to each row
+        self._pass: _Pass | None = None
 
-    def _activate(self) -> None:
-        """Point `k` / `v` at the active rows (the first `batch_size` of the pool)."""
-        self.k = self._k_pool[:, : self.batch_size]  # [L, B, Hkv, S, D]
-        self.v = self._v_pool[:, : self.batch_size]  # [L, B, Hkv, S, D]
+    @classmethod
+    def _view(cls, pool: BlockPool, tables: list[list[int]], lengths: list[int]) -> KVCache:
+        """A cache over `pool` whose rows are `tables` (the same lists: block changes are
+        shared) with their own `lengths`."""
+        view = cls.__new__(cls)
+        view.pool, view.tables, view.lengths, view._pass = pool, tables, lengths, None
+        return view
 
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
 
     @property
-    def capacity(self) -> int:
-        """Slots per row."""
-        return self._k_pool.shape[3]
+    def k(self) -> Tensor:
+        """Every layer's key blocks [L, blocks, Hkv, BLOCK_TOKENS, D] (row b's slot s is in
+        block tables[b][s // BLOCK_TOKENS])."""
+        return self.pool.k
 
     @property
-    def pool_rows(self) -> int:
-        """Rows allocated (active or free)."""
-        return self._k_pool.shape[1]
+    def v(self) -> Tensor:
+        """Every layer's value blocks, like `k`."""
+        return self.pool.v
 
-    def add_rows(self, count: int, capacity: int, max_slots: int | None = None) -> list[int]:
-        """Activate `count` empty rows after the active ones and give every active row room
-        for at least `capacity` slots; returns the new rows' indices. The pool grows only when
-        it must, and then with room to spare (twice the rows, 1.5 times the slots: amortised
-        copies), but never past `max_slots` slots in all (rows x slots) when given; active
-        rows keep their data."""
-        rows, slots = self.pool_rows, self.capacity
-        need_rows = self.batch_size + count
-        if need_rows > rows or capacity > slots:
-            new_rows = max(need_rows, 2 * rows) if need_rows > rows else rows
-            new_slots = max(capacity, slots * 3 // 2) if capacity > slots else slots
-            if max_slots is not None:
-                new_slots = max(capacity, min(new_slots, max_slots // need_rows))
-                new_rows = max(need_rows, min(new_rows, max_slots // new_slots))
-            self._grow(new_rows, new_slots)
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the rows hold (a block shared by rows counts once per row)."""
+        return sum(len(t) for t in self.tables)
+
+    @property
+    def block_table(self) -> Tensor:
+        """[B, max_blocks] int64: the current pass's block table (after `prepare`)."""
+        if self._pass is None:
+            raise ValueError("no pass is prepared: call prepare(meta) first")
+        return self._pass.table
+
+    def add_rows(self, count: int) -> list[int]:
+        """Append `count` empty rows; returns their indices."""
         first = self.batch_size
+        self.tables.extend([] for _ in range(count))
         self.lengths.extend([0] * count)
-        self._activate()
         return list(range(first, first + count))
 
-    def _grow(self, rows: int, slots: int) -> None:
-        """Reallocate the pool with `rows` rows of `slots` slots; active rows keep their slots."""
-        old_k, old_v = self._k_pool, self._v_pool
-        layers, _, heads, _, dim = old_k.shape
-        shape = (layers, rows, heads, slots, dim)
-        self._k_pool = torch.zeros(shape, dtype=old_k.dtype, device=old_k.device)
-        self._v_pool = torch.zeros(shape, dtype=old_v.dtype, device=old_v.device)
-        used = max(self.lengths, default=0)
-        active = self.batch_size
-        self._k_pool[:, :active, :, :used] = old_k[:, :active, :, :used]
-        self._v_pool[:, :active, :, :used] = old_v[:, :active, :, :used]
-
     def row(self, index: int) -> KVCache:
-        """A one-row cache over active row `index`'s storage (writes land in this cache, no
-        copy), starting empty; set this cache's length from it after its passes
-        (`set_length`)."""
+        """A one-row cache over active row `index`'s blocks (writes land in the row), starting
+        at length 0; set this cache's length from it after its passes (`set_length`)."""
         if not 0 <= index < self.batch_size:
             raise ValueError(f"row {index} is not active (rows 0..{self.batch_size - 1})")
-        view = KVCache.__new__(KVCache)
-        view._k_pool = self._k_pool[:, index : index + 1]
-        view._v_pool = self._v_pool[:, index : index + 1]
-        view.lengths = [0]
-        view._activate()
-        return view
+        return KVCache._view(self.pool, [self.tables[index]], [0])
 
     def head(self, count: int) -> KVCache:
-        """A cache over the first `count` active rows' storage (writes land in place) and their
+        """A cache over the first `count` active rows' blocks (writes land in place) and their
         lengths; give its lengths back with `take_lengths` after its passes."""
         if not 0 < count <= self.batch_size:
             raise ValueError(f"head of {count} rows: the cache has {self.batch_size} active")
-        view = KVCache.__new__(KVCache)
-        view._k_pool = self._k_pool[:, :count]
-        view._v_pool = self._v_pool[:, :count]
-        view.lengths = self.lengths[:count]
-        view._activate()
-        return view
+        return KVCache._view(self.pool, self.tables[:count], self.lengths[:count])
 
     def take_lengths(self, head: KVCache) -> None:
         """The lengths of a `head` view's rows, after its passes."""
         self.lengths[: head.batch_size] = head.lengths
 
     def set_length(self, index: int, length: int) -> None:
-        """Row `index` holds `length` slots (written through a `row` view)."""
-        if not 0 <= length <= self.capacity:
-            raise ValueError(f"length {length} is outside 0..{self.capacity}")
+        """Row `index` holds `length` slots (written through a `row` view); blocks past them
+        go back to the pool."""
+        held = len(self.tables[index]) * BLOCK_TOKENS
+        if not 0 <= length <= held:
+            raise ValueError(f"length {length} is outside 0..{held} (the row's blocks)")
         self.lengths[index] = length
+        self._trim(index)
 
-    def check(self, meta: AttentionMetadata) -> None:
-        """Refuse a pass that does not continue every row at its length or does not fit."""
+    def _trim(self, index: int) -> None:
+        """Return row `index`'s blocks past its length to the pool (the last first)."""
+        table = self.tables[index]
+        keep = blocks_for(self.lengths[index])
+        if len(table) > keep:
+            self.pool.release(reversed(table[keep:]))
+            del table[keep:]
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Before a pass: refuse one that does not continue every row at its length, give
+        every row blocks for the slots the pass writes (padding included) and build its block
+        table (`KVCacheFull` when the pool cannot give them: nothing changes then)."""
         if list(meta.starts) != self.lengths:
             raise ValueError(
                 f"the pass starts rows at slots {list(meta.starts)} but the cache holds "
                 f"{self.lengths} tokens per row; truncate the cache first"
             )
-        if meta.span > self.capacity:
-            raise ValueError(
-                f"KV cache full: {max(meta.starts)} + {meta.width} tokens > capacity "
-                f"{self.capacity}"
-            )
+        need = [
+            blocks_for(start + meta.width) - len(table)
+            for start, table in zip(meta.starts, self.tables, strict=True)
+        ]
+        more = sum(n for n in need if n > 0)
+        if more:
+            blocks = iter(self.pool.allocate(more))
+            for table, n in zip(self.tables, need, strict=True):
+                table.extend(itertools.islice(blocks, max(n, 0)))
+        width = blocks_for(meta.span)
+        rows = [t + [0] * (width - len(t)) for t in self.tables]  # padding: never read
+        table = torch.tensor(rows, dtype=torch.long, device=self.device)  # [B, max_blocks]
+        offsets = torch.arange(meta.width, device=self.device)  # [T]
+        slots = torch.tensor(meta.starts, device=self.device)[:, None] + offsets  # [B, T]
+        blocks = table.gather(1, slots // BLOCK_TOKENS)
+        self._pass = _Pass(meta, table, blocks, slots % BLOCK_TOKENS)
 
-    def write(
-        self,
-        layer: int,
-        k: Tensor,  # [B, T, Hkv, D]
-        v: Tensor,  # [B, T, Hkv, D]
-        meta: AttentionMetadata,
-        slots: Tensor | None,  # [B, T] from meta.write_slots(), None = one start for all rows
-    ) -> tuple[Tensor, Tensor]:
-        """Store one layer's keys/values of the pass; return the [B, Hkv, S, D] views a query
-        may read (S = meta.span)."""
-        if slots is None:
-            s0 = meta.starts[0]
-            self.k[layer, :, :, s0 : s0 + meta.width] = k.transpose(1, 2)
-            self.v[layer, :, :, s0 : s0 + meta.width] = v.transpose(1, 2)
-        else:
-            rows = torch.arange(meta.batch_size, device=k.device)[:, None]  # [B, 1]
-            self.k[layer, rows, :, slots] = k  # advanced indices first: [B, T, Hkv, D]
-            self.v[layer, rows, :, slots] = v
-        return self.k[layer, :, :, : meta.span], self.v[layer, :, :, : meta.span]
+    def write(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Store one layer's keys/values ([B, T, Hkv, D]) of the prepared pass."""
+        if self._pass is None:
+            raise ValueError("no pass is prepared: call prepare(meta) first")
+        blocks, within = self._pass.blocks, self._pass.within
+        self.pool.k[layer, blocks, :, within] = k  # advanced indices first: [B, T, Hkv, D]
+        self.pool.v[layer, blocks, :, within] = v
+
+    def read(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The [B, Hkv, S, D] keys and values the prepared pass may read (S = meta.span) for
+        a batched attention, after `write`: `k` and `v` themselves ([B, T, Hkv, D]) when every
+        row starts empty, else gathered from the blocks (one copy)."""
+        table = self.block_table
+        meta = self._pass.meta
+        if max(meta.starts) == 0:
+            return k.transpose(1, 2), v.transpose(1, 2)
+        batch, width = table.shape
+        out = []
+        for pool in (self.pool.k, self.pool.v):
+            blocks = pool[layer][table]  # [B, max_blocks, Hkv, BLOCK_TOKENS, D]
+            heads, dim = blocks.shape[2], blocks.shape[4]
+            flat = blocks.transpose(1, 2).reshape(batch, heads, width * BLOCK_TOKENS, dim)
+            out.append(flat[:, :, : meta.span])
+        return out[0], out[1]
 
     def advance(self, meta: AttentionMetadata) -> None:
-        """After a pass: every row holds its new tokens (padding excluded)."""
+        """After a pass: every row holds its new tokens (padding excluded); blocks that hold
+        only padding go back to the pool."""
         self.lengths = list(meta.ends)
+        for row in range(self.batch_size):
+            self._trim(row)
+        self._pass = None
 
     def truncate(self, lengths: int | Sequence[int]) -> None:
-        """Roll rows back to `lengths` (one int for all rows, or one per row); O(1)."""
+        """Roll rows back to `lengths` (one int for all rows, or one per row)."""
         new = [lengths] * self.batch_size if isinstance(lengths, int) else list(lengths)
         if len(new) != self.batch_size or any(
             n < 0 or n > cur for n, cur in zip(new, self.lengths, strict=True)
         ):
             raise ValueError(f"cannot truncate lengths {self.lengths} to {new}")
-        self.lengths = new
+        self.lengths[:] = new
+        for row in range(self.batch_size):
+            self._trim(row)
+
+    def _locate(self, row: int, slots: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """(blocks, offsets within them) of row `row`'s `slots`, as index tensors."""
+        table = self.tables[row]
+        device = self.device
+        blocks = torch.tensor([table[s // BLOCK_TOKENS] for s in slots], device=device)
+        return blocks, torch.tensor([s % BLOCK_TOKENS for s in slots], device=device)
 
     def compact(self, starts: Sequence[int], kept: Sequence[Sequence[int]]) -> None:
         """Keep, for each row, the new slots `kept[b]` of the last pass and drop the others.
@@ -201,37 +254,51 @@ class KVCache:
                 )
             first = next((i for i, o in enumerate(offsets) if o != i), len(offsets))
             if first < len(offsets):
-                src = torch.tensor(offsets[first:], device=self.k.device) + start
-                dst = slice(start + first, end)
-                self.k[:, row, :, dst] = self.k[:, row, :, src]  # the source is gathered first
-                self.v[:, row, :, dst] = self.v[:, row, :, src]
+                src = self._locate(row, [start + o for o in offsets[first:]])
+                dst = self._locate(row, range(start + first, end))
+                for pool in (self.pool.k, self.pool.v):
+                    # the source is gathered first: [n, L, Hkv, D]
+                    pool[:, dst[0], :, dst[1]] = pool[:, src[0], :, src[1]]
             self.lengths[row] = end
+            self._trim(row)
 
     def load_prefix(self, source: KVCache, length: int, row: int = 0) -> None:
         """Make every row hold `source` row `row`'s first `length` slots (copied once, every
-        layer), e.g. a grown cache taking over a smaller one, or copies of one prompt."""
-        if length > min(self.capacity, source.lengths[row]):
+        layer), e.g. copies of one prompt."""
+        if length > source.lengths[row]:
             raise ValueError(
-                f"cannot load {length} slots: the source row holds {source.lengths[row]}, "
-                f"this cache {self.capacity}"
+                f"cannot load {length} slots: the source row holds {source.lengths[row]}"
             )
-        self.k[:, :, :, :length] = source.k[:, row : row + 1, :, :length]  # [L, B, Hkv, n, D]
-        self.v[:, :, :, :length] = source.v[:, row : row + 1, :, :length]
-        self.lengths = [length] * self.batch_size
+        count = blocks_for(length)
+        src = torch.tensor(source.tables[row][:count], device=self.device)
+        for index in range(self.batch_size):
+            self.lengths[index] = 0
+            self._trim(index)
+            self.tables[index].extend(self.pool.allocate(count))
+            dst = torch.tensor(self.tables[index], device=self.device)
+            self.pool.k[:, dst] = source.pool.k[:, src]  # [L, count, Hkv, BLOCK_TOKENS, D]
+            self.pool.v[:, dst] = source.pool.v[:, src]
+            self.lengths[index] = length
+
+    def gather(self, row: int) -> tuple[Tensor, Tensor]:
+        """Row `row`'s keys and values, [L, Hkv, length, D] each (a copy)."""
+        blocks, within = self._locate(row, range(self.lengths[row]))
+        k = self.pool.k[:, blocks, :, within]  # [length, L, Hkv, D]
+        v = self.pool.v[:, blocks, :, within]
+        return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep the active rows `rows` (increasing), as rows 0, 1, ...; drop the others
-        (finished sequences). A kept row that moves is copied once (its filled slots); the
-        dropped rows return to the pool."""
+        (finished sequences): their blocks go back to the pool, the last first (nothing is
+        copied)."""
         rows = list(rows)
         if any(b <= a for a, b in itertools.pairwise(rows)) or (
             rows and not 0 <= rows[0] <= rows[-1] < self.batch_size
         ):
             raise ValueError(f"keep_rows needs increasing active rows, got {rows}")
-        for dst, src in enumerate(rows):
-            if dst != src:
-                n = self.lengths[src]
-                self._k_pool[:, dst, :, :n] = self._k_pool[:, src, :, :n]
-                self._v_pool[:, dst, :, :n] = self._v_pool[:, src, :, :n]
-        self.lengths = [self.lengths[r] for r in rows]
-        self._activate()
+        kept = set(rows)
+        for index, table in enumerate(self.tables):
+            if index not in kept:
+                self.pool.release(reversed(table))
+        self.tables[:] = [self.tables[r] for r in rows]
+        self.lengths[:] = [self.lengths[r] for r in rows]

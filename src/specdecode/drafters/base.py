@@ -153,16 +153,12 @@ def cache_with_room(
     extra: int,
     new_cache: Callable[[int], KVCache],
 ) -> KVCache:
-    """A drafter's one-row cache for `seq` that holds at least `needed` slots: `cache` itself
-    when it does, else `new_cache(capacity)` with room for the prompt, the whole `max_tokens`
-    and `extra` slots (so it normally never grows again), holding `cache`'s slots (copied
-    once)."""
-    if cache is not None and cache.capacity >= needed:
-        return cache
-    grown = new_cache(max(needed, len(seq.token_ids) + seq.params.max_tokens) + extra)
+    """A drafter's one-row cache for `seq`: `cache` itself when there is one (a paged cache
+    grows as it fills), else `new_cache(capacity)`, its pool sized to start with for the
+    prompt, the whole `max_tokens` and `extra` slots (at least `needed`)."""
     if cache is not None:
-        grown.load_prefix(cache, cache.lengths[0])
-    return grown
+        return cache
+    return new_cache(max(needed, len(seq.token_ids) + seq.params.max_tokens) + extra)
 
 
 def spread_logits(reduced: Tensor, ids: Tensor, vocab_size: int) -> Tensor:

@@ -8,9 +8,8 @@ so a pass costs one read of the draft model's weights whatever the number of row
 request alone (a prompt's prefill, a tree, a staged draft) goes through a one-row view of its
 row (`view`), whose length is stored back with `store`.
 
-Released requests leave their row at once but their storage only at the next `place`, where
-every released row is dropped in one `KVCache.keep_rows` (rows below the first dropped one do
-not move).
+Released requests leave their row at once but their blocks only at the next `place`, where
+every released row is dropped in one `KVCache.keep_rows` (nothing is copied).
 """
 
 from __future__ import annotations
@@ -44,15 +43,15 @@ class DraftRows:
         return request_id in self._ids
 
     def place(self, request_ids: Sequence[str], capacity: int) -> list[int]:
-        """The row of each request (new ones get an empty row), every row with room for at
-        least `capacity` slots; rows of released requests are dropped first."""
+        """The row of each request (new ones get an empty row; a new cache's pool starts with
+        room for `capacity` slots per row); rows of released requests are dropped first."""
         self._drop_released()
         known = {rid: row for row, rid in enumerate(self._ids)}
         new = [rid for rid in dict.fromkeys(request_ids) if rid not in known]
         if self._cache is None:
             self._cache = self._new_cache(0, capacity)
-        if new or capacity > self._cache.capacity:
-            self._cache.add_rows(len(new), capacity)
+        if new:
+            self._cache.add_rows(len(new))
             known.update((rid, len(self._ids) + i) for i, rid in enumerate(new))
             self._ids.extend(new)
         return [known[rid] for rid in request_ids]
@@ -71,7 +70,7 @@ class DraftRows:
         """Roll the request's row back to at most `length` slots (unknown ids are ignored)."""
         row = self._row(request_id)
         if row is not None:
-            self._cache.lengths[row] = min(self.length(row), length)  # type: ignore[union-attr]
+            self._cache.set_length(row, min(self.length(row), length))  # type: ignore[union-attr]
 
     def _row(self, request_id: str) -> int | None:
         """The request's row, None before it has one."""
@@ -109,12 +108,9 @@ class DraftRows:
         fed row's last token."""
         cache = self._cache
         assert cache is not None and new  # place made it
-        device = cache.k.device
+        device = cache.device
         sizes = [len(new.get(row, ())) for row in range(cache.batch_size)]
         width = max(sizes)
-        room = max(cache.lengths) + width
-        if room > cache.capacity:
-            cache.add_rows(0, room)
         tokens = torch.zeros(cache.batch_size, width, dtype=torch.long)  # [R, T]
         for row, ids in new.items():
             tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)

@@ -86,7 +86,8 @@ class EarlyExit:
         return self.target.device
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        """An empty cache of the first E blocks for `batch_size` rows of `capacity` tokens."""
+        """An empty cache of the first E blocks for `batch_size` rows, its pool sized for
+        `capacity` tokens per row to start with (it grows)."""
         cfg = self.config
         return KVCache(
             self.exit_layer,

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.cache.block_pool import BLOCK_TOKENS
 from specdecode.cache.kv_cache import KVCache
-from specdecode.cache.prefix_cache import BLOCK_TOKENS, PrefixCache
+from specdecode.cache.prefix_cache import PrefixCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
 from specdecode.drafters.plain import EMPTY_DRAFT, PlainDrafter
 from specdecode.energy import cpu_seconds
@@ -82,6 +83,7 @@ class Engine:
         self.scheduler = Scheduler(scheduler or SchedulerConfig())
         self.prefix_cache = _prefix_cache(self.scheduler.config)
         self.cache: KVCache | None = None  # rows = scheduler.running, in order
+        self.num_preemptions = 0  # requests preempted so far (`_preempt`)
         self._ids: set[str] = set()  # requests added and not yet released
 
     @property
@@ -98,6 +100,15 @@ class Engine:
             raise UserError("the scheduler's limits change only while no request is in flight")
         self.scheduler = Scheduler(scheduler)
         self.prefix_cache = _prefix_cache(scheduler)
+        self.cache = None  # the next one has the new limits
+
+    def kv_cache_usage(self) -> float:
+        """The share of the KV cache the running requests' rows hold (0..1): blocks held over
+        the blocks `kv_cache_tokens` allows, or over the pool's blocks without a limit."""
+        if self.cache is None:
+            return 0.0
+        limit = self.scheduler.max_blocks or self.cache.pool.num_blocks
+        return self.cache.num_blocks / limit if limit else 0.0
 
     def has_unfinished(self) -> bool:
         """Whether any request waits or runs."""
@@ -174,6 +185,7 @@ class Engine:
         every request past its prefill; return the events in order (a request's last event
         has `output.finished` True)."""
         self._drop_finished()
+        self._preempt()
         admitted = self.scheduler.admit(self.draft_length.max_tokens)
         self._new_rows(admitted)
         events = self._prefill_chunks()
@@ -218,17 +230,32 @@ class Engine:
         events = []
         for row in range(decoding, len(running)):
             req = running[row]
-            left = len(req.prompt_ids) - req.num_computed_tokens
+            left = len(req.prefill_ids) - req.num_computed_tokens
             chunk = left if budget is None else min(left, budget)
             if chunk < 1:
                 break  # the budget is spent: later prompts wait (they finish in order)
             event = self._prefill(req, row, chunk)
             if budget is not None:
                 budget -= chunk
-            if event is None:
+            if event is not None:
+                events.append(event)
+            if req.prefilling:
                 break  # its prompt goes on next step; later prompts wait behind it
-            events.append(event)
         return events
+
+    def _preempt(self) -> None:
+        """Take the newest running requests back to the queue while the batch would outgrow
+        the KV cache in the next step (`Scheduler.preempt`); their full blocks stay in the
+        prefix cache, so most of their prefill again is a hit."""
+        running = len(self.scheduler.running)
+        taken = self.scheduler.preempt(self.draft_length.max_tokens)
+        self.num_preemptions += len(taken)
+        if not taken or self.cache is None:
+            return
+        if self.prefix_cache is not None:  # newest first: the batch's last rows
+            for row, req in zip(range(running - 1, -1, -1), taken, strict=False):
+                self.prefix_cache.store(req.token_ids, self.cache, row)
+        self.cache.keep_rows(range(running - len(taken)))
 
     def _seed_pass_costs(self, rows: int) -> None:
         """Under the "cost" draft-length policy, measure the passes a batch of `rows` rows
@@ -255,29 +282,38 @@ class Engine:
             self._drop_finished()
 
     def _new_rows(self, admitted: list[Request]) -> None:
-        """Give each admitted request a cache row (the cache grows as the scheduler allows)."""
+        """Give each admitted request an empty cache row (its blocks come as it fills). The
+        pool may hold the scheduler's `kv_cache_tokens` for the running requests and
+        `prefix_cache_tokens` of idle cached blocks beside them."""
         if not admitted:
             return
-        capacity = self.scheduler.capacity()
         if self.cache is None:
-            self.cache = self.model.new_cache(0, capacity)
-        self.cache.add_rows(len(admitted), capacity, self.scheduler.config.kv_cache_tokens)
+            config = self.scheduler.config
+            limit = config.kv_cache_tokens
+            if limit is not None:
+                limit += config.prefix_cache_tokens
+            self.cache = self.model.new_cache(0, 0, limit)
+        self.cache.add_rows(len(admitted))
 
     def _prefill(self, req: Request, row: int, chunk: int) -> Event | None:
-        """Prefill the next `chunk` prompt tokens of `req` into cache row `row` (first, the
-        prefix cache's hit); when its prompt is all in, draw its first token (`decide`, with
-        an empty draft), commit it and return its event (else None)."""
+        """Prefill the next `chunk` tokens of `req.prefill_ids` into cache row `row` (first,
+        the prefix cache's hit); when they are all in, draw its first token (`decide`, with
+        an empty draft), commit it and return its event. None while tokens are left, and for
+        a request resuming after a preemption (its next step feeds its last token)."""
         assert self.cache is not None  # _new_rows made it
         start, cpu = time.perf_counter(), cpu_seconds()
         device = self.model.device
         view = self.cache.row(row)
         needs = self.drafter.needs
-        prompt = req.prompt_ids
+        prompt = req.prefill_ids
         if req.num_computed_tokens == 0:
+            hit = 0
             if self.prefix_cache is not None and not needs.hidden_layers:
-                req.num_cached_tokens = self.prefix_cache.load(prompt, view)
-                chunk = min(chunk, len(prompt) - req.num_cached_tokens)
-            req.num_computed_tokens = req.num_cached_tokens
+                hit = self.prefix_cache.load(prompt, view)
+                chunk = min(chunk, len(prompt) - hit)
+            if not req.num_preemptions:
+                req.num_cached_tokens = hit  # of the prompt, as the usage reports it
+            req.num_computed_tokens = hit
         else:
             view.set_length(0, req.num_computed_tokens)
         done = req.num_computed_tokens
@@ -296,7 +332,7 @@ class Engine:
         self.cache.set_length(row, view.lengths[0])
         if self.prefix_cache is not None:
             self.prefix_cache.store(prompt, view, 0)
-        if req.num_computed_tokens < len(prompt):
+        if req.num_computed_tokens < len(prompt) or req.output_ids:
             req.cpu_s += cpu_seconds() - cpu
             return None
         masks = None

@@ -64,7 +64,9 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.cpu_s = 0.0  # CPU seconds of its prefill and its share of each batch step
         self.num_cached_tokens = 0  # prompt tokens whose keys and values the prefix cache gave
-        self.num_computed_tokens = 0  # prompt tokens in its cache row (cached or prefilled)
+        self.num_computed_tokens = 0  # tokens of `prefill_ids` in its cache row
+        self.num_preemptions = 0  # times its cache row was taken back (`preempt`)
+        self._resume_at = 0  # after a preemption: the committed tokens to prefill again
         self.grammar: GrammarState | None = None  # with params.structured_outputs (the engine's)
         self.chain_bounds: tuple[float, ...] = ()  # this step's (`SeqView.chain_bounds`)
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
@@ -78,9 +80,22 @@ class Request:
         return self.finish_reason is not None
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens its row must hold before it decodes: the prompt, or after a preemption
+        every committed token but the last (which the next step feeds)."""
+        return self.token_ids[: self._resume_at] if self._resume_at else self.prompt_ids
+
+    @property
     def prefilling(self) -> bool:
-        """Whether its prompt is not all in its cache row yet (its first token is not drawn)."""
-        return self.num_computed_tokens < len(self.prompt_ids)
+        """Whether `prefill_ids` are not all in its cache row yet (then it does not decode)."""
+        return self.num_computed_tokens < (self._resume_at or len(self.prompt_ids))
+
+    def preempt(self) -> None:
+        """Its cache row is taken back (the KV cache ran short): it waits, then prefills its
+        committed tokens again (`prefill_ids`) and goes on decoding; nothing is lost."""
+        self.num_preemptions += 1
+        self.num_computed_tokens = 0
+        self._resume_at = self.length - 1 if self.output_ids else 0
 
     @property
     def token_ids(self) -> list[int]:

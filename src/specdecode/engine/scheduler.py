@@ -10,11 +10,18 @@ these hold after the move:
   (1 + K each). The first request admitted in a step is admitted even when its prompt
   exceeds what is left of the budget, so no prompt waits forever (with `chunked_prefill`,
   the engine then prefills it a chunk per step while others decode);
-- the KV cache holds at most `kv_cache_tokens` slots: the cache is rectangular (every row has
-  the capacity of the longest request), so the check is rows x the longest request's need,
-  where a request needs its prompt + max_tokens + the spare slots of a draft
-  (`MAX_SPECULATIVE_TOKENS`). A running request therefore never runs out of room (nothing is
-  preempted); a request that could never fit is refused when added (`check_fits`).
+- the KV cache holds at most `kv_cache_tokens` slots: the cache is paged (blocks of
+  `BLOCK_TOKENS` slots, `cache/kv_cache.py`), so the check is the sum over the running
+  requests, the new one included, of the blocks each holds through the next step: its
+  committed tokens + 1 + K, in whole blocks (`step_blocks`; vLLM's rule: what a request holds
+  now, not what it may come to hold).
+
+Requests grow as they generate, so the running batch may come to need more blocks than the
+cache holds: `preempt` then takes the newest running requests back to the head of the queue
+(their rows are freed; each prefills its committed tokens again when it is admitted again,
+most of them from the prefix cache, and goes on: nothing is lost, `Request.preempt`). A
+request that could never fit, even alone, is refused when added (`check_fits`: its prompt +
+max_tokens + the spare slots of a draft, `MAX_SPECULATIVE_TOKENS`).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from specdecode.cache.prefix_cache import BLOCK_TOKENS
+from specdecode.cache.block_pool import BLOCK_TOKENS, blocks_for
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.engine.request import Request
 from specdecode.errors import UserError
@@ -36,11 +43,11 @@ class SchedulerConfig:
 
     max_num_seqs: requests running at once (vLLM's name), >= 1.
     max_num_batched_tokens: tokens one step may feed (prompts admitted + verification), >= 1.
-    kv_cache_tokens: KV slots the running batch may hold (rows x slots per row); None = no
-        limit (the cache grows as needed).
+    kv_cache_tokens: KV slots the running batch may hold (in blocks of `BLOCK_TOKENS`); None
+        = no limit (the cache grows as needed).
     prefix_cache_tokens: tokens of earlier sequences' keys and values kept for prompts that
         start the same way (`cache/prefix_cache.py`; vLLM's automatic prefix caching); 0 =
-        off. Beside the running batch's cache, not inside it.
+        off. Idle blocks of the same pool, beside the running batch's `kv_cache_tokens`.
     chunked_prefill: while requests decode, a prompt is prefilled a chunk per step, no
         larger than the step's verification tokens (at least one 16-token block, within
         `max_num_batched_tokens`), so the running requests keep their pace (`Engine.step`);
@@ -81,6 +88,12 @@ def kv_need(request: Request) -> int:
     return len(request.prompt_ids) + request.max_new + MAX_SPECULATIVE_TOKENS
 
 
+def step_blocks(request: Request, draft_tokens: int) -> int:
+    """KV blocks a request holds through its next step (its committed tokens, then 1 + K
+    verified), or through its prefill."""
+    return blocks_for(max(request.length + 1 + draft_tokens, len(request.prefill_ids)))
+
+
 class Scheduler:
     """The waiting queue and the running batch (in cache-row order)."""
 
@@ -93,11 +106,12 @@ class Scheduler:
         """Refuse a request that could not run even alone within `kv_cache_tokens`."""
         limit = self.config.kv_cache_tokens
         need = kv_need(request)
-        if limit is not None and need > limit:
+        if limit is not None and blocks_for(need) > limit // BLOCK_TOKENS:
             raise UserError(
                 f"the request needs {need} KV cache slots ({len(request.prompt_ids)} prompt "
                 f"tokens + max_tokens {request.max_new} + {MAX_SPECULATIVE_TOKENS} for drafts) "
-                f"but the cache holds {limit}; lower max_tokens or shorten the prompt"
+                f"but the cache holds {limit} ({limit // BLOCK_TOKENS} blocks of "
+                f"{BLOCK_TOKENS}); lower max_tokens or shorten the prompt"
             )
 
     def add(self, request: Request) -> None:
@@ -111,27 +125,46 @@ class Scheduler:
         tokens this step."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens - len(self.running) * (1 + draft_tokens)
-        longest = max((kv_need(r) for r in self.running), default=0)
+        blocks = self.blocks(draft_tokens)
+        max_blocks = self.max_blocks
         admitted: list[Request] = []
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             head = self.waiting[0]
-            prompt = len(head.prompt_ids)
+            prompt = len(head.prefill_ids)
             if prompt + 1 + draft_tokens > budget and admitted:
                 break  # next step
-            need = max(longest, kv_need(head))
-            rows = len(self.running) + 1
-            if cfg.kv_cache_tokens is not None and rows * need > cfg.kv_cache_tokens:
+            need = step_blocks(head, draft_tokens)
+            if max_blocks is not None and blocks + need > max_blocks:
                 break
             self.waiting.popleft()
             self.running.append(head)
             admitted.append(head)
             budget -= prompt + 1 + draft_tokens
-            longest = need
+            blocks += need
         return admitted
 
-    def capacity(self) -> int:
-        """Slots per cache row the running batch needs (its longest request's need)."""
-        return max((kv_need(r) for r in self.running), default=0)
+    @property
+    def max_blocks(self) -> int | None:
+        """KV blocks the running requests may hold (None: no limit)."""
+        tokens = self.config.kv_cache_tokens
+        return None if tokens is None else tokens // BLOCK_TOKENS
+
+    def blocks(self, draft_tokens: int) -> int:
+        """KV blocks the running requests hold through the next step (`step_blocks`)."""
+        return sum(step_blocks(r, draft_tokens) for r in self.running)
+
+    def preempt(self, draft_tokens: int) -> list[Request]:
+        """While the running requests would outgrow the KV cache in the next step, take the
+        newest one back to the head of the queue (`Request.preempt`); the oldest always
+        stays. Returns those taken, newest first (their rows are the batch's last)."""
+        taken: list[Request] = []
+        limit = self.max_blocks
+        while limit is not None and len(self.running) > 1 and self.blocks(draft_tokens) > limit:
+            request = self.running.pop()
+            request.preempt()
+            self.waiting.appendleft(request)
+            taken.append(request)
+        return taken
 
     def remove_waiting(self, request_id: str) -> Request | None:
         """Take a waiting request out of the queue (None if it is not waiting)."""

@@ -140,7 +140,8 @@ class Eagle3Head(nn.Module):
         return self.norm.weight.device
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        """An empty one-layer cache for `batch_size` rows of up to `capacity` entries."""
+        """An empty one-layer cache for `batch_size` rows, its pool sized for `capacity` entries
+        per row to start with (it grows)."""
         lay = self.config.layer
         return KVCache(
             1, batch_size, lay.num_kv_heads, lay.head_dim, capacity, self.dtype, self.device
@@ -167,7 +168,7 @@ class Eagle3Head(nn.Module):
         Returns (logits [B, N, Vd] over the draft vocabulary (N = T when logits_index is
         None), pre-norm outputs [B, T, h]: the feature a drafted next entry reads).
         """
-        cache.check(meta)
+        cache.prepare(meta)
         view, cos, sin = pass_view(self.self_attn, self.rotary, meta, self.dtype)
         embeds = self.embed_tokens(tokens.clamp(min=0))  # [B, T, h]
         if self.mask_embed is not None:

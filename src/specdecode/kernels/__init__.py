@@ -210,9 +210,9 @@ def decoder_layer(
 ) -> Callable[..., Tensor]:
     """One decoder block in one native call (see layer.cpp): the norms' weights ([hidden]),
     the q|k|v, o, gate|up and down projections (from `*_projection`), the head counts. Called
-    as `layer(x [B, T, hidden], cos, sin ([B, T, D] fp32), k_pool, v_pool ([L, B, Hkv, S, D]),
-    layer_index, starts, tree_starts, tree_mask)` for a DECODE or TREE pass; returns the
-    block's output [B, T, hidden]."""
+    as `layer(x [B, T, hidden], cos, sin ([B, T, D] fp32), k_pool, v_pool ([L, blocks, Hkv,
+    block_size, D]), layer_index, starts, tree_starts, tree_mask, block_table ([B, max_blocks]
+    int64))` for a DECODE or TREE pass; returns the block's output [B, T, hidden]."""
     layer = native().DecoderLayer
     return layer(input_norm, post_norm, eps, *projections, heads, kv_heads, head_dim)
 
@@ -235,12 +235,17 @@ def decode_attention(
     starts: Sequence[int],
     tree_starts: Sequence[int] = (),
     tree_mask: Tensor | None = None,
+    block_table: Tensor | None = None,
 ) -> Tensor:
-    """Per-query attention: q [B, H, T, D], k and v [B, Hkv, S, D]. Query t of row b reads
-    slots 0 .. starts[b] + t; with `tree_mask` ([B, T, M] bool) and `tree_starts` ([B]) it
-    reads slots 0 .. tree_starts[b] - 1 and tree_starts[b] + r where tree_mask[b, t, r].
-    Returns [B, H, T, D]; see attention.cpp."""
-    return native().decode_attention(q, k, v, list(starts), list(tree_starts), tree_mask)
+    """Per-query attention: q [B, H, T, D]; k and v [B, Hkv, S, D], or with `block_table`
+    ([B, max_blocks] int64) pools of blocks [blocks, Hkv, block_size, D] where row b's slot s
+    is slot s % block_size of block block_table[b, s // block_size] (a paged cache). Query t
+    of row b reads slots 0 .. starts[b] + t; with `tree_mask` ([B, T, M] bool) and
+    `tree_starts` ([B]) it reads slots 0 .. tree_starts[b] - 1 and tree_starts[b] + r where
+    tree_mask[b, t, r]. Returns [B, H, T, D]; see attention.cpp."""
+    return native().decode_attention(
+        q, k, v, list(starts), list(tree_starts), tree_mask, block_table
+    )
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

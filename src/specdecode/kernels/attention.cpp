@@ -3,7 +3,9 @@
 // output is bit for bit independent of how many tokens the pass holds (what exact verification
 // needs), in one call instead of one Python-level attention per token.
 //
-// Query t of batch row b reads slots 0 .. starts[b] + t; in a tree pass it reads slots
+// Keys and values live in blocks (a paged cache): row b's slot s is slot s % block_size of block
+// table[b][s / block_size] (a rectangular cache is the case of one block per row). Query t of
+// batch row b reads slots 0 .. starts[b] + t; in a tree pass it reads slots
 // 0 .. tree_starts[b] - 1 and then the slots tree_starts[b] + r that its mask row allows (its
 // ancestors and itself), in increasing order: the same keys in the same order as a chain pass
 // over its own path, so the same bits. Scores q.k * scale, the softmax and the
@@ -32,20 +34,13 @@ constexpr int64_t V = 16;  // fp32 lanes per vector
 inline float widen(float x) { return x; }
 inline float widen(BFloat16 x) { return float(x); }
 
-// The slots one query reads, in order. Contiguous: 0 .. n - 1 (decode and chain passes).
-struct Contiguous {
+// The slots one query reads, in order, as element offsets into its KV head's blocks (the
+// block table already applied: see `attention`).
+struct Offsets {
+  const int64_t* at;
   int64_t n;
   int64_t size() const { return n; }
-  int64_t operator[](int64_t i) const { return i; }
-};
-
-// Tree: 0 .. prefix - 1, then prefix + extra[j] for j < count (extra increasing).
-struct Listed {
-  int64_t prefix;
-  const int64_t* extra;
-  int64_t count;
-  int64_t size() const { return prefix + count; }
-  int64_t operator[](int64_t i) const { return i < prefix ? i : prefix + extra[i - prefix]; }
+  int64_t operator[](int64_t i) const { return at[i]; }
 };
 
 #if defined(__AVX512F__)
@@ -212,17 +207,16 @@ float exp_shifted(float* scores, int64_t n) {
 }
 
 template <typename scalar_t, typename Slots>
-void attend_one(const scalar_t* q, const scalar_t* k, int64_t k_row, const scalar_t* v,
-                int64_t v_row, const Slots& slots, int64_t D, float scale, scalar_t* out,
+void attend_one(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Slots& slots, int64_t D, float scale, scalar_t* out,
                 std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t span = slots.size();
   qf.resize(D);
   for (int64_t d = 0; d < D; ++d) qf[d] = widen(q[d]) * scale;
   scores.resize(span);
-  for (int64_t s = 0; s < span; ++s) scores[s] = dot(qf.data(), k + slots[s] * k_row, D);
+  for (int64_t s = 0; s < span; ++s) scores[s] = dot(qf.data(), k + slots[s], D);
   const float total = exp_shifted(scores.data(), span);
   acc.assign(D, 0.f);
-  for (int64_t s = 0; s < span; ++s) axpy(scores[s], v + slots[s] * v_row, acc.data(), D);
+  for (int64_t s = 0; s < span; ++s) axpy(scores[s], v + slots[s], acc.data(), D);
   const float inv = 1.f / total;
   for (int64_t d = 0; d < D; ++d) out[d] = scalar_t(acc[d] * inv);
 }
@@ -231,8 +225,7 @@ void attend_one(const scalar_t* q, const scalar_t* k, int64_t k_row, const scala
 // attend_one for D = 16 * C with the query and the output kept in registers: the same products
 // summed in the same order (so the same bits), without a trip through memory per slot.
 template <int C, typename scalar_t, typename Slots>
-void attend_one_registers(const scalar_t* q, const scalar_t* k, int64_t k_row, const scalar_t* v,
-                          int64_t v_row, const Slots& slots, float scale, scalar_t* out,
+void attend_one_registers(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Slots& slots, float scale, scalar_t* out,
                           std::vector<float>& scores) {
   constexpr int64_t D = C * V;
   const int64_t span = slots.size();
@@ -244,7 +237,7 @@ void attend_one_registers(const scalar_t* q, const scalar_t* k, int64_t k_row, c
   }
   scores.resize(span);
   for (int64_t s = 0; s < span; ++s) {
-    const scalar_t* key = k + slots[s] * k_row;
+    const scalar_t* key = k + slots[s];
     __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < C; ++c) sum = _mm512_fmadd_ps(qv[c], load16(key + c * V), sum);
     scores[s] = _mm512_reduce_add_ps(sum);
@@ -254,7 +247,7 @@ void attend_one_registers(const scalar_t* q, const scalar_t* k, int64_t k_row, c
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t s = 0; s < span; ++s) {
     const __m512 p = _mm512_set1_ps(scores[s]);
-    const scalar_t* value = v + slots[s] * v_row;
+    const scalar_t* value = v + slots[s];
     for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(value + c * V), acc[c]);
   }
   const float inv = 1.f / total;
@@ -269,8 +262,7 @@ void attend_one_registers(const scalar_t* q, const scalar_t* k, int64_t k_row, c
 // and k as they are (products exact in fp32, q's scale applied to the sum), the values widened
 // by shifts (even and odd values in separate lanes) and summed over the slots in order.
 template <int C, typename Slots>
-void attend_bf16(const BFloat16* q, const BFloat16* k, int64_t k_row,
-                 const BFloat16* v, int64_t v_row, const Slots& slots, float scale,
+void attend_bf16(const BFloat16* q, const BFloat16* k, const BFloat16* v, const Slots& slots, float scale,
                  BFloat16* out, std::vector<float>& scores) {
   constexpr int64_t PAIRS = 2 * V;  // bf16 values per vector
   const int64_t span = slots.size();
@@ -290,17 +282,17 @@ void attend_bf16(const BFloat16* q, const BFloat16* k, int64_t k_row,
     for (int c = 0; c < C; ++c)
       for (int j = 0; j < 4; ++j)
         sum[j] = _mm512_dpbf16_ps(
-            sum[j], qv[c], (__m512bh)_mm512_loadu_si512(k + slots[s + j] * k_row + c * PAIRS));
+            sum[j], qv[c], (__m512bh)_mm512_loadu_si512(k + slots[s + j] + c * PAIRS));
     for (int j = 0; j < 4; ++j) scores[s + j] = _mm512_reduce_add_ps(sum[j]) * scale;
   }
-  for (; s < span; ++s) scores[s] = score(k + slots[s] * k_row);
+  for (; s < span; ++s) scores[s] = score(k + slots[s]);
   const float total = exp_shifted(scores.data(), span);
   const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
   __m512 even[C], odd[C];
   for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
   for (s = 0; s < span; ++s) {
     const __m512 p = _mm512_set1_ps(scores[s]);
-    const BFloat16* value = v + slots[s] * v_row;
+    const BFloat16* value = v + slots[s];
     for (int c = 0; c < C; ++c) {
       const __m512i raw = _mm512_loadu_si512(value + c * PAIRS);
       even[c] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), even[c]);
@@ -322,14 +314,13 @@ void attend_bf16(const BFloat16* q, const BFloat16* k, int64_t k_row,
 
 // One query: the attention over `slots` with the fastest exact routine for its dtype and D.
 template <typename scalar_t, typename Slots>
-void attend(const scalar_t* q, const scalar_t* keys, int64_t k_row, const scalar_t* values,
-            int64_t v_row, const Slots& slots, int64_t D, float scale, scalar_t* out,
-            std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
+void attend(const scalar_t* q, const scalar_t* keys, const scalar_t* values, const Slots& slots,
+            int64_t D, float scale, scalar_t* out, std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (std::is_same_v<scalar_t, BFloat16>) {
     if (D == 64 || D == 128) {
       auto run = D == 64 ? attend_bf16<2, Slots> : attend_bf16<4, Slots>;
-      run(q, keys, k_row, values, v_row, slots, scale, out, scores);
+      run(q, keys, values, slots, scale, out, scores);
       return;
     }
   }
@@ -338,11 +329,30 @@ void attend(const scalar_t* q, const scalar_t* keys, int64_t k_row, const scalar
   if (D == 64 || D == 128) {
     auto run = D == 64 ? attend_one_registers<4, scalar_t, Slots>
                        : attend_one_registers<8, scalar_t, Slots>;
-    run(q, keys, k_row, values, v_row, slots, scale, out, scores);
+    run(q, keys, values, slots, scale, out, scores);
     return;
   }
 #endif
-  attend_one(q, keys, k_row, values, v_row, slots, D, scale, out, qf, scores, acc);
+  attend_one(q, keys, values, slots, D, scale, out, qf, scores, acc);
+}
+
+// The element offsets (from a KV head's base) of the slots query (b, t) reads, in order: every
+// slot before `prefix`, then prefix + extra[i] for the `count` tree offsets.
+void slot_offsets(const AttentionShape& shape, int64_t b, int64_t prefix, const int64_t* extra,
+                  int64_t count, std::vector<int64_t>& out) {
+  const int64_t* table = shape.table + b * shape.max_blocks;
+  const int64_t size = shape.block_size;
+  out.resize(prefix + count);
+  int64_t* at = out.data();
+  for (int64_t first = 0, j = 0; first < prefix; first += size, ++j) {  // block by block
+    const int64_t base = table[j] * shape.block_stride;
+    const int64_t n = std::min(size, prefix - first);
+    for (int64_t o = 0; o < n; ++o) *at++ = base + o * shape.slot_stride;
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t slot = prefix + extra[i];
+    *at++ = table[slot / size] * shape.block_stride + slot % size * shape.slot_stride;
+  }
 }
 
 }  // namespace
@@ -353,23 +363,29 @@ void attention(const T* q, const T* k, const T* v, const AttentionShape& shape,
                const int64_t* extra_begin, T* out) {
   const int64_t H = shape.H, Tq = shape.T, D = shape.D, group = shape.H / shape.Hkv;
   const float scale = 1.f / std::sqrt(float(D));
-  parallel_for(0, shape.B * H * Tq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores, acc;  // per thread: scaled q [D], scores [span], out [D]
+  // Tasks run (row, query, head) with the head fastest: a query's slot offsets are computed once
+  // for all its heads (query heads read their KV head through the base pointer).
+  parallel_for(0, shape.B * Tq * H, 1, [&](int64_t begin, int64_t end) {
+    // per thread: scaled q [D], scores [span], out [D], slot offsets [span]
+    std::vector<float> qf, scores, acc;
+    std::vector<int64_t> offsets;
+    int64_t query = -1;  // the (row, token) whose offsets `offsets` holds
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (H * Tq), h = task / Tq % H, t = task % Tq;
-      const int64_t kvh = h / group;
-      const T* keys = k + b * shape.k_stride[0] + kvh * shape.k_stride[1];
-      const T* values = v + b * shape.v_stride[0] + kvh * shape.v_stride[1];
-      if (tree_starts != nullptr) {
-        const int64_t first = extra_begin[b * Tq + t];
-        const Listed slots{tree_starts[b], extra + first, extra_begin[b * Tq + t + 1] - first};
-        attend(q + task * D, keys, shape.k_stride[2], values, shape.v_stride[2], slots, D,
-               scale, out + task * D, qf, scores, acc);
-      } else {
-        const Contiguous slots{starts[b] + t + 1};
-        attend(q + task * D, keys, shape.k_stride[2], values, shape.v_stride[2], slots, D,
-               scale, out + task * D, qf, scores, acc);
+      const int64_t b = task / (Tq * H), t = task / H % Tq, h = task % H;
+      if (task / H != query) {
+        query = task / H;
+        if (tree_starts != nullptr) {
+          const int64_t first = extra_begin[query];
+          slot_offsets(shape, b, tree_starts[b], extra + first, extra_begin[query + 1] - first,
+                       offsets);
+        } else {
+          slot_offsets(shape, b, starts[b] + t + 1, nullptr, 0, offsets);
+        }
       }
+      const int64_t head = h / group * shape.head_stride;
+      const int64_t at = ((b * H + h) * Tq + t) * D;  // q and out are [B, H, T, D]
+      const Offsets slots{offsets.data(), int64_t(offsets.size())};
+      attend(q + at, k + head, v + head, slots, D, scale, out + at, qf, scores, acc);
     }
   });
 }

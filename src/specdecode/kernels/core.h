@@ -149,11 +149,15 @@ void gguf_pack_codes(const uint8_t* q, int64_t Np, int64_t K, int64_t bits, int6
 
 // ---------------------------------------------------------------- attention.cpp
 
-// The geometry of one attention call: q and out [B, H, T, D] contiguous; k and v [B, Hkv, S, D]
-// at these element strides (last dim contiguous).
+// The geometry of one attention call: q and out [B, H, T, D] contiguous; k and v pools of blocks
+// [blocks, Hkv, block_size, D] at these element strides (the same for both; last dim
+// contiguous). Row b's slot s is slot s % block_size of block table[b * max_blocks + s /
+// block_size]. A rectangular cache [B, Hkv, S, D] is the case block_size = S, table[b] = b.
 struct AttentionShape {
   int64_t B, H, T, D, Hkv;
-  int64_t k_stride[3], v_stride[3];  // batch, head, slot
+  int64_t block_stride, head_stride, slot_stride;
+  int64_t block_size, max_blocks;
+  const int64_t* table;  // [B, max_blocks]
 };
 
 // Query t of row b attends to slots 0 .. starts[b] + t. A tree pass (tree_starts != nullptr)

@@ -72,16 +72,18 @@ DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double e
       kv_heads_(kv_heads),
       head_dim_(head_dim) {}
 
-// x [B, T, hidden]; cos, sin fp32 [B, T, D]; k_cache, v_cache [L, B, Hkv, capacity, D]: the
-// block's keys and values of new token t of row b go to slot starts[b] + t of `layer`, and
-// its queries attend as decode_attention says (tree_starts and tree_mask: TREE passes).
-// Returns the block's output [B, T, hidden].
+// x [B, T, hidden]; cos, sin fp32 [B, T, D]; k_cache, v_cache [L, blocks, Hkv, block_size, D]
+// (a paged cache; block_table [B, max_blocks] int64 maps row b's slot s to slot s % block_size
+// of block block_table[b][s / block_size]): the block's keys and values of new token t of row b
+// go to slot starts[b] + t of `layer`, and its queries attend as decode_attention says
+// (tree_starts and tree_mask: TREE passes). Returns the block's output [B, T, hidden].
 at::Tensor DecoderLayer::operator()(const at::Tensor& x, const at::Tensor& cos,
                                     const at::Tensor& sin, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, int64_t layer,
                                     const std::vector<int64_t>& starts,
                                     const std::vector<int64_t>& tree_starts,
-                                    const c10::optional<at::Tensor>& tree_mask) const {
+                                    const c10::optional<at::Tensor>& tree_mask,
+                                    const at::Tensor& block_table) const {
   const int64_t B = x.size(0), T = x.size(1);
   TORCH_CHECK(int64_t(starts.size()) == B, "starts needs one entry per row of x");
   at::Tensor qkv = qkv_(rms_norm(x, input_norm_, eps_));  // [B, T, (H + 2 Hkv) D]
@@ -91,18 +93,11 @@ at::Tensor DecoderLayer::operator()(const at::Tensor& x, const at::Tensor& cos,
   const at::Tensor q = parts[0].view({B, T, heads_, head_dim_}).transpose(1, 2);  // [B, H, T, D]
   const at::Tensor k = parts[1].view({B, T, kv_heads_, head_dim_});  // [B, T, Hkv, D]
   const at::Tensor v = parts[2].view({B, T, kv_heads_, head_dim_});
-  const at::Tensor keys = k_cache.select(0, layer), values = v_cache.select(0, layer);
-  TORCH_CHECK(keys.size(0) == B, "the cache has ", keys.size(0), " rows, x ", B);
-  int64_t span = 0;  // slots the queries may read
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(starts[b] >= 0 && starts[b] + T <= keys.size(2), "row ", b, ": slots ",
-                starts[b], " + ", T, " do not fit the cache's ", keys.size(2));
-    keys[b].narrow(1, starts[b], T).copy_(k[b].transpose(0, 1));  // [Hkv, T, D]
-    values[b].narrow(1, starts[b], T).copy_(v[b].transpose(0, 1));
-    span = std::max(span, starts[b] + T);
-  }
-  const at::Tensor out = decode_attention(q, keys.narrow(2, 0, span), values.narrow(2, 0, span),
-                                          starts, tree_starts, tree_mask);  // [B, H, T, D]
+  at::Tensor keys = k_cache.select(0, layer), values = v_cache.select(0, layer);
+  write_kv(keys, k, block_table, starts);  // checks the table against the pool
+  write_kv(values, v, block_table, starts);
+  const at::Tensor out = decode_attention(q, keys, values, starts, tree_starts, tree_mask,
+                                          block_table);  // [B, H, T, D]
   const at::Tensor h = x + o_(out.transpose(1, 2).reshape({B, T, -1}));  // [B, T, hidden]
   const auto gate_up = gate_up_(rms_norm(h, post_norm_, eps_)).chunk(2, -1);
   return h + down_(at::silu(gate_up[0]) * gate_up[1]);

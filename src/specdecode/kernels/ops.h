@@ -22,7 +22,12 @@ void gguf_linear(const at::Tensor& x8, const at::Tensor& dx, const at::Tensor& s
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::vector<int64_t>& starts,
                             const std::vector<int64_t>& tree_starts,
-                            const c10::optional<at::Tensor>& tree_mask);
+                            const c10::optional<at::Tensor>& tree_mask,
+                            const c10::optional<at::Tensor>& block_table);
+// Store x [B, T, Hkv, D] (new token t of row b) at slot starts[b] + t of a pool of blocks
+// [blocks, Hkv, block_size, D] through the block table [B, max_blocks] int64.
+void write_kv(at::Tensor& pool, const at::Tensor& x, const at::Tensor& table,
+              const std::vector<int64_t>& starts);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
 
@@ -64,7 +69,8 @@ class DecoderLayer {
                         const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer,
                         const std::vector<int64_t>& starts,
                         const std::vector<int64_t>& tree_starts,
-                        const c10::optional<at::Tensor>& tree_mask) const;
+                        const c10::optional<at::Tensor>& tree_mask,
+                        const at::Tensor& block_table) const;
 
  private:
   at::Tensor input_norm_, post_norm_;  // [hidden]

@@ -9,6 +9,7 @@
 #include "ops.h"
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <tuple>
 #include <vector>
@@ -177,30 +178,96 @@ at::Tensor gguf_pack_codes(const at::Tensor& q, int64_t bits, int64_t sub, int64
   return out;
 }
 
-// q [B, H, T, D]; k, v [B, Hkv, S, D] (any strides but a contiguous last dim); starts [B]:
-// query t of row b attends to slots 0 .. starts[b] + t. Tree passes also give tree_starts [B]
-// and tree_mask [B, T, M] bool: query t of row b then attends to slots 0 .. tree_starts[b] - 1
-// and to tree_starts[b] + r wherever tree_mask[b, t, r] (which must hold for its own slot
+namespace {
+
+// The block table of a pass: `table` [B, max_blocks] int64 (contiguous) over a pool of `blocks`
+// blocks of `block_size` slots; every row's slots 0 .. starts[b] + T - 1 must lie in its blocks.
+void check_table(const at::Tensor& table, int64_t B, int64_t T, int64_t blocks,
+                 int64_t block_size, const std::vector<int64_t>& starts) {
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kLong && table.dim() == 2 &&
+                  table.size(0) == B && table.is_contiguous(),
+              "block_table must be a contiguous int64 CPU tensor [", B, ", max_blocks], got ",
+              table.sizes(), " ", table.scalar_type());
+  const int64_t max_blocks = table.size(1);
+  const int64_t* entries = table.data_ptr<int64_t>();
+  TORCH_CHECK(int64_t(starts.size()) == B, "one start per batch row");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(starts[b] >= 0, "row ", b, ": start ", starts[b], " < 0");
+    const int64_t used = (starts[b] + T + block_size - 1) / block_size;
+    TORCH_CHECK(used <= max_blocks, "row ", b, ": slots ", starts[b], " + ", T, " need ", used,
+                " blocks of ", block_size, ", the table holds ", max_blocks);
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t block = entries[b * max_blocks + j];
+      TORCH_CHECK(block >= 0 && block < blocks, "row ", b, ": block ", block,
+                  " is outside the pool's ", blocks);
+    }
+  }
+}
+
+}  // namespace
+
+void write_kv(at::Tensor& pool, const at::Tensor& x, const at::Tensor& table,
+              const std::vector<int64_t>& starts) {
+  TORCH_CHECK(pool.dim() == 4 && x.dim() == 4 && pool.stride(3) == 1 && x.stride(3) == 1 &&
+                  pool.scalar_type() == x.scalar_type() && pool.device().is_cpu() &&
+                  x.device().is_cpu(),
+              "write_kv needs a pool [blocks, Hkv, block_size, D] and x [B, T, Hkv, D] of one "
+              "dtype with contiguous last dims; got ", pool.sizes(), " and ", x.sizes());
+  const int64_t B = x.size(0), T = x.size(1), Hkv = x.size(2), D = x.size(3);
+  const int64_t size = pool.size(2);
+  TORCH_CHECK(pool.size(1) == Hkv && pool.size(3) == D, "the pool holds [", pool.size(1), ", ",
+              pool.size(3), "] heads x D, x [", Hkv, ", ", D, "]");
+  check_table(table, B, T, pool.size(0), size, starts);
+  const int64_t max_blocks = table.size(1), bytes = D * int64_t(x.element_size());
+  const int64_t* entries = table.data_ptr<int64_t>();
+  char* dst = static_cast<char*>(pool.data_ptr());
+  const char* src = static_cast<const char*>(x.data_ptr());
+  const int64_t item = x.element_size();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = starts[b] + t;
+      const int64_t block = entries[b * max_blocks + slot / size];
+      for (int64_t h = 0; h < Hkv; ++h)
+        std::memcpy(dst + (block * pool.stride(0) + h * pool.stride(1) +
+                           slot % size * pool.stride(2)) * item,
+                    src + (b * x.stride(0) + t * x.stride(1) + h * x.stride(2)) * item, bytes);
+    }
+}
+
+// q [B, H, T, D]; starts [B]: query t of row b attends to slots 0 .. starts[b] + t. Without a
+// block table, k and v are [B, Hkv, S, D] (any strides but a contiguous last dim, the same for
+// both); with one (block_table [B, max_blocks] int64), pools of blocks [blocks, Hkv,
+// block_size, D] where row b's slot s is slot s % block_size of block block_table[b][s /
+// block_size] (a paged cache). Tree passes also give tree_starts [B] and tree_mask [B, T, M]
+// bool: query t of row b then attends to slots 0 .. tree_starts[b] - 1 and to
+// tree_starts[b] + r wherever tree_mask[b, t, r] (which must hold for its own slot
 // starts[b] + t and for no later slot). Returns [B, H, T, D] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::vector<int64_t>& starts,
                             const std::vector<int64_t>& tree_starts,
-                            const c10::optional<at::Tensor>& tree_mask) {
+                            const c10::optional<at::Tensor>& tree_mask,
+                            const c10::optional<at::Tensor>& block_table) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
               "specdecode kernels run on the CPU");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "q, k, v must share a dtype");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), S = k.size(2);
-  TORCH_CHECK(k.size(0) == B && v.sizes() == k.sizes() && k.size(3) == D && H % Hkv == 0,
-              "k, v must be [", B, ", Hkv, S, ", D, "] with H % Hkv == 0; got q ", q.sizes(),
-              ", k ", k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v need a contiguous last dim");
+  const int64_t Hkv = k.size(1);
+  TORCH_CHECK(v.sizes() == k.sizes() && v.strides() == k.strides() && k.size(3) == D &&
+                  H % Hkv == 0 && k.stride(3) == 1,
+              "k, v must be [rows or blocks, Hkv, slots, ", D, "] with one set of strides, a "
+              "contiguous last dim and H % Hkv == 0; got q ", q.sizes(), ", k ", k.sizes(),
+              " ", k.strides(), ", v ", v.sizes(), " ", v.strides());
   TORCH_CHECK(int64_t(starts.size()) == B, "one start per batch row");
-  for (const int64_t start : starts)
-    TORCH_CHECK(start >= 0 && start + T <= S, "start ", start, " + ", T,
-                " new tokens exceed the ", S, " cached slots");
+  at::Tensor table;
+  if (block_table.has_value()) {
+    table = *block_table;
+  } else {  // rectangular: row b is block b, of S slots
+    TORCH_CHECK(k.size(0) == B, "k, v have ", k.size(0), " rows, q ", B);
+    table = at::arange(B, at::kLong).view({B, 1});
+  }
+  check_table(table, B, T, k.size(0), k.size(2), starts);
   // Tree passes: per (row, query), the increasing offsets r past tree_starts[b] it may read.
   const bool tree = tree_mask.has_value();
   std::vector<int64_t> extra, extra_begin(B * T + 1, 0);
@@ -231,9 +298,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);  // [B, H, T, D]
-  const sd::AttentionShape shape{
-      B, H, T, D, Hkv, {k.stride(0), k.stride(1), k.stride(2)},
-      {v.stride(0), v.stride(1), v.stride(2)}};
+  const sd::AttentionShape shape{B,           H,           T,           D,
+                                 Hkv,         k.stride(0), k.stride(1), k.stride(2),
+                                 k.size(2),   table.size(1), table.data_ptr<int64_t>()};
   fp32_or_bf16(q.scalar_type(), "decode_attention", [&](auto type_tag) {
     using T_ = decltype(type_tag);
     sd::attention(data<const T_>(qc), data<const T_>(k), data<const T_>(v), shape, starts.data(),

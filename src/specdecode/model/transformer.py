@@ -113,12 +113,10 @@ class PassView:
 
     per_query: each new token attends by itself with the native kernel (DECODE and TREE
         modes on row-exact layers); then no mask is built.
-    slots: [B, T] cache slots of the new tokens, or None when all rows start at one slot.
     mask: [B, 1, T, S] bool for batched attention, or None (per_query, or nothing to mask).
     """
 
     per_query: bool
-    slots: Tensor | None
     mask: Tensor | None
 
 
@@ -128,7 +126,7 @@ def pass_view(
     """What the layers of one pass share, for layers in `attn`'s format: the `PassView` and the
     RoPE tables (see `Attention.forward`) of `meta`'s positions."""
     per_query = attn.per_query and meta.mode is not AttentionMode.PREFILL
-    view = PassView(per_query, meta.write_slots(), None if per_query else meta.attention_mask())
+    view = PassView(per_query, None if per_query else meta.attention_mask())
     cos, sin = rotary.tables(meta.positions, None if attn.native_rope else dtype)
     return view, cos, sin
 
@@ -188,13 +186,20 @@ class Attention(nn.Module):
         if not self.native_rope:
             q = _rotate(q, cos, sin)  # [B, H, T, D]
             k = _rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
-        keys, values = cache.write(layer, k, v, meta, view.slots)  # [B, Hkv, S, D]
+        cache.write(layer, k, v)
         if view.per_query:
             # Each new token attends by itself, as a 1-token step would: exact verification.
             out = kernels.decode_attention(
-                q, keys, values, meta.starts, meta.tree_starts or (), meta.tree_mask
+                q,
+                cache.k[layer],
+                cache.v[layer],
+                meta.starts,
+                meta.tree_starts or (),
+                meta.tree_mask,
+                cache.block_table,
             )  # [B, H, T, D]
         else:
+            keys, values = cache.read(layer, k, v)  # [B, Hkv, S, D]
             out = _attention(q, keys, values, view.mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
 
@@ -277,6 +282,7 @@ class Block(nn.Module):
                 meta.starts,
                 meta.tree_starts or (),
                 meta.tree_mask,
+                cache.block_table,
             )
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, self.layer, meta, view)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -336,8 +342,9 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        """An empty cache for `batch_size` rows of up to `capacity` tokens each."""
+    def new_cache(self, batch_size: int, capacity: int, max_tokens: int | None = None) -> KVCache:
+        """An empty cache for `batch_size` rows, its pool sized for `capacity` tokens per row
+        to start with (it grows), up to `max_tokens` tokens in all (None: no limit)."""
         cfg = self.config
         return KVCache(
             cfg.num_layers,
@@ -347,6 +354,7 @@ class Transformer(nn.Module):
             capacity,
             self.dtype,
             self.device,
+            max_tokens,
         )
 
     @torch.inference_mode()
@@ -400,7 +408,7 @@ class Transformer(nn.Module):
         storing their keys and values in `cache` (which may hold only those layers) and
         advancing its lengths. Returns the residual stream after them ([B, T, hidden]) and
         the inputs of the blocks in `capture` (block index -> [B, T, hidden])."""
-        cache.check(meta)
+        cache.prepare(meta)
         # every layer has the same format
         view, cos, sin = pass_view(self.layers[0].self_attn, self.rotary, meta, self.dtype)
         x = self.embed_tokens(tokens)  # [B, T, hidden]

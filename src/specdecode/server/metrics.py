@@ -57,6 +57,12 @@ class ServerMetrics:
         self.success = counter(
             "request_success", "Requests that left the engine.", "finished_reason"
         )
+        self.preemptions = counter("num_preemptions", "Requests preempted (KV cache short).")
+        self.kv_usage = Gauge(
+            PREFIX + "kv_cache_usage_perc",
+            "Share of the KV cache the running requests hold (1 = full).",
+            **label,
+        )
         self.running = Gauge(PREFIX + "num_requests_running", "Requests running.", **label)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting.", **label)
         self.draft_limit = Gauge(
@@ -76,6 +82,7 @@ class ServerMetrics:
         )
         self.model = model_name
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens, time) so far
+        self._preempted = 0  # the engine's preemptions counted so far
         self.running.labels(model_name).set(0)
         self.waiting.labels(model_name).set(0)
 
@@ -101,10 +108,13 @@ class ServerMetrics:
                 self._seen[req.request_id] = seen
 
     def gauges(self, engine: Engine) -> None:
-        """Running and waiting counts after a step; forgets the latency state of requests
-        that left unfinished (engine thread)."""
+        """Running and waiting counts, KV cache usage and preemptions after a step; forgets
+        the latency state of requests that left unfinished (engine thread)."""
         self.running.labels(self.model).set(engine.num_running)
         self.waiting.labels(self.model).set(engine.num_waiting)
+        self.kv_usage.labels(self.model).set(engine.kv_cache_usage())
+        self.preemptions.labels(self.model).inc(engine.num_preemptions - self._preempted)
+        self._preempted = engine.num_preemptions
         limits = engine.draft_length.last_limits
         self.draft_limit.labels(self.model).set(sum(limits) / len(limits) if limits else 0)
         running = {r.request_id for r in engine.scheduler.running}

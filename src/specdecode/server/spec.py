@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from specdecode.cache.prefix_cache import BLOCK_TOKENS
+from specdecode.cache.block_pool import BLOCK_TOKENS
 from specdecode.engine.scheduler import SchedulerConfig
 from specdecode.errors import UserError
 from specdecode.llm import LLM
