@@ -26,10 +26,10 @@ from schemathesis.generation.modes import GenerationMode  # noqa: E402
 
 NAME = "tiny"
 FUZZ_EXAMPLES = 25  # per route
-SOAK_ROUNDS = 3
+SOAK_ROUNDS = 4
 SOAK_REQUESTS = 96  # per round, 16 at a time
 SOAK_TIMEOUT_S = 300
-RSS_GROWTH_MB = 64  # allowed between the first round and the last
+RSS_GROWTH_MB = 64  # allowed between the second round (after a warm-up) and the last
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
@@ -140,6 +140,8 @@ def test_a_soak_leaves_memory_and_open_files_level(served: LLM) -> None:
             assert statuses.count(400) == 2 * SOAK_REQUESTS // 8
             levels.append((_rss_mb(), _open_files()))
             assert httpx.get(f"{base}/health").status_code == 200
-        (rss_first, files_first), (rss_last, files_last) = levels[0], levels[-1]
+        # the first round warms lazily made resources up (threads, compiled grammars, pools):
+        # after it, memory and open files must stay level
+        (rss_first, files_first), (rss_last, files_last) = levels[1], levels[-1]
         assert rss_last - rss_first < RSS_GROWTH_MB, levels
         assert files_last <= files_first + 2, levels
