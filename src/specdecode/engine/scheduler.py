@@ -159,8 +159,12 @@ class Scheduler:
         stays. Returns those taken, newest first (their rows are the batch's last)."""
         taken: list[Request] = []
         limit = self.max_blocks
-        while limit is not None and len(self.running) > 1 and self.blocks(draft_tokens) > limit:
+        if limit is None:
+            return taken
+        blocks = self.blocks(draft_tokens)
+        while len(self.running) > 1 and blocks > limit:
             request = self.running.pop()
+            blocks -= step_blocks(request, draft_tokens)  # before `preempt` changes it
             request.preempt()
             self.waiting.appendleft(request)
             taken.append(request)
