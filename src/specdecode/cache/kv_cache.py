@@ -39,8 +39,14 @@ class _Pass:
 
     meta: AttentionMetadata
     table: Tensor  # [B, max_blocks] int64 on the pool's device
-    blocks: Tensor  # [B, T] the block of each new token's slot
-    within: Tensor  # [B, T] its slot inside that block
+
+
+@dataclass(frozen=True, slots=True)
+class _Table:
+    """The last block table built: the rows' blocks it was built from, and the tensor."""
+
+    rows: list[list[int]]  # a copy of each row's blocks, padded to the table's width
+    tensor: Tensor  # [B, max_blocks] int64 on the pool's device
 
 
 class KVCache:
@@ -72,13 +78,16 @@ class KVCache:
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]  # blocks of each row
         self.lengths: list[int] = [0] * batch_size  # slots that belong to each row
         self._pass: _Pass | None = None
+        self._table: _Table | None = None
+        self._where: tuple[Tensor, Tensor] | None = None
 
     @classmethod
     def _view(cls, pool: BlockPool, tables: list[list[int]], lengths: list[int]) -> KVCache:
         """A cache over `pool` whose rows are `tables` (the same lists: block changes are
         shared) with their own `lengths`."""
         view = cls.__new__(cls)
-        view.pool, view.tables, view.lengths, view._pass = pool, tables, lengths, None
+        view.pool, view.tables, view.lengths = pool, tables, lengths
+        view._pass, view._table, view._where = None, None, None
         return view
 
     @property
@@ -174,17 +183,23 @@ class KVCache:
                 table.extend(itertools.islice(blocks, max(n, 0)))
         width = blocks_for(meta.span)
         rows = [t + [0] * (width - len(t)) for t in self.tables]  # padding: never read
-        table = torch.tensor(rows, dtype=torch.long, device=self.device)  # [B, max_blocks]
-        offsets = torch.arange(meta.width, device=self.device)  # [T]
-        slots = torch.tensor(meta.starts, device=self.device)[:, None] + offsets  # [B, T]
-        blocks = table.gather(1, slots // BLOCK_TOKENS)
-        self._pass = _Pass(meta, table, blocks, slots % BLOCK_TOKENS)
+        if self._table is None or self._table.rows != rows:  # decode steps mostly reuse it
+            table = torch.tensor(rows, dtype=torch.long, device=self.device)  # [B, max_blocks]
+            self._table = _Table(rows, table)
+        self._pass = _Pass(meta, self._table.tensor)
+        self._where = None
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:
-        """Store one layer's keys/values ([B, T, Hkv, D]) of the prepared pass."""
+        """Store one layer's keys/values ([B, T, Hkv, D]) of the prepared pass (the native
+        decoder layer writes through `block_table` itself; this is the torch route)."""
         if self._pass is None:
             raise ValueError("no pass is prepared: call prepare(meta) first")
-        blocks, within = self._pass.blocks, self._pass.within
+        if self._where is None:  # the block and the slot within it of each new token
+            meta, table = self._pass.meta, self._pass.table
+            offsets = torch.arange(meta.width, device=self.device)  # [T]
+            slots = torch.tensor(meta.starts, device=self.device)[:, None] + offsets  # [B, T]
+            self._where = table.gather(1, slots // BLOCK_TOKENS), slots % BLOCK_TOKENS
+        blocks, within = self._where
         self.pool.k[layer, blocks, :, within] = k  # advanced indices first: [B, T, Hkv, D]
         self.pool.v[layer, blocks, :, within] = v
 
@@ -211,7 +226,7 @@ class KVCache:
         self.lengths = list(meta.ends)
         for row in range(self.batch_size):
             self._trim(row)
-        self._pass = None
+        self._pass, self._where = None, None
 
     def truncate(self, lengths: int | Sequence[int]) -> None:
         """Roll rows back to `lengths` (one int for all rows, or one per row)."""
