@@ -1,7 +1,8 @@
 """Chunked prefill: a long prompt that arrives while others decode is prefilled a chunk per
 step (no larger than what the running rows verify), the running rows get a token every step
 meanwhile, and every request's output is the one it gets alone; chunked equals one-pass
-prefill (fp32 tokens; int8 bit for bit, logprobs included)."""
+prefill (fp32 tokens; int8 bit for bit, logprobs included). Prompts admitted together are
+prefilled in one pass (within the step's token budget), each as it is alone."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.cache.block_pool import BLOCK_TOKENS
 from specdecode.engine.scheduler import ONE_PASS_PREFILL, SchedulerConfig
 from specdecode.llm import LLM
@@ -80,6 +82,53 @@ def test_chunked_equals_one_pass_bit_for_bit_in_int8(tiny_model_dir: Path) -> No
     assert got.outputs[0].logprobs == want.outputs[0].logprobs
 
 
+def _prefill_passes(llm: LLM) -> list[tuple[int, ...]]:
+    """Spy on `llm`'s target: the rows' new-token counts of each pass that starts a prompt
+    (a pass with a row at slot 0)."""
+    model = llm.engine.model
+    forward = model.forward
+    passes: list[tuple[int, ...]] = []
+
+    def spy(tokens, meta: AttentionMetadata, *args, **kwargs):
+        if 0 in meta.starts:
+            passes.append(meta.num_new)
+        return forward(tokens, meta, *args, **kwargs)
+
+    model.forward = spy
+    return passes
+
+
+PROMPTS = [{"prompt_token_ids": [(i * 3 + n) % 250 for i in range(n)]} for n in (20, 7, 30, 12)]
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["exact", "one-pass-prefill"])
+def test_prompts_admitted_together_share_a_prefill_pass(tiny_model_dir: Path, one_pass) -> None:
+    """Four prompts arrive together: exact prefill (per-token attention, the default) runs
+    those admitted together in one pass (within max_num_batched_tokens), each row
+    giving the logprobs it gets alone, bit for bit (int8); ONE_PASS_PREFILL's batched
+    attention keeps one prompt per pass."""
+    int8 = {"dtype": "bfloat16", "quantization": "int8"}
+    budget = 40
+    config = (
+        SchedulerConfig(prefix_cache_tokens=0, chunked_prefill=False, max_num_batched_tokens=budget)
+        if one_pass
+        else SchedulerConfig(prefix_cache_tokens=0, max_num_batched_tokens=budget)
+    )
+    together = LLM(model=str(tiny_model_dir), scheduler=config, **int8)
+    passes = _prefill_passes(together)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    outs = together.generate(PROMPTS, [params] * len(PROMPTS))
+    if one_pass:
+        assert passes == [(20,), (7,), (30,), (12,)]
+    else:  # with their first steps' verification tokens, 20 + 7 + 30 > 40: the third waits
+        assert passes[0] == (20, 7) and all(sum(p) <= budget for p in passes)
+    alone = LLM(model=str(tiny_model_dir), scheduler=config, **int8)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        (want,) = alone.generate(prompt, params)
+        assert out.token_ids == want.token_ids
+        assert out.outputs[0].logprobs == want.outputs[0].logprobs
+
+
 @pytest.mark.real_model
 def test_smollm2_chunks_and_prefix_hits_equal_one_cold_pass_bit_for_bit(smollm2_dir: Path) -> None:
     """In the default format (gguf, bf16 activations), where a batched prefill's rounding
@@ -114,3 +163,6 @@ def test_smollm2_chunks_and_prefix_hits_equal_one_cold_pass_bit_for_bit(smollm2_
     batched = LLM(model=str(smollm2_dir), scheduler=ONE_PASS_PREFILL)
     (fast,) = batched.generate(text, params)
     assert fast.outputs[0].logprobs != want.outputs[0].logprobs  # the test can tell them apart
+    others = ["Name three colours.", text[: len(text) // 3]]
+    together = cold.generate([text, *others], [params] * 3)  # one prefill pass for all three
+    assert together[0].outputs[0].logprobs == want.outputs[0].logprobs

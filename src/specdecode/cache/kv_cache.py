@@ -14,8 +14,9 @@ metadata does.
 
 Rows come and go (continuous batching): `add_rows` appends empty rows, `keep_rows` keeps some
 (the others' blocks go back to the pool: no copy), `row` is a one-row cache over an active
-row (a request's prefill runs there alone; writes land in the row's blocks) and `head` the
-same over the first rows (the rows that decode while later ones still prefill). Several rows
+row's blocks (from length 0: a prefix cache's hit is loaded there) and `rows` one over
+consecutive rows and their lengths (the rows that decode while later ones still prefill; the
+prompts prefilled together). Writes through a view land in the rows' blocks. Several rows
 may hold one block (a shared prompt prefix, `PrefixCache`): such blocks are full and never
 written again, since a row only writes past its length.
 """
@@ -135,16 +136,20 @@ class KVCache:
             raise ValueError(f"row {index} is not active (rows 0..{self.batch_size - 1})")
         return KVCache._view(self.pool, [self.tables[index]], [0])
 
-    def head(self, count: int) -> KVCache:
-        """A cache over the first `count` active rows' blocks (writes land in place) and their
-        lengths; give its lengths back with `take_lengths` after its passes."""
-        if not 0 < count <= self.batch_size:
-            raise ValueError(f"head of {count} rows: the cache has {self.batch_size} active")
-        return KVCache._view(self.pool, self.tables[:count], self.lengths[:count])
+    def rows(self, first: int, count: int) -> KVCache:
+        """A cache over the active rows first .. first + count - 1 (their blocks: writes land
+        in place) and their lengths; give its lengths back with `take_lengths` after its
+        passes."""
+        if first < 0 or count < 1 or first + count > self.batch_size:
+            raise ValueError(
+                f"rows {first}..{first + count - 1}: the cache has {self.batch_size} active"
+            )
+        stop = first + count
+        return KVCache._view(self.pool, self.tables[first:stop], self.lengths[first:stop])
 
-    def take_lengths(self, head: KVCache) -> None:
-        """The lengths of a `head` view's rows, after its passes."""
-        self.lengths[: head.batch_size] = head.lengths
+    def take_lengths(self, view: KVCache, first: int = 0) -> None:
+        """The lengths of a `rows(first, ...)` view's rows, after its passes."""
+        self.lengths[first : first + view.batch_size] = view.lengths
 
     def set_length(self, index: int, length: int) -> None:
         """Row `index` holds `length` slots (written through a `row` view); blocks past them

@@ -1,10 +1,12 @@
 """The engine owns the target, a drafter, the scheduler and the output processor, and runs
 requests with continuous batching: `add` queues a request, `abort` cancels one, and each
-`step` lets waiting requests join (each prefilled alone into its own cache row) and then
-drafts, verifies and commits once for every running request.
+`step` lets waiting requests join (each into its own cache row; prompts admitted together
+are prefilled in one pass) and then drafts, verifies and commits once for every running
+request.
 
-Losslessness per request: a request's prefill is the same pass whether others run or not, and
-a verification pass attends each row by itself (DECODE / TREE mode), so in fp32 a request's
+Losslessness per request: a prefill pass attends each row's tokens by themselves (DECODE
+mode; with prefix caching and chunked prefill both off, each prompt is one PREFILL pass
+alone), and so does a verification pass (DECODE / TREE mode), so in fp32 a request's
 greedy output is the same alone or in a busy batch; in bf16 and int8 it is too wherever the
 projections are row-exact (the native CPU kernels; docs/formats.md).
 """
@@ -199,7 +201,7 @@ class Engine:
             cpu = cpu_seconds()
             st = SamplingTensors.from_params([r.params for r in rows], self.model.device)
             assert self.cache is not None
-            cache = self.cache if decoding == len(running) else self.cache.head(decoding)
+            cache = self.cache if decoding == len(running) else self.cache.rows(0, decoding)
             texts = speculative_step(
                 self.model, cache, rows, self.drafter, st, self.outputs, self.draft_length
             )
@@ -215,33 +217,47 @@ class Engine:
         decode); a request whose prompt is all in is given its first token. While other rows
         decode, the step prefills at most as many prompt tokens as they verify (at least one
         block, within the step's budget): their pace at most halves. A drafter that reads the
-        target's hidden states gets each prompt whole."""
+        target's hidden states gets each prompt whole. Prompts run together in one pass
+        (within `max_num_batched_tokens`, the first whole) where each token attends by
+        itself (`_exact_prefill`), else one per pass."""
         running = self.scheduler.running
         decoding = sum(not r.prefilling for r in running)
+        config = self.scheduler.config
         budget = None
-        if (
-            decoding
-            and self.scheduler.config.chunked_prefill
-            and not self.drafter.needs.hidden_layers
-        ):
+        if decoding and config.chunked_prefill and not self.drafter.needs.hidden_layers:
             verify = decoding * (1 + self.draft_length.max_tokens)
-            room = self.scheduler.config.max_num_batched_tokens - verify
+            room = config.max_num_batched_tokens - verify
             budget = max(BLOCK_TOKENS, min(verify, room))
-        events = []
+        events: list[Event] = []
+        batch: list[tuple[Request, int]] = []  # (request, chunk) of rows decoding, decoding + 1..
+        total = 0
         for row in range(decoding, len(running)):
             req = running[row]
-            left = len(req.prefill_ids) - req.num_computed_tokens
+            left = self._start_prefill(req, row)
             chunk = left if budget is None else min(left, budget)
-            if chunk < 1:
+            if chunk < 1 or (batch and total + chunk > config.max_num_batched_tokens):
                 break  # the budget is spent: later prompts wait (they finish in order)
-            event = self._prefill(req, row, chunk)
+            batch.append((req, chunk))
+            total += chunk
             if budget is not None:
                 budget -= chunk
-            if event is not None:
-                events.append(event)
-            if req.prefilling:
+            if chunk < left:
                 break  # its prompt goes on next step; later prompts wait behind it
+            if not self._exact_prefill:
+                events += self._prefill(decoding, batch)
+                decoding, batch = decoding + len(batch), []
+        if batch:
+            events += self._prefill(decoding, batch)
         return events
+
+    @property
+    def _exact_prefill(self) -> bool:
+        """Under prefix caching or chunked prefill, a prefill attends per token (DECODE), as
+        decoding does: a token's keys and values then have the same bits however the
+        sequence was split into passes and whichever prompts shared the pass, so a hit, a
+        chunked prefill and a batch of prompts give exactly what one cold pass gives
+        (row-exact formats). Else a prompt is one batched attention (PREFILL), alone."""
+        return self.prefix_cache is not None or self.scheduler.config.chunked_prefill
 
     def _preempt(self) -> None:
         """Take the newest running requests back to the queue while the batch would outgrow
@@ -295,64 +311,90 @@ class Engine:
             self.cache = self.model.new_cache(0, 0, limit)
         self.cache.add_rows(len(admitted))
 
-    def _prefill(self, req: Request, row: int, chunk: int) -> Event | None:
-        """Prefill the next `chunk` tokens of `req.prefill_ids` into cache row `row` (first,
-        the prefix cache's hit); when they are all in, draw its first token (`decide`, with
-        an empty draft), commit it and return its event. None while tokens are left, and for
-        a request resuming after a preemption (its next step feeds its last token)."""
+    def _start_prefill(self, req: Request, row: int) -> int:
+        """Before a request's first prefill pass, load the prefix cache's hit into its cache
+        row (its tokens count as computed); returns the prompt tokens still to prefill."""
         assert self.cache is not None  # _new_rows made it
-        start, cpu = time.perf_counter(), cpu_seconds()
-        device = self.model.device
-        view = self.cache.row(row)
-        needs = self.drafter.needs
         prompt = req.prefill_ids
         if req.num_computed_tokens == 0:
             hit = 0
-            if self.prefix_cache is not None and not needs.hidden_layers:
+            if self.prefix_cache is not None and not self.drafter.needs.hidden_layers:
+                view = self.cache.row(row)
                 hit = self.prefix_cache.load(prompt, view)
-                chunk = min(chunk, len(prompt) - hit)
+                self.cache.set_length(row, view.lengths[0])
             if not req.num_preemptions:
                 req.num_cached_tokens = hit  # of the prompt, as the usage reports it
             req.num_computed_tokens = hit
-        else:
-            view.set_length(0, req.num_computed_tokens)
-        done = req.num_computed_tokens
-        tokens = torch.tensor([prompt[done : done + chunk]], device=device)  # [1, T]
-        # Under prefix caching or chunked prefill, a prefill attends per token (DECODE), as
-        # decoding does: a token's keys and values then have the same bits however the
-        # sequence was split into passes, so a hit or a chunked prefill gives exactly what one
-        # cold pass gives (row-exact formats), alone or in a busy batch.
-        exact = self.prefix_cache is not None or self.scheduler.config.chunked_prefill
-        mode = AttentionMode.DECODE if exact else AttentionMode.PREFILL
-        meta = AttentionMetadata.contiguous(mode, [done], [chunk], device)
+        return len(prompt) - req.num_computed_tokens
+
+    def _prefill(self, first: int, batch: list[tuple[Request, int]]) -> list[Event]:
+        """Prefill the next `chunk` tokens of each request's `prefill_ids` into cache rows
+        `first`, `first` + 1, ... in one pass; each request whose prompt is then all in draws
+        its first token (`decide`, with an empty draft), commits it and gets an event. None
+        for a request with tokens left, or resuming after a preemption (its next step feeds
+        its last token)."""
+        assert self.cache is not None  # _new_rows made it
+        start, cpu = time.perf_counter(), cpu_seconds()
+        device = self.model.device
+        reqs = [req for req, _ in batch]
+        chunks = [chunk for _, chunk in batch]
+        view = self.cache.rows(first, len(batch))
+        done = view.lengths[:]  # == each request's num_computed_tokens
+        width = max(chunks)
+        rows = zip(reqs, done, chunks, strict=True)
+        ids = [r.prefill_ids[d : d + c] + [0] * (width - c) for r, d, c in rows]
+        tokens = torch.tensor(ids, device=device)  # [B, T], right-padded (padding: never kept)
+        mode = AttentionMode.DECODE if self._exact_prefill else AttentionMode.PREFILL
+        meta = AttentionMetadata.contiguous(mode, done, chunks, device)
+        needs = self.drafter.needs
         layers = needs.hidden_layers or None
-        last = torch.tensor([[chunk - 1]], device=device)  # [1, 1]
+        last = torch.tensor(chunks, device=device)[:, None] - 1  # [B, 1]
         logits, hidden = self.model(tokens, meta, view, logits_index=last, hidden_layers=layers)
-        req.num_computed_tokens += chunk
-        self.cache.set_length(row, view.lengths[0])
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(prompt, view, 0)
-        if req.num_computed_tokens < len(prompt) or req.output_ids:
-            req.cpu_s += cpu_seconds() - cpu
-            return None
-        masks = None
-        if req.grammar is not None:
-            masks = [all_allowed(1, self.model.config.vocab_size)]  # [1, W]
-            req.grammar.fill(masks[0], 0)
-        raw = score(logits, [req], [EMPTY_DRAFT], masks)  # [1, 1, V] ready for the decision
-        st = SamplingTensors.from_params([req.params], device)
-        none, zero = pad_tokens([EMPTY_DRAFT], device)  # [1, 0], [1]
-        generators = [req.generator]
-        decision = decide(
-            logits, [EMPTY_DRAFT], none, zero, None, st, generators, needs.target_argmax
-        )
-        targets = target_outputs(needs, meta.starts, [chunk], hidden, decision, [0])
+        self.cache.take_lengths(view, first)
+        ready = []  # batch indices of the requests that draw their first token now
+        for index, (req, chunk) in enumerate(batch):
+            req.num_computed_tokens += chunk
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(req.prefill_ids, view, index)
+            if req.num_computed_tokens == len(req.prefill_ids) and not req.output_ids:
+                ready.append(index)
+        if not ready:
+            share = (cpu_seconds() - cpu) / len(batch)
+            for req in reqs:
+                req.cpu_s += share
+            return []
+        reqs = [reqs[i] for i in ready]
+        picked = torch.tensor(ready, device=device)
+        logits = logits[picked]  # [R, 1, V]
+        drafts = [EMPTY_DRAFT] * len(reqs)
+        masks: list[torch.Tensor | None] | None = None
+        if any(r.grammar is not None for r in reqs):
+            masks = [self._first_mask(r) for r in reqs]
+        raw = score(logits, reqs, drafts, masks)  # [R, 1, V] ready for the decision
+        st = SamplingTensors.from_params([r.params for r in reqs], device)
+        none, zero = pad_tokens(drafts, device)  # [R, 0], [R]
+        generators = [r.generator for r in reqs]
+        decision = decide(logits, drafts, none, zero, None, st, generators, needs.target_argmax)
+        kept = [chunks[i] for i in ready]
+        starts = [done[i] for i in ready]
+        hidden = None if hidden is None else hidden[picked]  # [R, T, F]
+        targets = target_outputs(needs, starts, kept, hidden, decision, [0] * len(reqs))
         seconds = time.perf_counter() - start
-        req.cpu_s += cpu_seconds() - cpu  # before commit: the output snapshot reads it
+        share = (cpu_seconds() - cpu) / len(batch)
+        for req, _ in batch:  # before commit: the output snapshot reads it
+            req.cpu_s += share
         verdicts = decision.verdicts
-        verified = VerifyOutput(verdicts, targets, token_logprobs(raw, [req], verdicts))
-        (text,) = commit([req], [EMPTY_DRAFT], verified, self.drafter, self.outputs, 0.0, seconds)
-        return self._event(req, text)
+        verified = VerifyOutput(verdicts, targets, token_logprobs(raw, reqs, verdicts))
+        texts = commit(reqs, drafts, verified, self.drafter, self.outputs, 0.0, seconds)
+        return [self._event(r, t) for r, t in zip(reqs, texts, strict=True)]
+
+    def _first_mask(self, req: Request) -> torch.Tensor | None:
+        """The [1, W] grammar mask of `req`'s first token (None: unconstrained)."""
+        if req.grammar is None:
+            return None
+        mask = all_allowed(1, self.model.config.vocab_size)
+        req.grammar.fill(mask, 0)
+        return mask
 
     def _event(self, req: Request, text: str) -> Event:
         return Event(req, text, self.outputs.output(req))
