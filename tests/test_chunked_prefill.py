@@ -129,11 +129,29 @@ def test_prompts_admitted_together_share_a_prefill_pass(tiny_model_dir: Path, on
         assert out.outputs[0].logprobs == want.outputs[0].logprobs
 
 
+def test_prompts_that_share_a_block_run_one_after_another(tiny_model_dir: Path) -> None:
+    """Under the prefix cache, a prompt whose first block another prompt of the pass holds
+    waits for its pass and gets the hit; one that shares nothing joins the next pass."""
+    llm = LLM(model=str(tiny_model_dir), dtype="float32")
+    passes = _prefill_passes(llm)
+    shared = [(i * 5) % 250 for i in range(2 * BLOCK_TOKENS)]
+    prompts = [
+        {"prompt_token_ids": [*shared, 40, 41]},
+        {"prompt_token_ids": [*shared, 50]},
+        {"prompt_token_ids": [7] * 20},
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(prompts, [params] * 3)
+    assert outs[1].metrics.num_cached_tokens == 2 * BLOCK_TOKENS
+    assert passes == [(2 * BLOCK_TOKENS + 2,), (1, 20)]
+
+
 @pytest.mark.real_model
 def test_smollm2_chunks_and_prefix_hits_equal_one_cold_pass_bit_for_bit(smollm2_dir: Path) -> None:
     """In the default format (gguf, bf16 activations), where a batched prefill's rounding
-    depends on the pass: a prompt split into chunks, or served partly from the prefix cache,
-    gives the logprobs of the one-pass cold prefill, bit for bit."""
+    depends on the pass: a prompt split into chunks, served partly from the prefix cache, or
+    prefilled in one pass with other prompts, gives the logprobs of the one-pass cold prefill,
+    bit for bit."""
     text = " ".join(f"item {i} is {i * i}." for i in range(36))  # ~250 tokens
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
     cold = LLM(model=str(smollm2_dir), scheduler=SchedulerConfig(prefix_cache_tokens=0))
@@ -163,6 +181,10 @@ def test_smollm2_chunks_and_prefix_hits_equal_one_cold_pass_bit_for_bit(smollm2_
     batched = LLM(model=str(smollm2_dir), scheduler=ONE_PASS_PREFILL)
     (fast,) = batched.generate(text, params)
     assert fast.outputs[0].logprobs != want.outputs[0].logprobs  # the test can tell them apart
-    others = ["Name three colours.", text[: len(text) // 3]]
-    together = cold.generate([text, *others], [params] * 3)  # one prefill pass for all three
-    assert together[0].outputs[0].logprobs == want.outputs[0].logprobs
+    texts = ["Name three colours.", text[: len(text) // 4], "def add(a, b):"]
+    passes = _prefill_passes(cold)
+    together = cold.generate(texts, [params] * 3)
+    assert len(passes) == 1 and len(passes[0]) == 3  # one prefill pass for all three
+    for prompt, out in zip(texts, together, strict=True):
+        (alone,) = cold.generate(prompt, params)
+        assert out.outputs[0].logprobs == alone.outputs[0].logprobs

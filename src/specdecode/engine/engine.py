@@ -48,6 +48,12 @@ from specdecode.structured.grammars import Grammars
 from specdecode.structured.state import all_allowed
 from specdecode.types import RequestOutput
 
+# Prompts prefilled together fill passes of at most this many tokens (rows x the longest
+# chunk, padding included): many short prompts then cost a few passes instead of one each
+# (the per-pass overhead is what they cost on a small model), and padding stays bounded. On
+# a CPU a real model's prefill costs about the same per token in any batch shape.
+PREFILL_PASS = 256
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -217,9 +223,9 @@ class Engine:
         decode); a request whose prompt is all in is given its first token. While other rows
         decode, the step prefills at most as many prompt tokens as they verify (at least one
         block, within the step's budget): their pace at most halves. A drafter that reads the
-        target's hidden states gets each prompt whole. Prompts run together in one pass
-        (within `max_num_batched_tokens`, the first whole) where each token attends by
-        itself (`_exact_prefill`), else one per pass."""
+        target's hidden states gets each prompt whole. Prompts that cannot share a cached
+        prefix share a pass instead (`_joins`; at most `PREFILL_PASS` tokens, padding
+        included)."""
         running = self.scheduler.running
         decoding = sum(not r.prefilling for r in running)
         config = self.scheduler.config
@@ -229,26 +235,40 @@ class Engine:
             room = config.max_num_batched_tokens - verify
             budget = max(BLOCK_TOKENS, min(verify, room))
         events: list[Event] = []
-        batch: list[tuple[Request, int]] = []  # (request, chunk) of rows decoding, decoding + 1..
-        total = 0
+        batch: list[tuple[Request, int]] = []  # (request, chunk) of rows first, first + 1, ...
+        first = decoding
         for row in range(decoding, len(running)):
             req = running[row]
+            if batch and not self._joins(req, batch):
+                events += self._prefill(first, batch)
+                first, batch = row, []
             left = self._start_prefill(req, row)
             chunk = left if budget is None else min(left, budget)
-            if chunk < 1 or (batch and total + chunk > config.max_num_batched_tokens):
+            if chunk < 1:
                 break  # the budget is spent: later prompts wait (they finish in order)
+            if batch and max(chunk, *(c for _, c in batch)) * (len(batch) + 1) > PREFILL_PASS:
+                events += self._prefill(first, batch)
+                first, batch = row, []
             batch.append((req, chunk))
-            total += chunk
             if budget is not None:
                 budget -= chunk
             if chunk < left:
                 break  # its prompt goes on next step; later prompts wait behind it
-            if not self._exact_prefill:
-                events += self._prefill(decoding, batch)
-                decoding, batch = decoding + len(batch), []
         if batch:
-            events += self._prefill(decoding, batch)
+            events += self._prefill(first, batch)
         return events
+
+    def _joins(self, req: Request, batch: list[tuple[Request, int]]) -> bool:
+        """Whether `req` may be prefilled in one pass with the requests of `batch`: under
+        per-token attention (`_exact_prefill`), and only when its first block of prompt
+        tokens differs from each of theirs, so no earlier prompt of the pass could have given
+        it a prefix cache hit (those share a first block: they run one after another)."""
+        if not self._exact_prefill:
+            return False
+        head = req.prefill_ids[:BLOCK_TOKENS]
+        if len(head) < BLOCK_TOKENS or self.prefix_cache is None:
+            return True  # no full block: nothing to share
+        return all(other.prefill_ids[:BLOCK_TOKENS] != head for other, _ in batch)
 
     @property
     def _exact_prefill(self) -> bool:
