@@ -129,7 +129,10 @@ class Eagle3Head(nn.Module):
         self.mask_embed: Tensor | None = weights.get("mask_embed")
         self.mask_hidden: Tensor | None = weights.get("mask_hidden")
         device = weights["norm.weight"].device
-        self.rotary = Rotary(cfg.layer.head_dim, cfg.layer.rope_theta, max_positions).to(device)
+        layer = cfg.layer
+        self.rotary = Rotary(
+            layer.head_dim, layer.rope_theta, max_positions, layer.rope_scaling
+        ).to(device)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -86,7 +86,12 @@ class Eagle3HeadConfig:
         """The head EAGLE-3 trains for `target`: one layer of the target's own shape
         (`parallel_tokens` > 0: a parallel head drafting that many tokens a pass)."""
         layer = replace(
-            target, num_layers=1, architecture="llama", qkv_bias=False, tie_word_embeddings=False
+            target,
+            num_layers=1,
+            architecture="llama",
+            qkv_bias=False,
+            tie_word_embeddings=False,
+            qk_norm=False,
         )
         return cls(
             layer,

@@ -1,4 +1,4 @@
-"""Convert a GGUF file (Llama / Qwen2) once into a Hugging Face-style folder.
+"""Convert a GGUF file (Llama, Qwen2, Qwen3) once into a Hugging Face-style folder.
 
 The folder holds config.json, model.safetensors (bf16, HF tensor names), tokenizer.json,
 tokenizer_config.json and generation_config.json, so both specdecode and Hugging Face
@@ -21,8 +21,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdecode.errors import ModelNotFoundError, UserError
-from specdecode.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from specdecode.model.config import ARCHITECTURES, ModelConfig
 from specdecode.model.gguf_tensors import GgufTensors
+
+# GGUF architectures we read (llama.cpp writes Mistral models as "llama").
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -34,6 +37,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -72,8 +77,8 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     """ModelConfig from GGUF metadata (`{arch}.block_count`, ...)."""
     meta = gguf_metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    if arch not in GGUF_ARCHITECTURES:
+        supported = ", ".join(GGUF_ARCHITECTURES)
         raise UserError(f"unsupported GGUF architecture {arch!r}; supported: {supported}")
     names = {t.name for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -95,6 +100,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
             max_position_embeddings=int(meta[f"{arch}.context_length"]),
             qkv_bias="blk.0.attn_q.bias" in names,
             tie_word_embeddings="output.weight" not in names,
+            qk_norm=ARCHITECTURES[arch].qk_norm,
         )
     except (KeyError, TypeError) as err:
         raise UserError(f"GGUF metadata lacks a required field: {err}") from err
@@ -118,7 +124,9 @@ def _hf_name(gguf_name: str) -> str:
     parts = gguf_name.split(".", 2)
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    raise UserError(f"unexpected tensor {gguf_name!r} in GGUF file (not a Llama/Qwen2 tensor)")
+    raise UserError(
+        f"unexpected tensor {gguf_name!r} in GGUF file (not a Llama, Qwen2 or Qwen3 tensor)"
+    )
 
 
 def iter_hf_tensors(
@@ -131,7 +139,10 @@ def iter_hf_tensors(
     exactly, and yield it under its Hugging Face name."""
     for t in tqdm(reader.tensors, desc="convert", unit="tensor", disable=not progress):
         if t.name == "rope_freqs.weight":
-            raise UserError("GGUF has rope_freqs (scaled RoPE); only the default RoPE is supported")
+            raise UserError(
+                "GGUF has rope_freqs (Llama 3.x's scaled RoPE): not read from GGUF yet; "
+                "a Hugging Face folder of the model (rope_scaling llama3) runs"
+            )
         name = _hf_name(t.name)
         if name in skip:
             continue

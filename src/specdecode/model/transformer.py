@@ -1,4 +1,5 @@
-"""A native Llama-family decoder (Llama, Qwen2): RMSNorm, RoPE, GQA, SwiGLU, optional qkv bias.
+"""A native Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3): RMSNorm, RoPE (Llama 3's
+frequency scaling), GQA, SwiGLU, optional qkv bias, optional q/k head norms.
 
 `Transformer.forward` maps tokens to logits and hidden states. It never samples, never
 tokenizes and never changes its own config; all generation state lives in the `KVCache`.
@@ -6,6 +7,8 @@ tokenizes and never changes its own config; all generation state lives in the `K
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,10 +20,12 @@ from specdecode import kernels
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
 from specdecode.errors import UserError
-from specdecode.model.config import ModelConfig
+from specdecode.model.config import ModelConfig, RopeScaling
 from specdecode.model.gguf_linear import REQUANTIZED, GgufWeight, cat_weights
 from specdecode.model.linear import make_linear
 from specdecode.model.quant import AUTO, parse_quantization
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -42,12 +47,28 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def llama3_frequencies(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
+    """Llama 3.x's scaled RoPE frequencies ([D / 2]): long wavelengths (beyond the original
+    context / low_freq_factor) slowed down `factor` times, short ones (below the original
+    context / high_freq_factor) kept, and the band between blended linearly in
+    original context / wavelength."""
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long, 1: short
+    return inv_freq * (blend + (1.0 - blend) / scaling.factor)
+
+
 class Rotary(nn.Module):
     """RoPE (rotate-half convention) with cos/sin tables kept in fp32 whatever the model dtype."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None
+    ) -> None:
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        if scaling is not None:
+            inv_freq = llama3_frequencies(inv_freq, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1).float()  # [P, D]
         self.register_buffer("cos", angles.cos(), persistent=False)  # [P, D] fp32
@@ -155,6 +176,10 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(weight, bias, quantization)
         self.qkv_sizes = (cfg.num_heads * cfg.head_dim, *[cfg.num_kv_heads * cfg.head_dim] * 2)
         self.o_proj = make_linear(w[f"{prefix}o_proj.weight"], quantization=quantization)
+        self.q_norm = self.k_norm = None  # Qwen3: each q and k head RMS-normed before RoPE
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(w[f"{prefix}q_norm.weight"], cfg.rms_norm_eps)  # [D]
+            self.k_norm = RMSNorm(w[f"{prefix}k_norm.weight"], cfg.rms_norm_eps)  # [D]
         # Projections that give a token the same bits whatever else is in the pass: with the
         # per-query attention kernel, the whole layer then does.
         row_exact = self.qkv_proj.row_exact and self.o_proj.row_exact
@@ -177,6 +202,8 @@ class Attention(nn.Module):
     ) -> Tensor:  # [B, T, hidden]
         batch, num_new, _ = x.shape
         qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) D]
+        if self.q_norm is not None:
+            self._norm_heads(qkv)
         if self.native_rope:
             kernels.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads)  # q and k heads
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)  # [B, T, (H|Hkv) * D]
@@ -202,6 +229,17 @@ class Attention(nn.Module):
             keys, values = cache.read(layer, k, v)  # [B, Hkv, S, D]
             out = _attention(q, keys, values, view.mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
+
+    def _norm_heads(self, qkv: Tensor) -> None:
+        """RMS-norm each q and k head of `qkv` ([B, T, (H + 2 Hkv) D]) in place."""
+        batch, num_new, _ = qkv.shape
+        start = 0
+        for heads, norm in ((self.num_heads, self.q_norm), (self.num_kv_heads, self.k_norm)):
+            assert norm is not None  # both or neither
+            end = start + heads * self.head_dim
+            part = qkv[..., start:end].reshape(batch, num_new, heads, self.head_dim)
+            qkv[..., start:end] = norm(part.contiguous()).view(batch, num_new, -1)
+            start = end
 
 
 class MLP(nn.Module):
@@ -251,6 +289,10 @@ class Block(nn.Module):
         projections = [getattr(part, "projection", None) for part in parts]
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if not attn.native_rope or None in projections or not all(n.native for n in norms):
+            return None
+        if attn.q_norm is not None:
+            if self.layer == 0:
+                log.info("the native decoder layer has no q/k head norms: layers run part by part")
             return None
         return kernels.decoder_layer(
             self.input_layernorm.weight,
@@ -330,9 +372,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps)
         head = weights.get("lm_head.weight", embed)  # tied: may be absent
         self.lm_head = make_linear(head, quantization=HEAD_FORMAT[self.quantization])
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(
-            embed.device
-        )
+        self.rotary = Rotary(
+            cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
+        ).to(embed.device)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,0 +1,216 @@
+"""Architectures beyond the two the rest of the suite runs (Llama, Qwen2): Llama 3.x's RoPE
+scaling, Mistral and Qwen3's q/k head norms, each a tiny random Hugging Face model built
+offline. fp32 logits equal transformers' over 64 tokens, greedy output is transformers',
+speculation (ngram, a draft model) gives plain's tokens, in fp32 and bit for bit in int8 and
+gguf, and configs we cannot run yet are refused with what is wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny_tokenizer import make_byte_tokenizer
+from transformers import AutoModelForCausalLM
+
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.errors import UserError
+from specdecode.llm import LLM
+from specdecode.model.config import ModelConfig, RopeScaling
+from specdecode.model.loading import load_model
+from specdecode.model.transformer import Rotary, llama3_frequencies
+from specdecode.sampling_params import SamplingParams
+
+VOCAB = 320
+CONTEXT = 256
+SIZES: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": CONTEXT,
+}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+# model_type -> the config's own fields beside SIZES
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": (
+        "llama",
+        {"rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING, "tie_word_embeddings": True},
+    ),
+    "mistral": ("mistral", {"rope_theta": 10000.0, "sliding_window": None}),
+    "qwen3": ("qwen3", {"rope_theta": 10000.0, "head_dim": 32, "tie_word_embeddings": True}),
+}
+
+
+def build(path: Path, name: str, seed: int = 0) -> Path:
+    """A tiny random model of architecture `name` (a key of ARCHITECTURES) in `path`."""
+    from transformers import AutoConfig
+
+    model_type, fields = ARCHITECTURES[name]
+    config = AutoConfig.for_model(model_type, **SIZES, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # sharper logits: greedy paths well apart (tied heads: not the head)
+        model.model.norm.weight.mul_(8.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(8.0)
+            layer.mlp.down_proj.weight.mul_(8.0)
+    model.save_pretrained(path)
+    make_byte_tokenizer(path, vocab_size=VOCAB)
+    return path
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def arch_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _tokens(seed: int, length: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_config_reads_the_architectures_choices(arch_dir: Path) -> None:
+    cfg = ModelConfig.from_folder(arch_dir)
+    if cfg.architecture == "qwen3":
+        assert cfg.qk_norm and cfg.head_dim == 32 and not cfg.qkv_bias
+    if arch_dir.name.startswith("llama3"):
+        assert cfg.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 64)
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg  # what convert writes reads back
+
+
+def test_fp32_logits_equal_transformers_over_64_tokens(arch_dir: Path) -> None:
+    """64 tokens, past the llama3 scaling's original context (64 / 4 = 16 tokens' wavelength
+    and beyond are scaled), as one prefill and as prefill + one-token steps."""
+    ours = load_model(arch_dir, dtype="float32")
+    ref = AutoModelForCausalLM.from_pretrained(arch_dir, dtype=torch.float32).eval()
+    tokens = _tokens(1, 64)
+    with torch.no_grad():
+        want = ref(tokens).logits  # [1, 64, V]
+    cache = ours.new_cache(1, 64)
+    logits, _ = ours(tokens, AttentionMetadata.prefill([64], "cpu"), cache)
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    cache = ours.new_cache(1, 64)
+    ours(tokens[:, :40], AttentionMetadata.prefill([40], "cpu"), cache)
+    for t in range(40, 64):
+        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [t], [1], "cpu")
+        step, _ = ours(tokens[:, t : t + 1], meta, cache)
+        torch.testing.assert_close(step[:, 0], want[:, t], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_32_tokens_equal_transformers(arch_dir: Path) -> None:
+    ref = AutoModelForCausalLM.from_pretrained(arch_dir, dtype=torch.float32).eval()
+    llm = LLM(str(arch_dir), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for seed in (2, 3, 4):
+        prompt = _tokens(seed, 12)
+        with torch.no_grad():
+            out = ref.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None)
+        (ours,) = llm.generate({"prompt_token_ids": prompt[0].tolist()}, params)
+        assert list(ours.token_ids) == out[0, 12:].tolist()
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8", "gguf"])
+def test_speculation_gives_plain_output(
+    arch_dir: Path, tmp_path_factory: pytest.TempPathFactory, fmt: str
+) -> None:
+    """ngram (chain and tree) and, in fp32 and int8, a draft model of the same architecture,
+    alone and in a batch of three; in int8 and gguf (quantized q|k|v, q/k norms read from
+    model.gguf) bit for bit: the q/k norms run part by part, every projection stays
+    row-exact."""
+    from gguf_cases import build_tiny_gguf
+
+    name = next(n for n in ARCHITECTURES if arch_dir.name.startswith(n))
+    folder, weights = arch_dir, {"dtype": "float32"}
+    if fmt != "float32":
+        weights = {"dtype": "bfloat16", "quantization": fmt}
+    if fmt == "gguf":
+        folder = build_tiny_gguf(arch_dir, tmp_path_factory.mktemp(f"gguf_{name}") / "model")
+    prompts = [{"prompt_token_ids": ids} for ids in ([5, 6, 7, 5, 6, 7, 5, 6] * 2, [9, 1] * 3)]
+    prompts.append({"prompt_token_ids": _tokens(5, 20)[0].tolist()})
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    plain = LLM(str(folder), **weights)
+    want = plain.generate(prompts, params)
+    configs: list[dict[str, Any]] = [
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "tree_width": 2},
+    ]
+    if fmt != "gguf":
+        draft = build(tmp_path_factory.mktemp(f"draft_{name}"), name, seed=1)
+        configs.append({"model": str(draft), "num_speculative_tokens": 3})
+    for config in configs:
+        spec = plain.with_speculative_config(config)
+        got = spec.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], config
+        if fmt != "float32":
+            assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+        (alone,) = spec.generate(prompts[2], params)
+        assert alone.token_ids == want[2].token_ids
+
+
+def test_llama3_frequencies_follow_the_three_bands() -> None:
+    """Short wavelengths kept, long ones divided by the factor, the band between blended."""
+    scaling = RopeScaling(8.0, 1.0, 4.0, 64)
+    inv_freq = torch.tensor([1.0, 0.2, 0.05, 0.001], dtype=torch.float64)
+    # wavelengths 6.3 (< 64 / 4: kept), 31.4 (between 16 and 64), 126 and 6283 (> 64: / 8)
+    got = llama3_frequencies(inv_freq, scaling)
+    blend = (64 / (2 * torch.pi / 0.2) - 1.0) / 3.0
+    want = [1.0, 0.2 * (blend + (1 - blend) / 8), 0.05 / 8, 0.001 / 8]
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64))
+    plain, scaled = Rotary(16, 500000.0, 8), Rotary(16, 500000.0, 8, scaling)
+    assert torch.equal(plain.sin[:, 0], scaled.sin[:, 0])  # the fastest frequency: kept
+    torch.testing.assert_close(scaled.sin[1:, 7], plain.sin[1:, 7] / 8)  # the slowest: / 8
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"model_type": "mistral", "sliding_window": 64}, "sliding-window attention"),
+        (
+            {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 32},
+            "sliding_window=32 < max_position_embeddings=256",
+        ),
+        ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        (
+            {"model_type": "llama", "rope_scaling": {**LLAMA3_SCALING, "high_freq_factor": 0.5}},
+            "high_freq_factor > low_freq_factor",
+        ),
+        ({"model_type": "gemma3_text"}, "supported: llama, mistral, qwen2, qwen3"),
+    ],
+)
+def test_configs_we_cannot_run_are_refused(fields: dict[str, Any], message: str) -> None:
+    cfg = {
+        "num_attention_heads": 4,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": CONTEXT,
+        **fields,
+    }
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_a_window_that_covers_the_context_runs() -> None:
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "model_type": "mistral",
+            "sliding_window": CONTEXT,
+            "num_attention_heads": 4,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "vocab_size": VOCAB,
+            "max_position_embeddings": CONTEXT,
+        }
+    )
+    assert cfg.architecture == "mistral"
