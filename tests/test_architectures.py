@@ -187,30 +187,10 @@ def test_llama3_frequencies_follow_the_three_bands() -> None:
     ],
 )
 def test_configs_we_cannot_run_are_refused(fields: dict[str, Any], message: str) -> None:
-    cfg = {
-        "num_attention_heads": 4,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": CONTEXT,
-        **fields,
-    }
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
-        ModelConfig.from_hf_dict(cfg)
+        ModelConfig.from_hf_dict({**SIZES, **fields})
 
 
 def test_a_window_that_covers_the_context_runs() -> None:
-    cfg = ModelConfig.from_hf_dict(
-        {
-            "model_type": "mistral",
-            "sliding_window": CONTEXT,
-            "num_attention_heads": 4,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "vocab_size": VOCAB,
-            "max_position_embeddings": CONTEXT,
-        }
-    )
-    assert cfg.architecture == "mistral"
+    cfg = ModelConfig.from_hf_dict({**SIZES, "model_type": "mistral", "sliding_window": CONTEXT})
+    assert cfg.architecture == "mistral" and cfg.max_position_embeddings == CONTEXT

@@ -32,7 +32,9 @@ def test_unsupported_architecture(tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = json.loads((folder / "config.json").read_text())
     cfg["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"unsupported architecture 'mamba'.*llama, qwen2"):
+    with pytest.raises(
+        ValueError, match=r"unsupported architecture 'mamba'.*llama, mistral, qwen2, qwen3"
+    ):
         load_model(folder)
 
 
