@@ -1,8 +1,8 @@
 """The engine owns the target, a drafter, the scheduler and the output processor, and runs
 requests with continuous batching: `add` queues a request, `abort` cancels one, and each
-`step` lets waiting requests join (each into its own cache row; prompts admitted together
-are prefilled in one pass) and then drafts, verifies and commits once for every running
-request.
+`step` lets waiting requests join (each into its own cache row; short prompts that share no
+cached block may share a prefill pass) and then drafts, verifies and commits once for every
+running request.
 
 Losslessness per request: a prefill pass attends each row's tokens by themselves (DECODE
 mode; with prefix caching and chunked prefill both off, each prompt is one PREFILL pass
@@ -350,9 +350,9 @@ class Engine:
     def _prefill(self, first: int, batch: list[tuple[Request, int]]) -> list[Event]:
         """Prefill the next `chunk` tokens of each request's `prefill_ids` into cache rows
         `first`, `first` + 1, ... in one pass; each request whose prompt is then all in draws
-        its first token (`decide`, with an empty draft), commits it and gets an event. None
-        for a request with tokens left, or resuming after a preemption (its next step feeds
-        its last token)."""
+        its first token (`decide`, with an empty draft), commits it and gets an event. No
+        event for a request with tokens left, or resuming after a preemption (its next step
+        feeds its last token)."""
         assert self.cache is not None  # _new_rows made it
         start, cpu = time.perf_counter(), cpu_seconds()
         device = self.model.device
