@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,34 +55,34 @@ def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     kernels.available.cache_clear()
 
 
-def build_tiny_model(path: Path, architecture: str, seed: int = 0, context: int = 256) -> Path:
-    """Save a tiny random Hugging Face model (+ a byte-level tokenizer) into `path`, with a
-    `context` of tokens."""
+def build_tiny_model(
+    path: Path, architecture: str, seed: int = 0, context: int = 256, **fields: Any
+) -> Path:
+    """Save a tiny random Hugging Face model of `architecture` (its `model_type`; `fields`
+    set or override config fields) and a byte-level tokenizer into `path`, with a `context`
+    of tokens."""
     from tiny_tokenizer import make_byte_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    }[architecture]
-    cfg = config_cls(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=context,
-        rope_theta=5000.0,
-        tie_word_embeddings=architecture == "llama",
-    )
+    sizes = {
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": context,
+        "rope_theta": 5000.0,
+        "tie_word_embeddings": architecture == "llama",
+    }
+    cfg = AutoConfig.for_model(architecture, **{**sizes, **fields})
     torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg).eval()
     # Random init gives near-uniform logits; sharpen them so greedy paths are well separated.
     # A tied head cannot be scaled alone (it would scale the embeddings too, and the model then
     # just repeats its input token): scale the final norm and the residual branches instead.
     with torch.no_grad():
-        if architecture == "llama":
+        if cfg.tie_word_embeddings:
             model.model.norm.weight.mul_(8.0)
             for layer in model.model.layers:
                 layer.self_attn.o_proj.weight.mul_(8.0)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_tokenizer import make_byte_tokenizer
+from conftest import TINY_VOCAB, build_tiny_model
 from transformers import AutoModelForCausalLM
 
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
@@ -22,7 +22,7 @@ from specdecode.model.loading import load_model
 from specdecode.model.transformer import Rotary, llama3_frequencies
 from specdecode.sampling_params import SamplingParams
 
-VOCAB = 320
+VOCAB = TINY_VOCAB
 CONTEXT = 256
 SIZES: dict[str, Any] = {
     "vocab_size": VOCAB,
@@ -46,27 +46,15 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "llama",
         {"rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING, "tie_word_embeddings": True},
     ),
-    "mistral": ("mistral", {"rope_theta": 10000.0, "sliding_window": None}),
+    "mistral": ("mistral", {"rope_theta": 10000.0, "sliding_window": None}),  # untied head
     "qwen3": ("qwen3", {"rope_theta": 10000.0, "head_dim": 32, "tie_word_embeddings": True}),
 }
 
 
 def build(path: Path, name: str, seed: int = 0) -> Path:
     """A tiny random model of architecture `name` (a key of ARCHITECTURES) in `path`."""
-    from transformers import AutoConfig
-
     model_type, fields = ARCHITECTURES[name]
-    config = AutoConfig.for_model(model_type, **SIZES, **fields)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # sharper logits: greedy paths well apart (tied heads: not the head)
-        model.model.norm.weight.mul_(8.0)
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(8.0)
-            layer.mlp.down_proj.weight.mul_(8.0)
-    model.save_pretrained(path)
-    make_byte_tokenizer(path, vocab_size=VOCAB)
-    return path
+    return build_tiny_model(path, model_type, seed, CONTEXT, **fields)
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))

@@ -212,9 +212,7 @@ class Engine:
                 self.model, cache, rows, self.drafter, st, self.outputs, self.draft_length
             )
             self.cache.take_lengths(cache)
-            share = (cpu_seconds() - cpu) / decoding
-            for req in rows:
-                req.cpu_s += share
+            _charge(rows, cpu)
             events += [self._event(r, t) for r, t in zip(rows, texts, strict=True)]
         return [e for e in events if e.text or e.output.finished]
 
@@ -379,9 +377,7 @@ class Engine:
             if req.num_computed_tokens == len(req.prefill_ids) and not req.output_ids:
                 ready.append(index)
         if not ready:
-            share = (cpu_seconds() - cpu) / len(batch)
-            for req in reqs:
-                req.cpu_s += share
+            _charge(reqs, cpu)
             return []
         reqs = [reqs[i] for i in ready]
         picked = torch.tensor(ready, device=device)
@@ -400,9 +396,7 @@ class Engine:
         hidden = None if hidden is None else hidden[picked]  # [R, T, F]
         targets = target_outputs(needs, starts, kept, hidden, decision, [0] * len(reqs))
         seconds = time.perf_counter() - start
-        share = (cpu_seconds() - cpu) / len(batch)
-        for req, _ in batch:  # before commit: the output snapshot reads it
-            req.cpu_s += share
+        _charge([req for req, _ in batch], cpu)  # before commit: the output snapshot reads it
         verdicts = decision.verdicts
         verified = VerifyOutput(verdicts, targets, token_logprobs(raw, reqs, verdicts))
         texts = commit(reqs, drafts, verified, self.drafter, self.outputs, 0.0, seconds)
@@ -440,6 +434,13 @@ class Engine:
         self.drafter.release(request_id)
         self.draft_length.release(request_id)
         self.outputs.release(request_id)
+
+
+def _charge(reqs: list[Request], cpu: float) -> None:
+    """Share the CPU seconds spent since `cpu` (`cpu_seconds()`) evenly among `reqs`."""
+    share = (cpu_seconds() - cpu) / len(reqs)
+    for req in reqs:
+        req.cpu_s += share
 
 
 def _prefix_cache(config: SchedulerConfig) -> PrefixCache | None:
