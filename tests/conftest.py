@@ -82,7 +82,15 @@ def build_tiny_model(
     # A tied head cannot be scaled alone (it would scale the embeddings too, and the model then
     # just repeats its input token): scale the final norm and the residual branches instead.
     with torch.no_grad():
-        if cfg.tie_word_embeddings:
+        if architecture.startswith("gemma"):
+            # Gemma's norms multiply by 1 + w (w starts at 0): w drawn around 0, so that the
+            # convention shows, and the final norm near 8; its sublayers' outputs are normed,
+            # which a scaled branch would not survive
+            for name, weight in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    weight.normal_(0.0, 0.3)
+            model.model.norm.weight.add_(7.0)
+        elif cfg.tie_word_embeddings:
             model.model.norm.weight.mul_(8.0)
             for layer in model.model.layers:
                 layer.self_attn.o_proj.weight.mul_(8.0)

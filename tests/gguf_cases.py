@@ -11,7 +11,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 
-from specdecode.model.convert import _GLOBAL_NAMES, _LAYER_NAMES
+from specdecode.model.config import ModelConfig
+from specdecode.model.convert import _GLOBAL_NAMES, layer_names
 from specdecode.model.gguf_linear import PROJECTIONS
 
 T = GGMLQuantizationType
@@ -84,15 +85,19 @@ def build_tiny_gguf(model_dir: Path, out: Path) -> Path:
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).astype(np.float32)
     name = "token_embd.weight" if cfg.get("tie_word_embeddings") else "output.weight"
     writer.add_tensor(name, quantize(head, T.Q8_0), raw_dtype=T.Q8_0)
+    ours = ModelConfig.from_folder(model_dir)
     hf_names = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()} | {
         f"model.layers.{i}.{hf}": f"blk.{i}.{gguf}"
         for i in range(cfg["num_hidden_layers"])
-        for gguf, hf in _LAYER_NAMES.items()
+        for gguf, hf in layer_names(ours).items()
     }
     for hf, w in weights.items():  # embedding (untied), norms, biases in fp32
         projection = hf.endswith(".weight") and hf.rsplit(".", 2)[-2].endswith("_proj")
         if not projection and hf_names[hf] != name:
-            writer.add_tensor(hf_names[hf], w.astype(np.float32))
+            w = w.astype(np.float32)
+            if ours.gemma and hf.endswith("norm.weight"):
+                w = w + np.float32(1.0)  # llama.cpp stores Gemma's norms as 1 + w
+            writer.add_tensor(hf_names[hf], w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

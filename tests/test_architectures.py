@@ -1,8 +1,9 @@
 """Architectures beyond the two the rest of the suite runs (Llama, Qwen2): Llama 3.x's RoPE
-scaling, Mistral and Qwen3's q/k head norms, each a tiny random Hugging Face model built
-offline. fp32 logits equal transformers' over 64 tokens, greedy output is transformers',
-speculation (ngram, a draft model) gives plain's tokens, in fp32 and bit for bit in int8 and
-gguf, and configs we cannot run yet are refused with what is wrong."""
+scaling, Mistral, Qwen3's q/k head norms and Gemma 3 (its norms, GeGLU, embedding scale,
+sliding-window layers with their own RoPE base, query scale, soft-capping), each a tiny random
+Hugging Face model built offline. fp32 logits equal transformers' over 64 tokens, greedy
+output is transformers', speculation (ngram, a draft model) gives plain's tokens, in fp32 and
+bit for bit in int8 and gguf, and configs we cannot run yet are refused with what is wrong."""
 
 from __future__ import annotations
 
@@ -48,6 +49,21 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "mistral": ("mistral", {"rope_theta": 10000.0, "sliding_window": None}),  # untied head
     "qwen3": ("qwen3", {"rope_theta": 10000.0, "head_dim": 32, "tie_word_embeddings": True}),
+    # Gemma 3: a window of 16 on layers 0 and 2 (so 64 tokens run far past it), a local RoPE
+    # base, a query scale other than head_dim's, logit soft-capping (Gemma 2's; Gemma 3 has
+    # none), tied head
+    "gemma3": (
+        "gemma3_text",
+        {
+            "head_dim": 16,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_theta": 20000.0,
+            "rope_local_base_freq": 100.0,
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
 }
 
 
@@ -72,6 +88,11 @@ def test_the_config_reads_the_architectures_choices(arch_dir: Path) -> None:
         assert cfg.qk_norm and cfg.head_dim == 32 and not cfg.qkv_bias
     if arch_dir.name.startswith("llama3"):
         assert cfg.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 64)
+    if cfg.architecture == "gemma3_text":
+        assert cfg.gemma and cfg.qk_norm and cfg.activation == "gelu_tanh"
+        assert (cfg.sliding_window, cfg.sliding_layers) == (16, (0, 2))
+        assert (cfg.rope_theta, cfg.local_rope_theta) == (20000.0, 100.0)
+        assert cfg.attention_scale == 24**-0.5 and cfg.logit_softcap == 30.0
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg  # what convert writes reads back
 
 
@@ -161,17 +182,27 @@ def test_llama3_frequencies_follow_the_three_bands() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"model_type": "mistral", "sliding_window": 64}, "sliding-window attention"),
-        (
-            {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 32},
-            "sliding_window=32 < max_position_embeddings=256",
-        ),
         ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
         (
             {"model_type": "llama", "rope_scaling": {**LLAMA3_SCALING, "high_freq_factor": 0.5}},
             "high_freq_factor > low_freq_factor",
         ),
-        ({"model_type": "gemma3_text"}, "supported: llama, mistral, qwen2, qwen3"),
+        ({"model_type": "gemma2"}, "supported: llama, mistral, qwen2, qwen3, gemma3_text"),
+        ({"model_type": "llama", "hidden_act": "gelu"}, "supported: silu, gelu_pytorch_tanh"),
+        (
+            {"model_type": "gemma3_text", "sliding_window": 8, "layer_types": ["local"] * 3},
+            "layer_types must name 3 layers",
+        ),
+        (
+            {
+                "model_type": "gemma3_text",
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "linear", "factor": 8.0},
+                },
+            },
+            "of the sliding layers",
+        ),
     ],
 )
 def test_configs_we_cannot_run_are_refused(fields: dict[str, Any], message: str) -> None:
@@ -179,6 +210,33 @@ def test_configs_we_cannot_run_are_refused(fields: dict[str, Any], message: str)
         ModelConfig.from_hf_dict({**SIZES, **fields})
 
 
-def test_a_window_that_covers_the_context_runs() -> None:
-    cfg = ModelConfig.from_hf_dict({**SIZES, "model_type": "mistral", "sliding_window": CONTEXT})
-    assert cfg.architecture == "mistral" and cfg.max_position_embeddings == CONTEXT
+@pytest.mark.parametrize(
+    ("fields", "window", "sliding"),
+    [
+        ({"model_type": "mistral", "sliding_window": CONTEXT}, None, ()),  # covers the context
+        ({"model_type": "mistral", "sliding_window": 64}, 64, (0, 1, 2)),
+        ({"model_type": "qwen3", "sliding_window": 32}, None, ()),  # use_sliding_window off
+        (
+            {
+                "model_type": "qwen3",
+                "use_sliding_window": True,
+                "sliding_window": 32,
+                "max_window_layers": 1,
+            },
+            32,
+            (1, 2),
+        ),
+        (
+            {"model_type": "gemma3_text", "sliding_window": 8, "sliding_window_pattern": 2},
+            8,
+            (0, 2),
+        ),
+        ({"model_type": "llama", "sliding_window": 8}, None, ()),  # Llama has none
+    ],
+)
+def test_the_config_says_which_layers_slide(
+    fields: dict[str, Any], window: int | None, sliding: tuple[int, ...]
+) -> None:
+    cfg = ModelConfig.from_hf_dict({**SIZES, **fields})
+    assert (cfg.sliding_window, cfg.sliding_layers) == (window, sliding)
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg

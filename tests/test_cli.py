@@ -45,8 +45,9 @@ def test_generate_with_a_constraint(
 def test_models_lists_every_alias(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    for alias in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+    for alias in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"):
         assert alias in out
+    assert "LicenseRef-Gemma-Terms-of-Use" in out
 
 
 def test_generate_with_speculative_config_reports_spec_metrics(

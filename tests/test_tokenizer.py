@@ -186,9 +186,57 @@ def test_qwen2_normalizes_to_nfc(tmp_path: Path) -> None:
     assert qwen.encode("e\u0301", add_special_tokens=False) == qwen.encode("é", False)
 
 
+def write_tiny_sentencepiece_gguf(path: Path) -> Path:
+    """A GGUF holding a tiny Gemma-style SentencePiece vocabulary: control tokens, a
+    user-defined newline, the 256 byte tokens and a few scored pieces ("▁" is a space)."""
+    controls = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    pieces = {  # piece: score (a merge's rank is its result's score)
+        "h": -20.0, "e": -21.0, "l": -22.0, "o": -23.0, "▁": -24.0, "w": -25.0, "r": -26.0,
+        "d": -27.0, "he": -1.0, "ll": -2.0, "llo": -3.0, "hello": -4.0, "▁hello": -5.0,
+        "or": -6.0, "▁w": -7.0, "<e": -8.0,
+    }  # fmt: skip
+    tokens = [*controls, "\n", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    writer = gguf.GGUFWriter(path, arch="gemma3")
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-1000.0] * 7 + [0.0] * 256 + list(pieces.values()))
+    writer.add_token_types([3] * len(controls) + [4] + [6] * 256 + [1] * len(pieces))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_sentencepiece_gguf_matches_transformers(tmp_path: Path) -> None:
+    """Merges rebuilt from the scores, byte fallback for text without pieces, control tokens
+    whole (never merged into: '<e' + ... stays apart from '<end_of_turn>'), Gemma's end of
+    turn among the eos ids, and Gemma's chat template for a file without one."""
+    path = write_tiny_sentencepiece_gguf(tmp_path / "spm.gguf")
+    ours = tokenizer_from_gguf(gguf.GGUFReader(path))
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    texts = ["hello world", " hello", "héllo\nwörld", "<start_of_turn>hello<end_of_turn>", "<e"]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == text.replace("<start_of_turn>", "").replace("<end_of_turn>", "")
+    assert ours.encode(" hello", add_special_tokens=False) == [ours.token_to_id("▁hello")]
+    assert [ours.id_to_token(i) for i in ours.eos_token_ids] == ["<eos>", "<end_of_turn>"]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    assert ours.apply_chat_template(chat) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nhello<end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("model", "pre", "message"),
-    [("llama", "gpt2", "'llama' is not supported"), ("gpt2", "mystery", "'mystery' is not")],
+    [("bert", "gpt2", "'bert' is not supported"), ("gpt2", "mystery", "'mystery' is not")],
 )
 def test_unsupported_gguf_tokenizers(tmp_path: Path, model: str, pre: str, message: str) -> None:
     path = write_tiny_gguf(tmp_path / "bad.gguf", model=model, pre=pre)

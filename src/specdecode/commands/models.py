@@ -13,13 +13,16 @@ def add_models_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_models(args: argparse.Namespace) -> int:
-    """Print one line per alias: pulled or not, size, and its folder or description."""
-    print(f"{'alias':<22} {'pulled':<7} {'size':>9}  path / description")
+    """Print one line per alias: pulled or not, size, the weights' license, and its folder or
+    description."""
+    width = max(len(spec.license) for spec in ALIASES.values())
+    print(f"{'alias':<22} {'pulled':<7} {'size':>9}  {'license':<{width}}  path / description")
     for status in list_models():
         spec = status.spec
         size = f"{spec.size / 1e6:.0f} MB"
         where = str(status.path) if status.pulled else spec.description
-        print(f"{spec.alias:<22} {'yes' if status.pulled else 'no':<7} {size:>9}  {where}")
+        pulled = "yes" if status.pulled else "no"
+        print(f"{spec.alias:<22} {pulled:<7} {size:>9}  {spec.license:<{width}}  {where}")
     return 0
 
 

@@ -236,15 +236,18 @@ def decode_attention(
     tree_starts: Sequence[int] = (),
     tree_mask: Tensor | None = None,
     block_table: Tensor | None = None,
+    window: int = 0,
 ) -> Tensor:
     """Per-query attention: q [B, H, T, D]; k and v [B, Hkv, S, D], or with `block_table`
     ([B, max_blocks] int64) pools of blocks [blocks, Hkv, block_size, D] where row b's slot s
     is slot s % block_size of block block_table[b, s // block_size] (a paged cache). Query t
     of row b reads slots 0 .. starts[b] + t; with `tree_mask` ([B, T, M] bool) and
     `tree_starts` ([B]) it reads slots 0 .. tree_starts[b] - 1 and tree_starts[b] + r where
-    tree_mask[b, t, r]. Returns [B, H, T, D]; see attention.cpp."""
+    tree_mask[b, t, r]. `window` > 0: a query at position p reads no slot before
+    p - window + 1 (sliding-window attention; trees shallower than the window). Returns
+    [B, H, T, D]; see attention.cpp."""
     return native().decode_attention(
-        q, k, v, list(starts), list(tree_starts), tree_mask, block_table
+        q, k, v, list(starts), list(tree_starts), tree_mask, block_table, window
     )
 
 

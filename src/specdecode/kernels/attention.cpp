@@ -8,7 +8,8 @@
 // batch row b reads slots 0 .. starts[b] + t; in a tree pass it reads slots
 // 0 .. tree_starts[b] - 1 and then the slots tree_starts[b] + r that its mask row allows (its
 // ancestors and itself), in increasing order: the same keys in the same order as a chain pass
-// over its own path, so the same bits. Scores q.k * scale, the softmax and the
+// over its own path, so the same bits. With a sliding window W a query at position p reads
+// no slot before p - W + 1 (Mistral, Gemma's local layers), again in any pass shape alike. Scores q.k * scale, the softmax and the
 // weighted sum of values are all in fp32 (bf16 inputs are widened, never rounded in between;
 // bf16 scores of head size 64 / 128 are sums of exact bf16 products, scaled after the sum);
 // the output is rounded once to q's dtype. Query head h reads KV head h / (H / Hkv). A query's
@@ -336,23 +337,30 @@ void attend(const scalar_t* q, const scalar_t* keys, const scalar_t* values, con
   attend_one(q, keys, values, slots, D, scale, out, qf, scores, acc);
 }
 
-// The element offsets (from a KV head's base) of the slots query (b, t) reads, in order: every
-// slot before `prefix`, then prefix + extra[i] for the `count` tree offsets.
-void slot_offsets(const AttentionShape& shape, int64_t b, int64_t prefix, const int64_t* extra,
-                  int64_t count, std::vector<int64_t>& out) {
+// The element offsets (from a KV head's base) of the slots query (b, t) reads, in order: the
+// slots first .. prefix - 1, then prefix + extra[i] for the `count` tree offsets.
+void slot_offsets(const AttentionShape& shape, int64_t b, int64_t first, int64_t prefix,
+                  const int64_t* extra, int64_t count, std::vector<int64_t>& out) {
   const int64_t* table = shape.table + b * shape.max_blocks;
   const int64_t size = shape.block_size;
-  out.resize(prefix + count);
+  out.resize(prefix - first + count);
   int64_t* at = out.data();
-  for (int64_t first = 0, j = 0; first < prefix; first += size, ++j) {  // block by block
-    const int64_t base = table[j] * shape.block_stride;
-    const int64_t n = std::min(size, prefix - first);
+  for (int64_t slot = first; slot < prefix;) {  // block by block
+    const int64_t within = slot % size, n = std::min(size - within, prefix - slot);
+    const int64_t base = table[slot / size] * shape.block_stride + within * shape.slot_stride;
     for (int64_t o = 0; o < n; ++o) *at++ = base + o * shape.slot_stride;
+    slot += n;
   }
   for (int64_t i = 0; i < count; ++i) {
     const int64_t slot = prefix + extra[i];
     *at++ = table[slot / size] * shape.block_stride + slot % size * shape.slot_stride;
   }
+}
+
+// The first slot a query at `position` reads before its prefix ends (its window's start).
+int64_t window_start(const AttentionShape& shape, int64_t position, int64_t prefix) {
+  if (shape.window <= 0) return 0;
+  return std::min(prefix, std::max<int64_t>(0, position - shape.window + 1));
 }
 
 }  // namespace
@@ -375,11 +383,14 @@ void attention(const T* q, const T* k, const T* v, const AttentionShape& shape,
       if (task / H != query) {
         query = task / H;
         if (tree_starts != nullptr) {
-          const int64_t first = extra_begin[query];
-          slot_offsets(shape, b, tree_starts[b], extra + first, extra_begin[query + 1] - first,
-                       offsets);
+          const int64_t first = extra_begin[query], count = extra_begin[query + 1] - first;
+          const int64_t position = tree_starts[b] + count - 1;
+          slot_offsets(shape, b, window_start(shape, position, tree_starts[b]), tree_starts[b],
+                       extra + first, count, offsets);
         } else {
-          slot_offsets(shape, b, starts[b] + t + 1, nullptr, 0, offsets);
+          const int64_t position = starts[b] + t;
+          slot_offsets(shape, b, window_start(shape, position, position + 1), position + 1,
+                       nullptr, 0, offsets);
         }
       }
       const int64_t head = h / group * shape.head_stride;

@@ -153,16 +153,22 @@ void gguf_pack_codes(const uint8_t* q, int64_t Np, int64_t K, int64_t bits, int6
 // [blocks, Hkv, block_size, D] at these element strides (the same for both; last dim
 // contiguous). Row b's slot s is slot s % block_size of block table[b * max_blocks + s /
 // block_size]. A rectangular cache [B, Hkv, S, D] is the case block_size = S, table[b] = b.
+// window > 0: sliding-window attention, a query at position p reads no slot before
+// p - window + 1 (see `attention`).
 struct AttentionShape {
   int64_t B, H, T, D, Hkv;
   int64_t block_stride, head_stride, slot_stride;
   int64_t block_size, max_blocks;
   const int64_t* table;  // [B, max_blocks]
+  int64_t window = 0;    // 0: every earlier slot
 };
 
-// Query t of row b attends to slots 0 .. starts[b] + t. A tree pass (tree_starts != nullptr)
-// instead reads slots 0 .. tree_starts[b] - 1 and then tree_starts[b] + r for the increasing
-// offsets r in extra[extra_begin[q] .. extra_begin[q + 1]) of query q = b * T + t.
+// Query t of row b (position p = starts[b] + t) attends to slots 0 .. p. A tree pass
+// (tree_starts != nullptr) instead reads slots 0 .. tree_starts[b] - 1 and then
+// tree_starts[b] + r for the increasing offsets r in extra[extra_begin[q] .. extra_begin[q + 1])
+// of query q = b * T + t: its ancestors and itself, so p = tree_starts[b] + their count - 1.
+// With a window, the slots before tree_starts[b] (or the chain's) start at p - window + 1 (a
+// tree's own slots are all read: the caller keeps trees shallower than the window).
 template <typename T>
 void attention(const T* q, const T* k, const T* v, const AttentionShape& shape,
                const int64_t* starts, const int64_t* tree_starts, const int64_t* extra,

@@ -97,7 +97,7 @@ at::Tensor DecoderLayer::operator()(const at::Tensor& x, const at::Tensor& cos,
   write_kv(keys, k, block_table, starts);  // checks the table against the pool
   write_kv(values, v, block_table, starts);
   const at::Tensor out = decode_attention(q, keys, values, starts, tree_starts, tree_mask,
-                                          block_table);  // [B, H, T, D]
+                                          block_table, 0);  // [B, H, T, D]
   const at::Tensor h = x + o_(out.transpose(1, 2).reshape({B, T, -1}));  // [B, T, hidden]
   const auto gate_up = gate_up_(rms_norm(h, post_norm_, eps_)).chunk(2, -1);
   return h + down_(at::silu(gate_up[0]) * gate_up[1]);

@@ -23,7 +23,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::vector<int64_t>& starts,
                             const std::vector<int64_t>& tree_starts,
                             const c10::optional<at::Tensor>& tree_mask,
-                            const c10::optional<at::Tensor>& block_table);
+                            const c10::optional<at::Tensor>& block_table,
+                            int64_t window);
 // Store x [B, T, Hkv, D] (new token t of row b) at slot starts[b] + t of a pool of blocks
 // [blocks, Hkv, block_size, D] through the block table [B, max_blocks] int64.
 void write_kv(at::Tensor& pool, const at::Tensor& x, const at::Tensor& table,

@@ -241,13 +241,17 @@ void write_kv(at::Tensor& pool, const at::Tensor& x, const at::Tensor& table,
 // block_size] (a paged cache). Tree passes also give tree_starts [B] and tree_mask [B, T, M]
 // bool: query t of row b then attends to slots 0 .. tree_starts[b] - 1 and to
 // tree_starts[b] + r wherever tree_mask[b, t, r] (which must hold for its own slot
-// starts[b] + t and for no later slot). Returns [B, H, T, D] in q's dtype.
+// starts[b] + t and for no later slot). window > 0: a query at position p reads no slot before
+// p - window + 1 (a tree's own slots excepted: it must be shallower than the window). Returns
+// [B, H, T, D] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::vector<int64_t>& starts,
                             const std::vector<int64_t>& tree_starts,
                             const c10::optional<at::Tensor>& tree_mask,
-                            const c10::optional<at::Tensor>& block_table) {
+                            const c10::optional<at::Tensor>& block_table,
+                            int64_t window) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
               "specdecode kernels run on the CPU");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
@@ -293,6 +297,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
           extra.push_back(r);
         }
         extra_begin[b * T + t + 1] = int64_t(extra.size());
+        TORCH_CHECK(window == 0 || extra_begin[b * T + t + 1] - extra_begin[b * T + t] <= window,
+                    "row ", b, ", query ", t, ": a tree deeper than the window ", window);
       }
     }
   }
@@ -300,7 +306,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty_like(qc);  // [B, H, T, D]
   const sd::AttentionShape shape{B,           H,           T,           D,
                                  Hkv,         k.stride(0), k.stride(1), k.stride(2),
-                                 k.size(2),   table.size(1), table.data_ptr<int64_t>()};
+                                 k.size(2),   table.size(1), table.data_ptr<int64_t>(),
+                                 window};
   fp32_or_bf16(q.scalar_type(), "decode_attention", [&](auto type_tag) {
     using T_ = decltype(type_tag);
     sd::attention(data<const T_>(qc), data<const T_>(k), data<const T_>(v), shape, starts.data(),

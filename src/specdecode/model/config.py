@@ -1,13 +1,15 @@
 """ModelConfig: the shape of a Llama-family decoder, read from a HF config.json.
 
 An architecture is a row of `ARCHITECTURES`: the choices that set it apart from Llama's
-decoder (q/k/v biases, a norm of each q and k head). The rest (sizes, RoPE base and scaling,
-a tied head) comes from the config itself.
+decoder (q/k/v biases, a norm of each q and k head, Gemma's norms, activation and embedding
+scale, which layers attend through a sliding window). The rest (sizes, RoPE bases and
+scaling, the window, a tied head, soft-capping) comes from the config itself.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,6 +19,8 @@ from specdecode.errors import ModelNotFoundError, UserError
 
 T = TypeVar("T")
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation: SwiGLU, GeGLU (tanh GELU)
+
 
 @dataclass(frozen=True, slots=True)
 class Architecture:
@@ -25,18 +29,27 @@ class Architecture:
     hf_class: the Hugging Face model class (config.json `architectures`).
     qkv_bias: q, k and v always have biases (else `attention_bias` in config.json says).
     qk_norm: each q and k head is RMS-normed (its own weight [head_dim]) before RoPE.
+    gemma: Gemma's block: RMSNorm weights stored as w with the norm multiplying by 1 + w,
+        norms around each sublayer's output too, a GeGLU MLP, embeddings times
+        sqrt(hidden_size), and a local RoPE base for the sliding-window layers.
+    windows: which layers attend through `sliding_window`: "none", "all" (Mistral),
+        "from_max_window_layers" (Qwen2/3 with use_sliding_window) or "pattern" (Gemma 3:
+        `layer_types`, else every layer but each sliding_window_pattern-th).
     """
 
     hf_class: str
     qkv_bias: bool = False
     qk_norm: bool = False
+    gemma: bool = False
+    windows: str = "none"
 
 
 ARCHITECTURES = {
     "llama": Architecture("LlamaForCausalLM"),  # Llama 2, 3.x (RoPE scaling "llama3"), SmolLM2
-    "mistral": Architecture("MistralForCausalLM"),  # Llama's block (no sliding window here)
-    "qwen2": Architecture("Qwen2ForCausalLM", qkv_bias=True),
-    "qwen3": Architecture("Qwen3ForCausalLM", qk_norm=True),
+    "mistral": Architecture("MistralForCausalLM", windows="all"),  # Llama's block
+    "qwen2": Architecture("Qwen2ForCausalLM", qkv_bias=True, windows="from_max_window_layers"),
+    "qwen3": Architecture("Qwen3ForCausalLM", qk_norm=True, windows="from_max_window_layers"),
+    "gemma3_text": Architecture("Gemma3ForCausalLM", qk_norm=True, gemma=True, windows="pattern"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -81,6 +94,62 @@ class RopeScaling:
         return {"rope_type": "llama3", **asdict(self)}
 
 
+def _activation(name: str) -> str:
+    """Our name for a config's MLP activation (refused with what runs otherwise)."""
+    names = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+    if name not in names:
+        raise UserError(f"unsupported MLP activation {name!r}; supported: silu, gelu_pytorch_tanh")
+    return names[name]
+
+
+def _sliding(
+    table: Architecture, cfg: dict[str, Any], layers: int, context: int
+) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers that slide) as the architecture reads config.json; a window that
+    covers the context is no window."""
+    window = cfg.get("sliding_window")
+    if table.windows == "from_max_window_layers" and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window or window >= context or table.windows == "none":
+        return None, ()
+    if table.windows == "all":
+        sliding = range(layers)
+    elif table.windows == "from_max_window_layers":
+        sliding = range(cfg.get("max_window_layers", 28), layers)  # transformers' default
+    elif cfg.get("layer_types"):
+        types = cfg["layer_types"]
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if len(types) != layers or unknown:
+            raise UserError(
+                f"layer_types must name {layers} layers 'sliding_attention' or "
+                f"'full_attention', got {types!r}"
+            )
+        sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    else:
+        pattern = cfg.get("sliding_window_pattern", 6)
+        sliding = [i for i in range(layers) if (i + 1) % pattern]
+    return int(window), tuple(sliding)
+
+
+def _rope_parameters(cfg: dict[str, Any], gemma: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the full-attention layers' RoPE parameters, the sliding layers' ({} : none given)).
+    transformers >= 5 writes `rope_parameters` (for Gemma one dict per layer type); older
+    configs `rope_theta` + `rope_scaling`."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if gemma and "full_attention" in rope:
+        return rope["full_attention"], rope.get("sliding_attention") or {}
+    return rope, {}
+
+
+def _local_theta(local: dict[str, Any], cfg: dict[str, Any]) -> float:
+    """The RoPE base of Gemma's sliding layers (default RoPE only)."""
+    if local.get("rope_type", "default") != "default":
+        raise UserError(
+            f"unsupported RoPE scaling {local!r} of the sliding layers; supported: the default"
+        )
+    return float(local.get("rope_theta") or cfg.get("rope_local_base_freq", 10000.0))
+
+
 def read_config_json(path: Path, build: Callable[[dict[str, Any]], T], layout: str) -> T:
     """`build(the parsed path/config.json)`, with clear errors for a missing file (`layout`
     says what the folder should hold), invalid JSON or a missing required field (KeyError)."""
@@ -104,7 +173,7 @@ class ModelConfig:
     architecture: str  # a key of ARCHITECTURES (HF `model_type`)
     vocab_size: int  # rows of the embedding / output matrices
     hidden_size: int  # d_model
-    intermediate_size: int  # width of the SwiGLU MLP
+    intermediate_size: int  # width of the gated MLP
     num_layers: int  # decoder blocks
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (GQA: num_heads % num_kv_heads == 0)
@@ -114,8 +183,15 @@ class ModelConfig:
     max_position_embeddings: int = 2048  # context length the model was trained for
     qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias) add biases to q, k, v
     tie_word_embeddings: bool = False  # output head shares the embedding matrix
-    qk_norm: bool = False  # Qwen3: RMSNorm of each q and k head before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm of each q and k head before RoPE
     rope_scaling: RopeScaling | None = None  # Llama 3.x's frequency scaling, or None
+    gemma: bool = False  # Gemma's block (see Architecture.gemma)
+    activation: str = "silu"  # the MLP's gate activation, one of ACTIVATIONS
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    sliding_layers: tuple[int, ...] = ()  # the layers that attend through the window
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
+    attention_scale: float | None = None  # scores' scale (None: head_dim ** -0.5)
+    logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (None: none)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -128,6 +204,29 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.activation not in ACTIVATIONS:
+            raise UserError(
+                f"unsupported MLP activation {self.activation!r}; supported: "
+                f"{', '.join(ACTIVATIONS)}"
+            )
+        if self.sliding_layers and not (self.sliding_window and self.sliding_window > 0):
+            raise UserError(f"sliding layers need a sliding_window > 0, got {self.sliding_window}")
+        if not all(0 <= i < self.num_layers for i in self.sliding_layers):
+            raise UserError(f"sliding layers must lie in 0..{self.num_layers - 1}")
+
+    @property
+    def embed_scale(self) -> float:
+        """What the embeddings are multiplied by (Gemma: sqrt(hidden_size))."""
+        return math.sqrt(self.hidden_size) if self.gemma else 1.0
+
+    @property
+    def norm_offset(self) -> float:
+        """RMSNorm multiplies by offset + weight (Gemma stores w for 1 + w)."""
+        return 1.0 if self.gemma else 0.0
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it attends to every earlier token)."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -138,17 +237,13 @@ class ModelConfig:
                 f"unsupported architecture {arch!r} (config.json model_type); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        window, context = cfg.get("sliding_window"), cfg.get("max_position_embeddings", 2048)
-        if cfg.get("use_sliding_window", window is not None) and window and window < context:
-            raise UserError(
-                f"sliding-window attention (sliding_window={window} < max_position_embeddings="
-                f"{context}) is not supported yet; models whose window is null or covers the "
-                "context (e.g. Mistral v0.3) run"
-            )
-        heads = cfg["num_attention_heads"]
         table = ARCHITECTURES[arch]
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        context = cfg.get("max_position_embeddings", 2048)
+        window, sliding = _sliding(table, cfg, cfg["num_hidden_layers"], context)
+        full, local = _rope_parameters(cfg, table.gemma)
+        scalar = cfg.get("query_pre_attn_scalar") if table.gemma else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -157,14 +252,21 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta") or cfg.get("rope_theta", 10000.0),
+            rope_theta=full.get("rope_theta") or cfg.get("rope_theta", 10000.0),
             max_position_embeddings=context,
             qkv_bias=table.qkv_bias or bool(cfg.get("attention_bias", False)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", table.gemma)),
             qk_norm=table.qk_norm,
-            rope_scaling=RopeScaling.from_hf_dict(rope),
+            rope_scaling=RopeScaling.from_hf_dict(full),
+            gemma=table.gemma,
+            activation=_activation(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")),
+            sliding_window=window,
+            sliding_layers=sliding,
+            local_rope_theta=_local_theta(local, cfg) if table.gemma else None,
+            attention_scale=None if scalar in (None, head_dim) else float(scalar) ** -0.5,
+            logit_softcap=cfg.get("final_logit_softcapping") if table.gemma else None,
         )
 
     @classmethod
@@ -193,15 +295,30 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
+            "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[self.activation],
             "torch_dtype": "bfloat16",
         }
-        if not ARCHITECTURES[self.architecture].qkv_bias:
+        table = ARCHITECTURES[self.architecture]
+        if not table.qkv_bias:
             cfg["attention_bias"] = self.qkv_bias
         if self.architecture in ("llama", "mistral"):
             cfg["mlp_bias"] = False
-        if self.architecture in ("mistral", "qwen3"):
-            cfg["sliding_window"] = None
+        if table.windows != "none":
+            cfg["sliding_window"] = self.sliding_window
+        if table.windows == "from_max_window_layers":
+            cfg["use_sliding_window"] = bool(self.sliding_layers)
+            cfg["max_window_layers"] = min(self.sliding_layers, default=self.num_layers)
+        if table.gemma:
+            cfg["hidden_activation"] = cfg.pop("hidden_act")
+            cfg["query_pre_attn_scalar"] = (
+                self.head_dim if self.attention_scale is None else self.attention_scale**-2
+            )
+            cfg["layer_types"] = [
+                "sliding_attention" if self.window(i) else "full_attention"
+                for i in range(self.num_layers)
+            ]
+            cfg["rope_local_base_freq"] = self.local_rope_theta
+            cfg["final_logit_softcapping"] = self.logit_softcap
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = self.rope_scaling.to_hf_dict()
         return cfg

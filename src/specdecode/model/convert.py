@@ -1,4 +1,4 @@
-"""Convert a GGUF file (Llama, Qwen2, Qwen3) once into a Hugging Face-style folder.
+"""Convert a GGUF file (Llama, Qwen2, Qwen3, Gemma 3) once into a Hugging Face-style folder.
 
 The folder holds config.json, model.safetensors (bf16, HF tensor names), tokenizer.json,
 tokenizer_config.json and generation_config.json, so both specdecode and Hugging Face
@@ -24,8 +24,13 @@ from specdecode.errors import ModelNotFoundError, UserError
 from specdecode.model.config import ARCHITECTURES, ModelConfig
 from specdecode.model.gguf_tensors import GgufTensors
 
-# GGUF architectures we read (llama.cpp writes Mistral models as "llama").
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# GGUF architecture -> the Hugging Face model_type we read it as (llama.cpp writes Mistral
+# models as "llama").
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# What llama.cpp fixes for Gemma 3 rather than writing it in the file: every sixth layer
+# attends globally, the others through the window with RoPE base 10,000.
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -43,6 +48,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma's block norms its sublayers' outputs too; llama.cpp's ffn_norm is the MLP's input norm.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -82,12 +94,14 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         raise UserError(f"unsupported GGUF architecture {arch!r}; supported: {supported}")
     names = {t.name for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
+    model_type = GGUF_ARCHITECTURES[arch]
     try:
         heads = int(meta[f"{arch}.attention.head_count"])
         hidden = int(meta[f"{arch}.embedding_length"])
         vocab = meta.get(f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+        gemma = _gemma_fields(meta, arch) if ARCHITECTURES[model_type].gemma else {}
         return ModelConfig(
-            architecture=arch,
+            architecture=model_type,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
@@ -100,10 +114,40 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
             max_position_embeddings=int(meta[f"{arch}.context_length"]),
             qkv_bias="blk.0.attn_q.bias" in names,
             tie_word_embeddings="output.weight" not in names,
-            qk_norm=ARCHITECTURES[arch].qk_norm,
+            qk_norm=ARCHITECTURES[model_type].qk_norm,
+            **gemma,
         )
     except (KeyError, TypeError) as err:
         raise UserError(f"GGUF metadata lacks a required field: {err}") from err
+
+
+def _gemma_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The Gemma 3 fields of a ModelConfig from GGUF metadata and llama.cpp's fixed choices
+    (query scale: head_dim's, as llama.cpp takes it for every size but 27B)."""
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UserError(
+            f"GGUF RoPE scaling {scaling!r} (Gemma 3 4B and larger) is not supported yet; "
+            "Gemma 3 270M and 1B run"
+        )
+    layers, context = int(meta[f"{arch}.block_count"]), int(meta[f"{arch}.context_length"])
+    window = meta.get(f"{arch}.attention.sliding_window")
+    slides = bool(window) and int(window) < context
+    sliding = [i for i in range(layers) if (i + 1) % GEMMA3_GLOBAL_EVERY]
+    cap = meta.get(f"{arch}.final_logit_softcapping")
+    return {
+        "gemma": True,
+        "activation": "gelu_tanh",
+        "sliding_window": int(window) if slides else None,
+        "sliding_layers": tuple(sliding) if slides else (),
+        "local_rope_theta": GEMMA3_LOCAL_ROPE_THETA,
+        "logit_softcap": None if cap is None else float(cap),
+    }
+
+
+def layer_names(cfg: ModelConfig) -> dict[str, str]:
+    """GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")."""
+    return _GEMMA_LAYER_NAMES if cfg.gemma else _LAYER_NAMES
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -118,14 +162,15 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, cfg: ModelConfig) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    names = layer_names(cfg)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     raise UserError(
-        f"unexpected tensor {gguf_name!r} in GGUF file (not a Llama, Qwen2 or Qwen3 tensor)"
+        f"unexpected tensor {gguf_name!r} in GGUF file (not a tensor of {cfg.architecture})"
     )
 
 
@@ -143,7 +188,7 @@ def iter_hf_tensors(
                 "GGUF has rope_freqs (Llama 3.x's scaled RoPE): not read from GGUF yet; "
                 "a Hugging Face folder of the model (rope_scaling llama3) runs"
             )
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, cfg)
         if name in skip:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
@@ -153,6 +198,8 @@ def iter_hf_tensors(
             w = _unpermute_rope(w, cfg.num_heads)
         elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute_rope(w, cfg.num_kv_heads)
+        elif cfg.gemma and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # llama.cpp stores Gemma's 1 + w; Hugging Face stores w
         yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
 

@@ -64,6 +64,8 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if cfg.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if cfg.gemma:
+        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     names += [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer]
     return names
 

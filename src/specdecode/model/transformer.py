@@ -1,5 +1,7 @@
-"""A native Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3): RMSNorm, RoPE (Llama 3's
-frequency scaling), GQA, SwiGLU, optional qkv bias, optional q/k head norms.
+"""A native Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3): RMSNorm, RoPE
+(Llama 3's frequency scaling; a local base for sliding layers), GQA with optional sliding
+windows, SwiGLU or GeGLU, optional qkv bias, optional q/k head norms, Gemma's norms around each
+sublayer, embedding scale and logit soft-capping.
 
 `Transformer.forward` maps tokens to logits and hidden states. It never samples, never
 tokenizes and never changes its own config; all generation state lives in the `KVCache`.
@@ -30,21 +32,31 @@ log = logging.getLogger(__name__)
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 like the reference implementations (one native
-    call on the CPU, where `specdecode.kernels` builds; torch ops elsewhere)."""
+    call on the CPU, where `specdecode.kernels` builds; torch ops elsewhere).
 
-    def __init__(self, weight: Tensor, eps: float) -> None:
+    offset: Gemma's convention, the norm multiplies by offset + weight (1 + w); that factor is
+    kept in fp32 and applied before rounding to x's dtype, as Gemma's reference does (Llama's
+    rounds first, then multiplies by the weight in x's dtype).
+    """
+
+    def __init__(self, weight: Tensor, eps: float, offset: float = 0.0) -> None:
         super().__init__()
+        if offset:
+            weight = weight.float() + offset  # [D] fp32
         self.weight = nn.Parameter(weight, requires_grad=False)  # [D]
         self.eps = eps
+        self.round_first = not offset
         native_dtype = weight.dtype in (torch.float32, torch.bfloat16)
         self.native = weight.device.type == "cpu" and native_dtype and kernels.available()
 
     def forward(self, x: Tensor) -> Tensor:  # x: [..., D]
-        if self.native:
+        if self.native and x.dtype == self.weight.dtype:
             return kernels.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if self.round_first:
+            return self.weight * x32.to(x.dtype)
+        return (x32 * self.weight).to(x.dtype)
 
 
 def llama3_frequencies(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
@@ -135,21 +147,41 @@ class PassView:
     per_query: each new token attends by itself with the native kernel (DECODE and TREE
         modes on row-exact layers); then no mask is built.
     mask: [B, 1, T, S] bool for batched attention, or None (per_query, or nothing to mask).
+    window_mask: the same for the sliding-window layers (their window applied too; `mask`
+        itself where the pass spans no more than the window).
     """
 
     per_query: bool
     mask: Tensor | None
+    window_mask: Tensor | None = None
 
 
 def pass_view(
-    attn: Attention, rotary: Rotary, meta: AttentionMetadata, dtype: torch.dtype
+    attn: Attention,
+    rotary: Rotary,
+    meta: AttentionMetadata,
+    dtype: torch.dtype,
+    window: int | None = None,
 ) -> tuple[PassView, Tensor, Tensor]:
-    """What the layers of one pass share, for layers in `attn`'s format: the `PassView` and the
-    RoPE tables (see `Attention.forward`) of `meta`'s positions."""
+    """What the layers of one pass share, for layers in `attn`'s format: the `PassView` (with
+    the masks of layers that slide through `window`, if any) and the RoPE tables (see
+    `Attention.forward`) of `meta`'s positions."""
     per_query = attn.per_query and meta.mode is not AttentionMode.PREFILL
-    view = PassView(per_query, None if per_query else meta.attention_mask())
+    mask = None if per_query else meta.attention_mask()
+    window_mask = mask
+    if window is not None and not per_query and meta.span > window:
+        window_mask = _window_mask(meta, mask, window)
     cos, sin = rotary.tables(meta.positions, None if attn.native_rope else dtype)
-    return view, cos, sin
+    return PassView(per_query, mask, window_mask), cos, sin
+
+
+def _window_mask(meta: AttentionMetadata, mask: Tensor | None, window: int) -> Tensor:
+    """`mask` ([B, 1, T, S] bool, None: all visible) with the slots before each query's
+    window hidden: a query at position p sees no slot s <= p - window. (A tree's own slots sit
+    past its start, within the window of every node shallower than it.)"""
+    slots = torch.arange(meta.span, device=meta.positions.device)  # [S]
+    near = slots > meta.positions[:, None, :, None] - window  # [B, 1, T, S]
+    return near if mask is None else mask & near
 
 
 class Attention(nn.Module):
@@ -161,6 +193,7 @@ class Attention(nn.Module):
         w: dict[str, Tensor | GgufWeight],
         prefix: str,
         quantization: str | None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -176,10 +209,16 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(weight, bias, quantization)
         self.qkv_sizes = (cfg.num_heads * cfg.head_dim, *[cfg.num_kv_heads * cfg.head_dim] * 2)
         self.o_proj = make_linear(w[f"{prefix}o_proj.weight"], quantization=quantization)
-        self.q_norm = self.k_norm = None  # Qwen3: each q and k head RMS-normed before RoPE
+        self.q_norm = self.k_norm = None  # Qwen3, Gemma 3: q and k heads RMS-normed before RoPE
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(w[f"{prefix}q_norm.weight"], cfg.rms_norm_eps)  # [D]
-            self.k_norm = RMSNorm(w[f"{prefix}k_norm.weight"], cfg.rms_norm_eps)  # [D]
+            eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+            self.q_norm = RMSNorm(w[f"{prefix}q_norm.weight"], eps, offset)  # [D]
+            self.k_norm = RMSNorm(w[f"{prefix}k_norm.weight"], eps, offset)  # [D]
+        self.window = window  # keys a query sees through a sliding window (None: all)
+        # the scores' scale is head_dim ** -0.5 in every attention routine: another one
+        # (Gemma's query_pre_attn_scalar) scales q first
+        scale = cfg.attention_scale
+        self.q_scale = 1.0 if scale is None else scale * cfg.head_dim**0.5
         # Projections that give a token the same bits whatever else is in the pass: with the
         # per-query attention kernel, the whole layer then does.
         row_exact = self.qkv_proj.row_exact and self.o_proj.row_exact
@@ -213,6 +252,8 @@ class Attention(nn.Module):
         if not self.native_rope:
             q = _rotate(q, cos, sin)  # [B, H, T, D]
             k = _rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         cache.write(layer, k, v)
         if view.per_query:
             # Each new token attends by itself, as a 1-token step would: exact verification.
@@ -224,10 +265,12 @@ class Attention(nn.Module):
                 meta.tree_starts or (),
                 meta.tree_mask,
                 cache.block_table,
+                self.window or 0,
             )  # [B, H, T, D]
         else:
             keys, values = cache.read(layer, k, v)  # [B, Hkv, S, D]
-            out = _attention(q, keys, values, view.mask)  # [B, H, T, D]
+            mask = view.mask if self.window is None else view.window_mask
+            out = _attention(q, keys, values, mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
 
     def _norm_heads(self, qkv: Tensor) -> None:
@@ -243,12 +286,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """A gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or tanh GELU (GeGLU)."""
 
     def __init__(
-        self, w: dict[str, Tensor | GgufWeight], prefix: str, quantization: str | None
+        self,
+        w: dict[str, Tensor | GgufWeight],
+        prefix: str,
+        quantization: str | None,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        self.activation = activation
         gate, up = w[f"{prefix}gate_proj.weight"], w[f"{prefix}up_proj.weight"]
         fused = cat_weights([gate, up])  # [2 * inter, hidden]
         self.gate_up_proj = make_linear(fused, quantization=quantization)
@@ -256,11 +304,19 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [B, T, hidden] -> [B, T, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.activation == "gelu_tanh":
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); Gemma's also norms
+    each sublayer's output: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))).
+
+    Norms by Hugging Face name: input_layernorm before attention; then Llama's
+    post_attention_layernorm before the MLP, or Gemma's post_attention_layernorm after
+    attention, pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after.
+    """
 
     def __init__(
         self,
@@ -272,12 +328,19 @@ class Block(nn.Module):
         super().__init__()
         p = f"model.layers.{layer}."
         self.layer = layer
-        self.input_layernorm = RMSNorm(w[f"{p}input_layernorm.weight"], cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, w, f"{p}self_attn.", quantization)
-        self.post_attention_layernorm = RMSNorm(
-            w[f"{p}post_attention_layernorm.weight"], cfg.rms_norm_eps
-        )
-        self.mlp = MLP(w, f"{p}mlp.", quantization)
+        eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+        self.sliding = cfg.window(layer) is not None
+        self.input_layernorm = RMSNorm(w[f"{p}input_layernorm.weight"], eps, offset)
+        self.self_attn = Attention(cfg, w, f"{p}self_attn.", quantization, cfg.window(layer))
+        self.attn_out_norm: RMSNorm | None = None  # Gemma: the attention output's norm
+        self.mlp_out_norm: RMSNorm | None = None  # Gemma: the MLP output's norm
+        if cfg.gemma:
+            self.attn_out_norm = RMSNorm(w[f"{p}post_attention_layernorm.weight"], eps, offset)
+            self.mlp_in_norm = RMSNorm(w[f"{p}pre_feedforward_layernorm.weight"], eps, offset)
+            self.mlp_out_norm = RMSNorm(w[f"{p}post_feedforward_layernorm.weight"], eps, offset)
+        else:
+            self.mlp_in_norm = RMSNorm(w[f"{p}post_attention_layernorm.weight"], eps)
+        self.mlp = MLP(w, f"{p}mlp.", quantization, cfg.activation)
         self.native = self._native_layer(cfg)
 
     def _native_layer(self, cfg: ModelConfig) -> Callable[..., Tensor] | None:
@@ -287,16 +350,29 @@ class Block(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         projections = [getattr(part, "projection", None) for part in parts]
-        norms = (self.input_layernorm, self.post_attention_layernorm)
+        norms = (self.input_layernorm, self.mlp_in_norm)
         if not attn.native_rope or None in projections or not all(n.native for n in norms):
             return None
-        if attn.q_norm is not None:
+        missing = [
+            name
+            for name, present in (
+                ("q/k head norms", attn.q_norm is not None),
+                ("Gemma's norms and GeGLU", cfg.gemma),
+                ("sliding windows", cfg.sliding_window is not None),
+                ("a query scale", attn.q_scale != 1.0),
+            )
+            if present
+        ]
+        if missing:
             if self.layer == 0:
-                log.info("the native decoder layer has no q/k head norms: layers run part by part")
+                log.info(
+                    "the native decoder layer has no %s: layers run part by part",
+                    ", ".join(missing),
+                )
             return None
         return kernels.decoder_layer(
             self.input_layernorm.weight,
-            self.post_attention_layernorm.weight,
+            self.mlp_in_norm.weight,
             cfg.rms_norm_eps,
             projections,
             cfg.num_heads,
@@ -326,8 +402,10 @@ class Block(nn.Module):
                 meta.tree_mask,
                 cache.block_table,
             )
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, self.layer, meta, view)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out = self.self_attn(self.input_layernorm(x), cos, sin, cache, self.layer, meta, view)
+        x = x + (out if self.attn_out_norm is None else self.attn_out_norm(out))
+        out = self.mlp(self.mlp_in_norm(x))
+        return x + (out if self.mlp_out_norm is None else self.mlp_out_norm(out))
 
 
 # The head's format under each model format (None = the weights' dtype).
@@ -369,12 +447,17 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(
             Block(cfg, weights, i, self.quantization) for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps)
+        self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         head = weights.get("lm_head.weight", embed)  # tied: may be absent
         self.lm_head = make_linear(head, quantization=HEAD_FORMAT[self.quantization])
         self.rotary = Rotary(
             cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling
         ).to(embed.device)
+        # Gemma's sliding layers: their own RoPE base, unscaled
+        self.local_rotary = self.rotary
+        if cfg.local_rope_theta is not None:
+            local = Rotary(cfg.head_dim, cfg.local_rope_theta, cfg.max_position_embeddings)
+            self.local_rotary = local.to(embed.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -435,7 +518,11 @@ class Transformer(nn.Module):
         if hidden_layers is not None:
             captured[num_layers] = final
             hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1)
-        return self.lm_head(at_positions(final, logits_index)), hidden
+        logits = self.lm_head(at_positions(final, logits_index))  # [B, N, V]
+        cap = self.config.logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits, hidden
 
     @torch.inference_mode()
     def body(
@@ -452,13 +539,19 @@ class Transformer(nn.Module):
         the inputs of the blocks in `capture` (block index -> [B, T, hidden])."""
         cache.prepare(meta)
         # every layer has the same format
-        view, cos, sin = pass_view(self.layers[0].self_attn, self.rotary, meta, self.dtype)
+        attn, window = self.layers[0].self_attn, self.config.sliding_window
+        view, cos, sin = pass_view(attn, self.rotary, meta, self.dtype, window)
+        tables = {False: (cos, sin), True: (cos, sin)}  # by whether the layer slides
+        if self.local_rotary is not self.rotary:
+            tables[True] = pass_view(attn, self.local_rotary, meta, self.dtype)[1:]
         x = self.embed_tokens(tokens)  # [B, T, hidden]
+        if self.config.embed_scale != 1.0:  # Gemma: scaled in the embeddings' dtype
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         captured: dict[int, Tensor] = {}
         for index, block in enumerate(self.layers[:num_layers]):
             if index in capture:
                 captured[index] = x
-            x = block(x, cos, sin, cache, meta, view)
+            x = block(x, *tables[block.sliding], cache, meta, view)
         cache.advance(meta)
         return x, captured
 
