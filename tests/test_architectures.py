@@ -131,10 +131,10 @@ def test_greedy_32_tokens_equal_transformers(arch_dir: Path) -> None:
 def test_speculation_gives_plain_output(
     arch_dir: Path, tmp_path_factory: pytest.TempPathFactory, fmt: str
 ) -> None:
-    """ngram (chain and tree) and, in fp32 and int8, a draft model of the same architecture,
-    alone and in a batch of three; in int8 and gguf (quantized q|k|v, q/k norms read from
-    model.gguf) bit for bit: the q/k norms run part by part, every projection stays
-    row-exact."""
+    """ngram (chain and tree), in fp32 and int8 a draft model of the same architecture, in
+    fp32 suffix and lookahead decoding, alone and in a batch of three; in int8 and gguf
+    (quantized q|k|v, norms read from model.gguf) bit for bit: q/k norms, Gemma's block and
+    sliding windows run part by part, every projection stays row-exact."""
     from gguf_cases import build_tiny_gguf
 
     name = next(n for n in ARCHITECTURES if arch_dir.name.startswith(n))
@@ -152,6 +152,11 @@ def test_speculation_gives_plain_output(
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "tree_width": 2},
     ]
+    if fmt == "float32":  # the token-level drafters: the formats are the ngram runs' to check
+        configs += [
+            {"method": "suffix", "num_speculative_tokens": 6},
+            {"method": "lookahead", "window_size": 4, "ngram_size": 3, "guess_set_size": 4},
+        ]
     if fmt != "gguf":
         draft = build(tmp_path_factory.mktemp(f"draft_{name}"), name, seed=1)
         configs.append({"model": str(draft), "num_speculative_tokens": 3})
