@@ -236,6 +236,14 @@ def test_configs_we_cannot_run_are_refused(fields: dict[str, Any], message: str)
             8,
             (0, 2),
         ),
+        # Gemma's sliding layers keep their local RoPE base when the window covers the context
+        (
+            {"model_type": "gemma3_text", "sliding_window": 4096, "sliding_window_pattern": 2},
+            4096,
+            (0, 2),
+        ),
+        # transformers' default max_window_layers (28) leaves none of 3 layers sliding
+        ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 32}, None, ()),
         ({"model_type": "llama", "sliding_window": 8}, None, ()),  # Llama has none
     ],
 )

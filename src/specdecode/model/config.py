@@ -105,12 +105,15 @@ def _activation(name: str) -> str:
 def _sliding(
     table: Architecture, cfg: dict[str, Any], layers: int, context: int
 ) -> tuple[int | None, tuple[int, ...]]:
-    """(window, the layers that slide) as the architecture reads config.json; a window that
-    covers the context is no window."""
+    """(window, the layers that slide) as the architecture reads config.json. A window that
+    covers the context is no window, except for Gemma ("pattern"), whose sliding layers also
+    take another RoPE base."""
     window = cfg.get("sliding_window")
     if table.windows == "from_max_window_layers" and not cfg.get("use_sliding_window", False):
         window = None
-    if not window or window >= context or table.windows == "none":
+    if not window or table.windows == "none":
+        return None, ()
+    if window >= context and table.windows != "pattern":
         return None, ()
     if table.windows == "all":
         sliding = range(layers)
@@ -128,6 +131,8 @@ def _sliding(
     else:
         pattern = cfg.get("sliding_window_pattern", 6)
         sliding = [i for i in range(layers) if (i + 1) % pattern]
+    if not sliding:
+        return None, ()
     return int(window), tuple(sliding)
 
 

@@ -130,9 +130,9 @@ def _gemma_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
             f"GGUF RoPE scaling {scaling!r} (Gemma 3 4B and larger) is not supported yet; "
             "Gemma 3 270M and 1B run"
         )
-    layers, context = int(meta[f"{arch}.block_count"]), int(meta[f"{arch}.context_length"])
+    layers = int(meta[f"{arch}.block_count"])
     window = meta.get(f"{arch}.attention.sliding_window")
-    slides = bool(window) and int(window) < context
+    slides = bool(window)  # its layers also take the local RoPE base: kept if it covers all
     sliding = [i for i in range(layers) if (i + 1) % GEMMA3_GLOBAL_EVERY]
     cap = meta.get(f"{arch}.final_logit_softcapping")
     return {

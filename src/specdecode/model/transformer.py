@@ -358,7 +358,7 @@ class Block(nn.Module):
             for name, present in (
                 ("q/k head norms", attn.q_norm is not None),
                 ("Gemma's norms and GeGLU", cfg.gemma),
-                ("sliding windows", cfg.sliding_window is not None),
+                ("sliding windows", self.sliding),
                 ("a query scale", attn.q_scale != 1.0),
             )
             if present
