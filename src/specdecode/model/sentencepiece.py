@@ -15,13 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import tokenizers
-from tokenizers import AddedToken, decoders, models, normalizers
+from tokenizers import decoders, models, normalizers
 
 from specdecode.errors import UserError
+from specdecode.model.gguf_vocab import NORMAL, UNKNOWN, add_whole_tokens, vocabulary
 
 SPACE = "\u2581"  # "▁": how a SentencePiece vocabulary spells a space
-# llama.cpp token types
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
 def sentencepiece_bpe(
@@ -33,14 +32,9 @@ def sentencepiece_bpe(
     """A SentencePiece BPE backend: token `i` is `tokens[i]` with score `scores[i]` and llama.cpp
     type `token_types[i]`; `add_space_prefix` puts a space before the text (Llama 2: yes,
     Gemma: no) and takes it off again when decoding."""
-    if not len(tokens) == len(scores) == len(token_types):
-        raise UserError(
-            f"{len(tokens)} tokens, {len(scores)} scores and {len(token_types)} token types: "
-            "a SentencePiece vocabulary needs one of each per token"
-        )
-    vocab = {token: index for index, token in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise UserError("the token list spells some tokens twice; ids would be ambiguous")
+    if len(scores) != len(tokens):
+        raise UserError(f"{len(scores)} scores for {len(tokens)} tokens")
+    vocab = vocabulary(tokens, token_types)
     unknown = next(
         (t for t, kind in zip(tokens, token_types, strict=True) if kind == UNKNOWN), None
     )
@@ -63,14 +57,7 @@ def sentencepiece_bpe(
         decode.append(decoders.Strip(" ", 1, 0))
     backend.normalizer = normalizers.Sequence(steps)
     backend.decoder = decoders.Sequence(decode)
-    kinds = {CONTROL: True, USER_DEFINED: False}  # special or not; both match whole
-    backend.add_tokens(
-        [
-            AddedToken(token, special=kinds[kind], normalized=False)
-            for token, kind in zip(tokens, token_types, strict=True)
-            if kind in kinds
-        ]
-    )
+    add_whole_tokens(backend, tokens, token_types)
     return backend
 
 

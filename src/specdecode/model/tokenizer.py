@@ -22,9 +22,10 @@ import jinja2
 import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from specdecode.errors import ModelNotFoundError, UserError
+from specdecode.model.gguf_vocab import CONTROL, add_whole_tokens, vocabulary
 from specdecode.model.sentencepiece import sentencepiece_bpe
 
 # Chat end-of-turn tokens that end generation when a GGUF vocabulary has them as control tokens.
@@ -53,7 +54,6 @@ GEMMA_CHAT_TEMPLATE = (
 # GGUF general.architecture -> the chat template of files that carry none
 DEFAULT_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types (tokenizer.ggml.token_type)
 
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -330,7 +330,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
     template = _field(reader, "tokenizer.chat_template")
     if template is None:
         template = DEFAULT_CHAT_TEMPLATES.get(_field(reader, "general.architecture"))
-    control = {tokens[i]: i for i, kind in enumerate(token_types) if kind == _CONTROL}
+    control = {tokens[i]: i for i, kind in enumerate(token_types) if kind == CONTROL}
     eos_ids = [_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot")]
     eos_ids += [control.get(token) for token in END_OF_TURN_TOKENS]
     return Tokenizer(
@@ -351,11 +351,7 @@ def byte_level_bpe(
 ) -> tokenizers.Tokenizer:
     """A byte-level BPE backend: token `i` is `tokens[i]` (byte-level spelling, 'Ġ' for a space),
     `merges` are 'left right' strings best-first, `token_types` are llama.cpp token types."""
-    if len(token_types) != len(tokens):
-        raise UserError(f"{len(token_types)} token types for {len(tokens)} tokens")
-    vocab = {token: index for index, token in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise UserError("the token list spells some tokens twice; ids would be ambiguous")
+    vocab = vocabulary(tokens, token_types)
     pairs = [tuple(merge.split(" ")) for merge in merges]
     if any(len(pair) != 2 for pair in pairs):
         raise UserError("every merge must be two tokens separated by one space, like 'Ġ t'")
@@ -372,13 +368,7 @@ def byte_level_bpe(
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex))
     backend.pre_tokenizer = pre_tokenizers.Sequence(steps) if len(steps) > 1 else steps[0]
     backend.decoder = decoders.ByteLevel()
-    kinds = {_CONTROL: True, _USER_DEFINED: False}
-    added = [
-        AddedToken(token, special=kinds[kind], normalized=False)
-        for token, kind in zip(tokens, token_types, strict=True)
-        if kind in kinds
-    ]
-    backend.add_tokens(added)
+    add_whole_tokens(backend, tokens, token_types)
     return backend
 
 
