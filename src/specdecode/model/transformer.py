@@ -543,7 +543,8 @@ class Transformer(nn.Module):
         view, cos, sin = pass_view(attn, self.rotary, meta, self.dtype, window)
         tables = {False: (cos, sin), True: (cos, sin)}  # by whether the layer slides
         if self.local_rotary is not self.rotary:
-            tables[True] = pass_view(attn, self.local_rotary, meta, self.dtype)[1:]
+            rope_dtype = None if attn.native_rope else self.dtype  # as pass_view takes them
+            tables[True] = self.local_rotary.tables(meta.positions, rope_dtype)
         x = self.embed_tokens(tokens)  # [B, T, hidden]
         if self.config.embed_scale != 1.0:  # Gemma: scaled in the embeddings' dtype
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
