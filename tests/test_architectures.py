@@ -127,22 +127,45 @@ def test_greedy_32_tokens_equal_transformers(arch_dir: Path) -> None:
         assert list(ours.token_ids) == out[0, 12:].tolist()
 
 
+@pytest.fixture(scope="module")
+def arch_gguf_dir(arch_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """arch_dir's model as a model.gguf (Q8_0 / Q4_K / Q6_K blocks, fp32 norms)."""
+    from gguf_cases import build_tiny_gguf
+
+    return build_tiny_gguf(arch_dir, tmp_path_factory.mktemp(f"gguf_{arch_dir.name}") / "model")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fmt"),
+    [("bfloat16", None), ("float32", "int8"), ("bfloat16", "int8"), ("bfloat16", "gguf")],
+)
+def test_native_blocks_give_the_python_blocks_bits(
+    arch_dir: Path, arch_gguf_dir: Path, dtype: str, fmt: str | None
+) -> None:
+    """Qwen3's q/k head norms, Gemma's block (its 1 + w norms applied in fp32 before
+    rounding, the norms of each sublayer's output, GeGLU, the query scale) and sliding
+    windows run inside the native decoder layer: DECODE and TREE passes, up to 17 tokens past
+    the tiny Gemma's window of 16, give the Python blocks' logits and cache bit for bit."""
+    from native_blocks import assert_native_blocks_give_python_bits
+
+    model = load_model(arch_gguf_dir if fmt == "gguf" else arch_dir, dtype, quantization=fmt)
+    assert_native_blocks_give_python_bits(model, VOCAB, prompt=24)
+
+
 @pytest.mark.parametrize("fmt", ["float32", "int8", "gguf"])
 def test_speculation_gives_plain_output(
-    arch_dir: Path, tmp_path_factory: pytest.TempPathFactory, fmt: str
+    arch_dir: Path, arch_gguf_dir: Path, tmp_path_factory: pytest.TempPathFactory, fmt: str
 ) -> None:
     """ngram (chain and tree), in fp32 and int8 a draft model of the same architecture, in
     fp32 suffix and lookahead decoding, alone and in a batch of three; in int8 and gguf
-    (quantized q|k|v, norms read from model.gguf) bit for bit: q/k norms, Gemma's block and
-    sliding windows run part by part, every projection stays row-exact."""
-    from gguf_cases import build_tiny_gguf
-
+    (quantized q|k|v, norms read from model.gguf) bit for bit: every projection is row-exact
+    and each block one native call in DECODE and TREE passes."""
     name = next(n for n in ARCHITECTURES if arch_dir.name.startswith(n))
     folder, weights = arch_dir, {"dtype": "float32"}
     if fmt != "float32":
         weights = {"dtype": "bfloat16", "quantization": fmt}
     if fmt == "gguf":
-        folder = build_tiny_gguf(arch_dir, tmp_path_factory.mktemp(f"gguf_{name}") / "model")
+        folder = arch_gguf_dir
     prompts = [{"prompt_token_ids": ids} for ids in ([5, 6, 7, 5, 6, 7, 5, 6] * 2, [9, 1] * 3)]
     prompts.append({"prompt_token_ids": _tokens(5, 20)[0].tolist()})
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)

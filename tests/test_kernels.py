@@ -270,6 +270,26 @@ def test_rms_norm_matches_torch_and_is_row_exact(
         kernels.rms_norm(x, weight[:70], 1e-6)
 
 
+def test_rms_norm_applies_an_fp32_weight_before_rounding(kernel_path: str) -> None:
+    """Gemma's norms: bf16 x, the fp32 factor 1 + w applied before rounding to bf16, as
+    RMSNorm's torch route (and Gemma's reference) does; row-exact too."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(3, 5, 72, generator=gen) * 4).bfloat16()
+    weight = 1.0 + torch.randn(72, generator=gen) * 0.3  # [72] fp32
+    got = kernels.rms_norm(x, weight, 1e-6)
+    assert got.dtype == torch.bfloat16
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)  # [3, 5, 72] fp32
+    want = (normed * weight).bfloat16()
+    rounded_first = weight.bfloat16() * normed.bfloat16()  # Llama's order
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    same = (got == want).float().mean().item()
+    assert same > 0.99 and (got == rounded_first).float().mean().item() < same - 0.1
+    assert torch.equal(kernels.rms_norm(x[2:3, 1:2], weight, 1e-6), got[2:3, 1:2])
+    with pytest.raises(RuntimeError, match="in x's dtype or fp32"):
+        kernels.rms_norm(x, weight.half(), 1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_rounds_exactly_as_the_torch_rotation(dtype: torch.dtype, kernel_path: str) -> None:
     """In place on the q and k heads of a fused q/k/v row; the v heads are left alone."""

@@ -294,36 +294,8 @@ def test_native_blocks_give_the_python_blocks_bits(
     """A DECODE pass over rows at different starts and a TREE pass run each block as one
     native call (`Block.native`); logits and cache are bit for bit what the Python blocks
     give. A prefill pass keeps the Python blocks."""
+    from native_blocks import assert_native_blocks_give_python_bits
+
     folder = gguf_model_dir if quantization == "gguf" else tiny_model_dir
     model = load_model(folder, dtype, quantization=quantization)
-    assert all(block.native is not None for block in model.layers)
-    gen = torch.Generator().manual_seed(21)
-    prompt = torch.randint(0, 300, (2, 6), generator=gen)
-    decode_tokens = torch.randint(0, 300, (2, 4), generator=gen)
-    tree_tokens = torch.randint(0, 300, (2, 3), generator=gen)
-    parents_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-
-    def run() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        cache = model.new_cache(2, 32)
-        prefill = AttentionMetadata.contiguous(AttentionMode.PREFILL, [0, 0], [6, 4], "cpu")
-        outs = [model(prompt, prefill, cache)[0]]
-        decode = AttentionMetadata.contiguous(AttentionMode.DECODE, [6, 4], [4, 3], "cpu")
-        outs.append(model(decode_tokens, decode, cache)[0])
-        positions = torch.tensor([[10, 11, 11], [7, 8, 8]])
-        tree = AttentionMetadata(
-            AttentionMode.TREE, (10, 7), (3, 3), positions, parents_mask.expand(2, 3, 3)
-        )
-        outs.append(model(tree_tokens, tree, cache)[0])
-        (k0, v0), (k1, v1) = cache.gather(0), cache.gather(1)
-        return outs, torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2)
-
-    native = run()
-    natives = [block.native for block in model.layers]
-    for block in model.layers:
-        block.native = None
-    python = run()
-    for block, layer in zip(model.layers, natives, strict=True):
-        block.native = layer
-    for got, want in zip(native[0], python[0], strict=True):
-        assert torch.equal(got, want)
-    assert torch.equal(native[1], python[1]) and torch.equal(native[2], python[2])
+    assert_native_blocks_give_python_bits(model, 300)

@@ -201,20 +201,52 @@ def gguf_projection(
 
 def decoder_layer(
     input_norm: Tensor,
-    post_norm: Tensor,
+    mlp_in_norm: Tensor,
+    attn_out_norm: Tensor | None,
+    mlp_out_norm: Tensor | None,
+    q_norm: Tensor | None,
+    k_norm: Tensor | None,
+    *,
     eps: float,
     projections: Sequence[Callable[[Tensor], Tensor]],
     heads: int,
     kv_heads: int,
     head_dim: int,
+    gelu: bool = False,
+    q_scale: float = 1.0,
+    window: int = 0,
 ) -> Callable[..., Tensor]:
-    """One decoder block in one native call (see layer.cpp): the norms' weights ([hidden]),
-    the q|k|v, o, gate|up and down projections (from `*_projection`), the head counts. Called
-    as `layer(x [B, T, hidden], cos, sin ([B, T, D] fp32), k_pool, v_pool ([L, blocks, Hkv,
+    """One decoder block in one native call (see layer.cpp).
+
+    The norms' weights: before attention and before the MLP ([hidden]); Gemma's norms of the
+    attention's and the MLP's outputs ([hidden] or None); Qwen3's and Gemma 3's q and k head
+    norms ([head_dim] or None, both or neither). A weight in the activations' dtype multiplies
+    after rounding, an fp32 weight under bf16 activations before (`rms_norm`). The q|k|v, o,
+    gate|up and down projections (from `*_projection`), the head counts, GeGLU (`gelu`) or
+    SwiGLU, q's factor before attention and the sliding window (0: none). Called as
+    `layer(x [B, T, hidden], cos, sin ([B, T, D] fp32), k_pool, v_pool ([L, blocks, Hkv,
     block_size, D]), layer_index, starts, tree_starts, tree_mask, block_table ([B, max_blocks]
     int64))` for a DECODE or TREE pass; returns the block's output [B, T, hidden]."""
-    layer = native().DecoderLayer
-    return layer(input_norm, post_norm, eps, *projections, heads, kv_heads, head_dim)
+    qkv, o, gate_up, down = projections
+    return native().DecoderLayer(
+        input_norm=input_norm,
+        mlp_in_norm=mlp_in_norm,
+        attn_out_norm=attn_out_norm,
+        mlp_out_norm=mlp_out_norm,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        eps=eps,
+        qkv=qkv,
+        o=o,
+        gate_up=gate_up,
+        down=down,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        gelu=gelu,
+        q_scale=q_scale,
+        window=window,
+    )
 
 
 def set_amx(wanted: bool) -> bool:
@@ -252,7 +284,8 @@ def decode_attention(
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """weight * x / rms(x) for x [..., D], weight [D] (same dtype); see pointwise.cpp."""
+    """weight * x / rms(x) for x [..., D] (fp32 or bf16), weight [D]: in x's dtype (applied
+    after rounding x / rms(x)), or fp32 under bf16 x (applied before); see pointwise.cpp."""
     return native().rms_norm(x, weight, eps)
 
 

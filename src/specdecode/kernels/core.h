@@ -176,9 +176,10 @@ void attention(const T* q, const T* k, const T* v, const AttentionShape& shape,
 
 // ---------------------------------------------------------------- pointwise.cpp
 
-// y [rows, D] = w * x / rms(x) row by row, the rms in fp32.
-template <typename T>
-void rms_norm(const T* x, const T* w, int64_t rows, int64_t D, float eps, T* y);
+// y [rows, D] = w * x / rms(x) row by row, the rms in fp32; w in x's dtype (applied after
+// rounding x / rms(x)) or fp32 under bf16 x (applied before rounding).
+template <typename T, typename W>
+void rms_norm(const T* x, const W* w, int64_t rows, int64_t D, float eps, T* y);
 
 // RoPE in place on the first `heads` heads of D values of each of `tokens` rows of W values;
 // cos, sin fp32 [tokens, D].

@@ -58,11 +58,19 @@ at::Tensor Projection::operator()(const at::Tensor& x) const {
   return y.view(out_shape(x, N_));
 }
 
-DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps,
-                           Projection qkv, Projection o, Projection gate_up, Projection down,
-                           int64_t heads, int64_t kv_heads, int64_t head_dim)
+DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor mlp_in_norm,
+                           c10::optional<at::Tensor> attn_out_norm,
+                           c10::optional<at::Tensor> mlp_out_norm,
+                           c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+                           double eps, Projection qkv, Projection o, Projection gate_up,
+                           Projection down, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           bool gelu, double q_scale, int64_t window)
     : input_norm_(std::move(input_norm)),
-      post_norm_(std::move(post_norm)),
+      mlp_in_norm_(std::move(mlp_in_norm)),
+      attn_out_norm_(std::move(attn_out_norm)),
+      mlp_out_norm_(std::move(mlp_out_norm)),
+      q_norm_(std::move(q_norm)),
+      k_norm_(std::move(k_norm)),
       eps_(eps),
       qkv_(std::move(qkv)),
       o_(std::move(o)),
@@ -70,13 +78,30 @@ DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double e
       down_(std::move(down)),
       heads_(heads),
       kv_heads_(kv_heads),
-      head_dim_(head_dim) {}
+      head_dim_(head_dim),
+      gelu_(gelu),
+      q_scale_(q_scale),
+      window_(window) {
+  TORCH_CHECK(q_norm_.has_value() == k_norm_.has_value(), "q and k head norms come together");
+  TORCH_CHECK(window_ >= 0, "the window is a slot count (0: none), got ", window_);
+}
+
+// The heads of x [B, T, W] in columns first .. first + heads * D, RMS-normed in place.
+void DecoderLayer::norm_heads(at::Tensor& qkv, int64_t first, int64_t heads,
+                              const at::Tensor& weight) const {
+  const int64_t B = qkv.size(0), T = qkv.size(1), width = heads * head_dim_;
+  at::Tensor part = qkv.narrow(-1, first, width);
+  const at::Tensor normed = rms_norm(part.reshape({B, T, heads, head_dim_}).contiguous(), weight,
+                                     eps_);  // [B, T, heads, D]
+  part.copy_(normed.view({B, T, width}));
+}
 
 // x [B, T, hidden]; cos, sin fp32 [B, T, D]; k_cache, v_cache [L, blocks, Hkv, block_size, D]
 // (a paged cache; block_table [B, max_blocks] int64 maps row b's slot s to slot s % block_size
 // of block block_table[b][s / block_size]): the block's keys and values of new token t of row b
 // go to slot starts[b] + t of `layer`, and its queries attend as decode_attention says
-// (tree_starts and tree_mask: TREE passes). Returns the block's output [B, T, hidden].
+// (tree_starts and tree_mask: TREE passes; the layer's window). Returns the block's output
+// [B, T, hidden].
 at::Tensor DecoderLayer::operator()(const at::Tensor& x, const at::Tensor& cos,
                                     const at::Tensor& sin, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, int64_t layer,
@@ -87,18 +112,28 @@ at::Tensor DecoderLayer::operator()(const at::Tensor& x, const at::Tensor& cos,
   const int64_t B = x.size(0), T = x.size(1);
   TORCH_CHECK(int64_t(starts.size()) == B, "starts needs one entry per row of x");
   at::Tensor qkv = qkv_(rms_norm(x, input_norm_, eps_));  // [B, T, (H + 2 Hkv) D]
-  rope_(qkv, cos, sin, heads_ + kv_heads_);               // q and k heads
   const int64_t q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
+  if (q_norm_.has_value()) {  // Qwen3, Gemma 3: each q and k head normed before RoPE
+    norm_heads(qkv, 0, heads_, *q_norm_);
+    norm_heads(qkv, q_width, kv_heads_, *k_norm_);
+  }
+  rope_(qkv, cos, sin, heads_ + kv_heads_);  // q and k heads
   const auto parts = qkv.split_with_sizes({q_width, kv_width, kv_width}, -1);
-  const at::Tensor q = parts[0].view({B, T, heads_, head_dim_}).transpose(1, 2);  // [B, H, T, D]
+  at::Tensor q = parts[0].view({B, T, heads_, head_dim_}).transpose(1, 2);  // [B, H, T, D]
+  if (q_scale_ != 1.0) q = q * q_scale_;
   const at::Tensor k = parts[1].view({B, T, kv_heads_, head_dim_});  // [B, T, Hkv, D]
   const at::Tensor v = parts[2].view({B, T, kv_heads_, head_dim_});
   at::Tensor keys = k_cache.select(0, layer), values = v_cache.select(0, layer);
   write_kv(keys, k, block_table, starts);  // checks the table against the pool
   write_kv(values, v, block_table, starts);
   const at::Tensor out = decode_attention(q, keys, values, starts, tree_starts, tree_mask,
-                                          block_table, 0);  // [B, H, T, D]
-  const at::Tensor h = x + o_(out.transpose(1, 2).reshape({B, T, -1}));  // [B, T, hidden]
-  const auto gate_up = gate_up_(rms_norm(h, post_norm_, eps_)).chunk(2, -1);
-  return h + down_(at::silu(gate_up[0]) * gate_up[1]);
+                                          block_table, window_);  // [B, H, T, D]
+  at::Tensor attn = o_(out.transpose(1, 2).reshape({B, T, -1}));  // [B, T, hidden]
+  if (attn_out_norm_.has_value()) attn = rms_norm(attn, *attn_out_norm_, eps_);
+  const at::Tensor h = x + attn;
+  const auto gate_up = gate_up_(rms_norm(h, mlp_in_norm_, eps_)).chunk(2, -1);
+  const at::Tensor act = gelu_ ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]);
+  at::Tensor mlp = down_(act * gate_up[1]);  // [B, T, hidden]
+  if (mlp_out_norm_.has_value()) mlp = rms_norm(mlp, *mlp_out_norm_, eps_);
+  return h + mlp;
 }

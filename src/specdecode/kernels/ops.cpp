@@ -41,8 +41,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &Projection::operator(), "x [..., K] -> x @ W^T (+ b) [..., N]",
            pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<DecoderLayer>(m, "DecoderLayer", pybind11::module_local())
-      .def(pybind11::init<at::Tensor, at::Tensor, double, Projection, Projection, Projection,
-                          Projection, int64_t, int64_t, int64_t>())
+      .def(pybind11::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>,
+                          c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                          c10::optional<at::Tensor>, double, Projection, Projection, Projection,
+                          Projection, int64_t, int64_t, int64_t, bool, double, int64_t>(),
+           pybind11::arg("input_norm"), pybind11::arg("mlp_in_norm"),
+           pybind11::arg("attn_out_norm"), pybind11::arg("mlp_out_norm"),
+           pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("eps"),
+           pybind11::arg("qkv"), pybind11::arg("o"), pybind11::arg("gate_up"),
+           pybind11::arg("down"), pybind11::arg("heads"), pybind11::arg("kv_heads"),
+           pybind11::arg("head_dim"), pybind11::arg("gelu"), pybind11::arg("q_scale"),
+           pybind11::arg("window"))
       .def("__call__", &DecoderLayer::operator(), "one decoder block over the cache",
            pybind11::call_guard<pybind11::gil_scoped_release>());  // other threads run meanwhile
 }

@@ -58,14 +58,18 @@ class Projection {
   int64_t N_ = 0;
 };
 
-// One pre-norm decoder block (RMSNorm, fused q|k|v with RoPE, per-query attention over the
-// cache, o, RMSNorm, SwiGLU) for passes whose new tokens each attend by themselves (DECODE
-// and TREE): the ops of model/transformer.py's Block in the same order, in one call.
+// One pre-norm decoder block (RMSNorm, fused q|k|v with optional q/k head norms and RoPE,
+// per-query attention over the cache with an optional sliding window, o, RMSNorm, SwiGLU or
+// GeGLU; Gemma's norms of each sublayer's output where given) for passes whose new tokens each
+// attend by themselves (DECODE and TREE): the ops of model/transformer.py's Block in the same
+// order, in one call.
 class DecoderLayer {
  public:
-  DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps, Projection qkv,
-               Projection o, Projection gate_up, Projection down, int64_t heads,
-               int64_t kv_heads, int64_t head_dim);
+  DecoderLayer(at::Tensor input_norm, at::Tensor mlp_in_norm,
+               c10::optional<at::Tensor> attn_out_norm, c10::optional<at::Tensor> mlp_out_norm,
+               c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, double eps,
+               Projection qkv, Projection o, Projection gate_up, Projection down, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, bool gelu, double q_scale, int64_t window);
   at::Tensor operator()(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer,
                         const std::vector<int64_t>& starts,
@@ -74,8 +78,15 @@ class DecoderLayer {
                         const at::Tensor& block_table) const;
 
  private:
-  at::Tensor input_norm_, post_norm_;  // [hidden]
+  void norm_heads(at::Tensor& qkv, int64_t first, int64_t heads, const at::Tensor& weight) const;
+
+  at::Tensor input_norm_, mlp_in_norm_;                    // [hidden]
+  c10::optional<at::Tensor> attn_out_norm_, mlp_out_norm_;  // [hidden] (Gemma)
+  c10::optional<at::Tensor> q_norm_, k_norm_;              // [D] (Qwen3, Gemma 3)
   double eps_;
   Projection qkv_, o_, gate_up_, down_;
   int64_t heads_, kv_heads_, head_dim_;
+  bool gelu_;       // GeGLU (tanh GELU) instead of SwiGLU
+  double q_scale_;  // q's factor before attention (1: none)
+  int64_t window_;  // sliding-window attention's slot count (0: none)
 };

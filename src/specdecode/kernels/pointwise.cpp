@@ -5,18 +5,25 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace specdecode {
 namespace {
 
-template <typename scalar_t>
-void rms_norm_row(const scalar_t* x, const scalar_t* w, int64_t D, float eps, scalar_t* y) {
+// A weight in x's dtype multiplies the rounded normed value (Llama's order); an fp32 weight
+// under bf16 x multiplies before rounding (Gemma's, whose weight is 1 + w kept in fp32).
+template <typename scalar_t, typename weight_t>
+void rms_norm_row(const scalar_t* x, const weight_t* w, int64_t D, float eps, scalar_t* y) {
   float squares = 0.f;
   for (int64_t d = 0; d < D; ++d) squares += float(x[d]) * float(x[d]);
   const float inv = 1.f / std::sqrt(squares / float(D) + eps);
-  for (int64_t d = 0; d < D; ++d)
-    y[d] = scalar_t(float(w[d]) * float(scalar_t(float(x[d]) * inv)));
+  for (int64_t d = 0; d < D; ++d) {
+    if constexpr (std::is_same_v<scalar_t, weight_t>)
+      y[d] = scalar_t(float(w[d]) * float(scalar_t(float(x[d]) * inv)));
+    else
+      y[d] = scalar_t(float(x[d]) * inv * float(w[d]));
+  }
 }
 
 // One token's `heads` heads of D values, rotated in place (rotate-half convention):
@@ -49,8 +56,8 @@ void rope(T* x, const float* cos, const float* sin, int64_t tokens, int64_t W, i
   });
 }
 
-template <typename T>
-void rms_norm(const T* x, const T* w, int64_t rows, int64_t D, float eps, T* y) {
+template <typename T, typename W>
+void rms_norm(const T* x, const W* w, int64_t rows, int64_t D, float eps, T* y) {
   parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * D, w, D, eps, y + r * D);
   });
@@ -60,5 +67,6 @@ template void rope(float*, const float*, const float*, int64_t, int64_t, int64_t
 template void rope(BFloat16*, const float*, const float*, int64_t, int64_t, int64_t, int64_t);
 template void rms_norm(const float*, const float*, int64_t, int64_t, float, float*);
 template void rms_norm(const BFloat16*, const BFloat16*, int64_t, int64_t, float, BFloat16*);
+template void rms_norm(const BFloat16*, const float*, int64_t, int64_t, float, BFloat16*);
 
 }  // namespace specdecode

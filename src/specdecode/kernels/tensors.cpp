@@ -335,18 +335,25 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
   });
 }
 
-// x [..., D] and weight [D] of one dtype (fp32 or bf16) -> [..., D].
+// x [..., D] (fp32 or bf16) and weight [D] in x's dtype, or fp32 under bf16 x -> [..., D].
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu(), "specdecode kernels run on the CPU");
   const int64_t D = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D && weight.scalar_type() == x.scalar_type(),
-              "weight must be [", D, "] in x's dtype, got ", weight.sizes(), " ",
+  const bool fp32_weight = weight.scalar_type() == at::kFloat;
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D &&
+                  (weight.scalar_type() == x.scalar_type() || fp32_weight),
+              "weight must be [", D, "] in x's dtype or fp32, got ", weight.sizes(), " ",
               weight.scalar_type());
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor y = at::empty_like(xc);
   fp32_or_bf16(x.scalar_type(), "rms_norm", [&](auto type_tag) {
     using T = decltype(type_tag);
-    sd::rms_norm(data<const T>(xc), data<const T>(wc), xc.numel() / D, D, float(eps), data<T>(y));
+    if (fp32_weight)
+      sd::rms_norm(data<const T>(xc), wc.data_ptr<float>(), xc.numel() / D, D, float(eps),
+                   data<T>(y));
+    else
+      sd::rms_norm(data<const T>(xc), data<const T>(wc), xc.numel() / D, D, float(eps),
+                   data<T>(y));
   });
   return y;
 }

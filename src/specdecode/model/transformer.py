@@ -9,7 +9,6 @@ tokenizes and never changes its own config; all generation state lives in the `K
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +25,6 @@ from specdecode.model.config import ModelConfig, RopeScaling
 from specdecode.model.gguf_linear import REQUANTIZED, GgufWeight, cat_weights
 from specdecode.model.linear import make_linear
 from specdecode.model.quant import AUTO, parse_quantization
-
-log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -49,8 +46,15 @@ class RMSNorm(nn.Module):
         native_dtype = weight.dtype in (torch.float32, torch.bfloat16)
         self.native = weight.device.type == "cpu" and native_dtype and kernels.available()
 
+    def takes(self, dtype: torch.dtype) -> bool:
+        """Whether the native kernel computes this norm for x of `dtype`: x in the weight's
+        dtype, or bf16 x under an offset's fp32 weight (which the kernel applies before
+        rounding, as below)."""
+        offset_bf16 = not self.round_first and dtype == torch.bfloat16
+        return self.native and (dtype == self.weight.dtype or offset_bf16)
+
     def forward(self, x: Tensor) -> Tensor:  # x: [..., D]
-        if self.native and x.dtype == self.weight.dtype:
+        if self.takes(x.dtype):
             return kernels.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -341,43 +345,33 @@ class Block(nn.Module):
         else:
             self.mlp_in_norm = RMSNorm(w[f"{p}post_attention_layernorm.weight"], eps)
         self.mlp = MLP(w, f"{p}mlp.", quantization, cfg.activation)
-        self.native = self._native_layer(cfg)
+        dtype = w["model.embed_tokens.weight"].dtype  # the activations' (Transformer.dtype)
+        self.native = self._native_layer(cfg, dtype)
 
-    def _native_layer(self, cfg: ModelConfig) -> Callable[..., Tensor] | None:
+    def _native_layer(self, cfg: ModelConfig, dtype: torch.dtype) -> Callable[..., Tensor] | None:
         """The whole block as one native call for DECODE and TREE passes (`kernels.
         decoder_layer`: the same kernels in the same order, so the same bits, without ~12
-        Python-level calls per layer), or None where a part has no native kernel."""
+        Python-level calls per layer) over activations of `dtype`, or None where a part has
+        no native kernel."""
         attn, mlp = self.self_attn, self.mlp
         parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         projections = [getattr(part, "projection", None) for part in parts]
-        norms = (self.input_layernorm, self.mlp_in_norm)
-        if not attn.native_rope or None in projections or not all(n.native for n in norms):
-            return None
-        missing = [
-            name
-            for name, present in (
-                ("q/k head norms", attn.q_norm is not None),
-                ("Gemma's norms and GeGLU", cfg.gemma),
-                ("sliding windows", self.sliding),
-                ("a query scale", attn.q_scale != 1.0),
-            )
-            if present
-        ]
-        if missing:
-            if self.layer == 0:
-                log.info(
-                    "the native decoder layer has no %s: layers run part by part",
-                    ", ".join(missing),
-                )
+        optional = (self.attn_out_norm, self.mlp_out_norm, attn.q_norm, attn.k_norm)
+        norms = [self.input_layernorm, self.mlp_in_norm, *[n for n in optional if n is not None]]
+        if not attn.native_rope or None in projections or not all(n.takes(dtype) for n in norms):
             return None
         return kernels.decoder_layer(
             self.input_layernorm.weight,
             self.mlp_in_norm.weight,
-            cfg.rms_norm_eps,
-            projections,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
+            *[None if n is None else n.weight for n in optional],
+            eps=cfg.rms_norm_eps,
+            projections=projections,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            gelu=mlp.activation == "gelu_tanh",
+            q_scale=attn.q_scale,
+            window=attn.window or 0,
         )
 
     def forward(
