@@ -7,9 +7,11 @@ bit for bit in int8 and gguf, and configs we cannot run yet are refused with wha
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import TINY_VOCAB, build_tiny_model
@@ -20,7 +22,7 @@ from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.config import ModelConfig, RopeScaling
 from specdecode.model.loading import load_model
-from specdecode.model.transformer import Rotary, llama3_frequencies
+from specdecode.model.transformer import Rotary
 from specdecode.sampling_params import SamplingParams
 
 VOCAB = TINY_VOCAB
@@ -193,12 +195,12 @@ def test_speculation_gives_plain_output(
         assert alone.token_ids == want[2].token_ids
 
 
-def test_llama3_frequencies_follow_the_three_bands() -> None:
+def test_llama3_scaling_keeps_slows_and_blends_the_three_bands() -> None:
     """Short wavelengths kept, long ones divided by the factor, the band between blended."""
     scaling = RopeScaling(8.0, 1.0, 4.0, 64)
     inv_freq = torch.tensor([1.0, 0.2, 0.05, 0.001], dtype=torch.float64)
     # wavelengths 6.3 (< 64 / 4: kept), 31.4 (between 16 and 64), 126 and 6283 (> 64: / 8)
-    got = llama3_frequencies(inv_freq, scaling)
+    got = scaling.frequencies(inv_freq)
     blend = (64 / (2 * torch.pi / 0.2) - 1.0) / 3.0
     want = [1.0, 0.2 * (blend + (1 - blend) / 8), 0.05 / 8, 0.001 / 8]
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64))
@@ -276,3 +278,99 @@ def test_the_config_says_which_layers_slide(
     cfg = ModelConfig.from_hf_dict({**SIZES, **fields})
     assert (cfg.sliding_window, cfg.sliding_layers) == (window, sliding)
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+def _llama_cpp_divisors(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """rope_freqs as llama.cpp's converter writes them for Llama 3.x: each frequency's
+    divisor, 1 / ((1 - smooth) / factor + smooth), in fp32."""
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        context = scaling.original_max_position_embeddings
+        if wavelength < context / scaling.high_freq_factor:
+            divisors.append(1.0)
+        elif wavelength > context / scaling.low_freq_factor:
+            divisors.append(scaling.factor)
+        else:
+            low, high = scaling.low_freq_factor, scaling.high_freq_factor
+            smooth = (context / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / scaling.factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
+def _write_gguf_config(path: Path, head_dim: int, theta: float, rope_freqs: np.ndarray) -> Path:
+    """A GGUF holding a Llama model's metadata and a rope_freqs tensor (no weights)."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(path, arch="llama")
+    writer.add_vocab_size(VOCAB)
+    writer.add_embedding_length(4 * head_dim)
+    writer.add_feed_forward_length(8 * head_dim)
+    writer.add_block_count(2)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(theta)
+    writer.add_context_length(CONTEXT)
+    writer.add_tensor("rope_freqs.weight", rope_freqs)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "theta", "scaling"),
+    [
+        (64, 500000.0, RopeScaling(32.0, 1.0, 4.0, 8192)),  # Llama 3.2 1B / 3B
+        (128, 500000.0, RopeScaling(8.0, 1.0, 4.0, 8192)),  # Llama 3.1 8B
+        (16, 500000.0, RopeScaling(8.0, 1.0, 4.0, 64)),  # the tiny llama3 above: one blended
+        (16, 10000.0, RopeScaling(4.0, 1.0, 4.0, 2)),  # nothing blended
+    ],
+)
+def test_a_ggufs_rope_freqs_read_back_as_llama3_scaling(
+    tmp_path: Path, head_dim: int, theta: float, scaling: RopeScaling
+) -> None:
+    """llama.cpp keeps only each frequency's divisor: the config reads them back as the
+    llama3 scaling that gives the same frequencies (the parameters themselves where the
+    divisors pin them down), and the conversion skips the tensor."""
+    from specdecode.model.convert import config_from_gguf, iter_hf_tensors, open_gguf
+
+    divisors = _llama_cpp_divisors(head_dim, theta, scaling)
+    reader = open_gguf(_write_gguf_config(tmp_path / "m.gguf", head_dim, theta, divisors))
+    cfg = config_from_gguf(reader)
+    assert cfg.rope_scaling is not None
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    torch.testing.assert_close(
+        cfg.rope_scaling.frequencies(inv_freq), scaling.frequencies(inv_freq), rtol=1e-6, atol=0
+    )
+    if head_dim >= 64:
+        assert cfg.rope_scaling == scaling
+    assert list(iter_hf_tensors(reader, cfg)) == []
+
+
+@pytest.mark.parametrize(
+    ("divisors", "message"),
+    [
+        (np.linspace(1.0, 8.0, 8, dtype=np.float32), "not Llama 3.x's scaling"),
+        (np.ones(5, dtype=np.float32), "must hold 8 divisors"),
+        (np.full(8, 0.5, dtype=np.float32), "divisors >= 1"),
+    ],
+)
+def test_rope_freqs_of_another_form_are_refused(
+    tmp_path: Path, divisors: np.ndarray, message: str
+) -> None:
+    from specdecode.model.convert import config_from_gguf, open_gguf
+
+    reader = open_gguf(_write_gguf_config(tmp_path / "m.gguf", 16, 500000.0, divisors))
+    with pytest.raises(UserError, match=message):
+        config_from_gguf(reader)
+
+
+def test_unit_rope_freqs_are_no_scaling(tmp_path: Path) -> None:
+    from specdecode.model.convert import config_from_gguf, open_gguf
+
+    ones = np.ones(8, dtype=np.float32)
+    reader = open_gguf(_write_gguf_config(tmp_path / "m.gguf", 16, 500000.0, ones))
+    assert config_from_gguf(reader).rope_scaling is None

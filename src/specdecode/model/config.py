@@ -13,9 +13,12 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from specdecode.errors import ModelNotFoundError, UserError
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 T = TypeVar("T")
 
@@ -92,6 +95,17 @@ class RopeScaling:
 
     def to_hf_dict(self) -> dict[str, Any]:
         return {"rope_type": "llama3", **asdict(self)}
+
+    def frequencies(self, inv_freq: Tensor) -> Tensor:
+        """The scaled RoPE frequencies ([D / 2]) of the unscaled ones: long wavelengths
+        (beyond the original context / low_freq_factor) slowed down `factor` times, short ones
+        (below the original context / high_freq_factor) kept, and the band between blended
+        linearly in original context / wavelength."""
+        context = self.original_max_position_embeddings
+        wavelength = 2 * math.pi / inv_freq
+        low, high = self.low_freq_factor, self.high_freq_factor
+        blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long
+        return inv_freq * (blend + (1.0 - blend) / self.factor)
 
 
 def _activation(name: str) -> str:

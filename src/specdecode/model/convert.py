@@ -8,6 +8,7 @@ transformers load it, and later loads take well under two seconds.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Container, Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdecode.errors import ModelNotFoundError, UserError
-from specdecode.model.config import ARCHITECTURES, ModelConfig
+from specdecode.model.config import ARCHITECTURES, ModelConfig, RopeScaling
 from specdecode.model.gguf_tensors import GgufTensors
 
 # GGUF architecture -> the Hugging Face model_type we read it as (llama.cpp writes Mistral
@@ -31,6 +32,9 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gem
 # attends globally, the others through the window with RoPE base 10,000.
 GEMMA3_GLOBAL_EVERY = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# Llama 3.1 / 3.2's RoPE scaling bands (Meta's low_freq_factor and high_freq_factor for every
+# size): llama.cpp stores the frequencies' divisors (rope_freqs), not the parameters.
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR = 1.0, 4.0
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -100,6 +104,15 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         hidden = int(meta[f"{arch}.embedding_length"])
         vocab = meta.get(f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
         gemma = _gemma_fields(meta, arch) if ARCHITECTURES[model_type].gemma else {}
+        head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+        theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+        scaling = meta.get(f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise UserError(
+                f"GGUF RoPE scaling {scaling!r} is not supported yet; supported: none, and "
+                "Llama 3.x's (rope_freqs)"
+            )
+        divisors = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
         return ModelConfig(
             architecture=model_type,
             vocab_size=int(vocab),
@@ -108,13 +121,14 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
             num_layers=int(meta[f"{arch}.block_count"]),
             num_heads=heads,
             num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_theta=theta,
             max_position_embeddings=int(meta[f"{arch}.context_length"]),
             qkv_bias="blk.0.attn_q.bias" in names,
             tie_word_embeddings="output.weight" not in names,
             qk_norm=ARCHITECTURES[model_type].qk_norm,
+            rope_scaling=None if divisors is None else llama3_scaling(divisors, theta, head_dim),
             **gemma,
         )
     except (KeyError, TypeError) as err:
@@ -124,12 +138,6 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
 def _gemma_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
     """The Gemma 3 fields of a ModelConfig from GGUF metadata and llama.cpp's fixed choices
     (query scale: head_dim's, as llama.cpp takes it for every size but 27B)."""
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise UserError(
-            f"GGUF RoPE scaling {scaling!r} (Gemma 3 4B and larger) is not supported yet; "
-            "Gemma 3 270M and 1B run"
-        )
     layers = int(meta[f"{arch}.block_count"])
     window = meta.get(f"{arch}.attention.sliding_window")
     slides = bool(window)  # its layers also take the local RoPE base: kept if it covers all
@@ -143,6 +151,41 @@ def _gemma_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
         "local_rope_theta": GEMMA3_LOCAL_ROPE_THETA,
         "logit_softcap": None if cap is None else float(cap),
     }
+
+
+def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> RopeScaling | None:
+    """Llama 3.x's RoPE scaling from a GGUF's rope_freqs: the divisor of each of the
+    head_dim / 2 frequencies, all llama.cpp keeps of the parameters. factor is the largest
+    divisor, the bands Meta's (LLAMA3_*_FREQ_FACTOR), and the original context the one that
+    puts the blended frequencies where they are (or, with none blended, the band between the
+    kept and the scaled ones). Refused unless these parameters give back every divisor."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    div = torch.from_numpy(np.asarray(divisors, dtype=np.float64).reshape(-1))  # [D / 2]
+    if div.shape != inv_freq.shape or not bool((div >= 1.0 - 1e-6).all()):
+        raise UserError(
+            f"GGUF rope_freqs must hold {inv_freq.numel()} divisors >= 1 (Llama 3.x's scaled "
+            f"RoPE), got {div.numel()} values, smallest {float(div.min()):.4g}"
+        )
+    factor = float(div.max())
+    if factor <= 1.0 + 1e-6:
+        return None  # nothing scaled
+    low, high = LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR
+    wavelength = 2 * math.pi / inv_freq  # [D / 2]
+    blend = (1.0 / div - 1.0 / factor) / (1.0 - 1.0 / factor)  # 1: kept, 0: scaled
+    blended = (blend > 1e-6) & (blend < 1.0 - 1e-6)
+    kept = blend >= 1.0 - 1e-6
+    if blended.any():  # blend = (context / wavelength - low) / (high - low)
+        context = float((wavelength * (low + blend * (high - low)))[blended].median())
+    else:
+        context = math.ceil(high * float(wavelength[kept].max())) if kept.any() else 1.0
+    scaling = RopeScaling(factor, low, high, max(1, round(context)))
+    got = inv_freq / scaling.frequencies(inv_freq)  # [D / 2] divisors
+    if not torch.allclose(got, div, rtol=1e-5, atol=0.0):
+        raise UserError(
+            "GGUF rope_freqs are not Llama 3.x's scaling (no factor, low/high frequency "
+            f"factors {low:g}/{high:g} and original context give them back): {div.tolist()}"
+        )
+    return scaling
 
 
 def layer_names(cfg: ModelConfig) -> dict[str, str]:
@@ -184,10 +227,7 @@ def iter_hf_tensors(
     exactly, and yield it under its Hugging Face name."""
     for t in tqdm(reader.tensors, desc="convert", unit="tensor", disable=not progress):
         if t.name == "rope_freqs.weight":
-            raise UserError(
-                "GGUF has rope_freqs (Llama 3.x's scaled RoPE): not read from GGUF yet; "
-                "a Hugging Face folder of the model (rope_scaling llama3) runs"
-            )
+            continue  # the config's rope_scaling (config_from_gguf)
         name = _hf_name(t.name, cfg)
         if name in skip:
             continue

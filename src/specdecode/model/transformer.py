@@ -9,7 +9,6 @@ tokenizes and never changes its own config; all generation state lives in the `K
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,18 +62,6 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight).to(x.dtype)
 
 
-def llama3_frequencies(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
-    """Llama 3.x's scaled RoPE frequencies ([D / 2]): long wavelengths (beyond the original
-    context / low_freq_factor) slowed down `factor` times, short ones (below the original
-    context / high_freq_factor) kept, and the band between blended linearly in
-    original context / wavelength."""
-    context = scaling.original_max_position_embeddings
-    wavelength = 2 * math.pi / inv_freq
-    low, high = scaling.low_freq_factor, scaling.high_freq_factor
-    blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long, 1: short
-    return inv_freq * (blend + (1.0 - blend) / scaling.factor)
-
-
 class Rotary(nn.Module):
     """RoPE (rotate-half convention) with cos/sin tables kept in fp32 whatever the model dtype."""
 
@@ -84,7 +71,7 @@ class Rotary(nn.Module):
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         if scaling is not None:
-            inv_freq = llama3_frequencies(inv_freq, scaling)
+            inv_freq = scaling.frequencies(inv_freq)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1).float()  # [P, D]
         self.register_buffer("cos", angles.cos(), persistent=False)  # [P, D] fp32
