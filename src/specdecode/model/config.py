@@ -2,8 +2,8 @@
 
 An architecture is a row of `ARCHITECTURES`: the choices that set it apart from Llama's
 decoder (q/k/v biases, a norm of each q and k head, Gemma's norms, activation and embedding
-scale, which layers attend through a sliding window). The rest (sizes, RoPE bases and
-scaling, the window, a tied head, soft-capping) comes from the config itself.
+scale, which layers attend through a sliding window, fused projections). The rest (sizes, RoPE
+bases and scaling, the window, a tied head, soft-capping) comes from the config itself.
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ class Architecture:
     gemma: Gemma's block: RMSNorm weights stored as w with the norm multiplying by 1 + w,
         norms around each sublayer's output too, a GeGLU MLP, embeddings times
         sqrt(hidden_size), and a local RoPE base for the sliding-window layers.
-    windows: which layers attend through `sliding_window`: "none", "all" (Mistral),
+    windows: which layers attend through `sliding_window`: "none", "all" (Mistral, Phi-3),
         "from_max_window_layers" (Qwen2/3 with use_sliding_window) or "pattern" (Gemma 3:
         `layer_types`, else every layer but each sliding_window_pattern-th).
+    fused: q|k|v and gate|up are stored as one weight each (`qkv_proj`, `gate_up_proj`:
+        Phi-3), split when read.
     """
 
     hf_class: str
@@ -45,6 +47,7 @@ class Architecture:
     qk_norm: bool = False
     gemma: bool = False
     windows: str = "none"
+    fused: bool = False
 
 
 ARCHITECTURES = {
@@ -53,6 +56,7 @@ ARCHITECTURES = {
     "qwen2": Architecture("Qwen2ForCausalLM", qkv_bias=True, windows="from_max_window_layers"),
     "qwen3": Architecture("Qwen3ForCausalLM", qk_norm=True, windows="from_max_window_layers"),
     "gemma3_text": Architecture("Gemma3ForCausalLM", qk_norm=True, gemma=True, windows="pattern"),
+    "phi3": Architecture("Phi3ForCausalLM", windows="all", fused=True),  # LongRoPE: LongRope
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -70,16 +74,8 @@ class RopeScaling:
     original_max_position_embeddings: int
 
     @classmethod
-    def from_hf_dict(cls, rope: dict[str, Any]) -> RopeScaling | None:
-        """From config.json's `rope_scaling` / `rope_parameters` (None: the default RoPE);
-        a kind of scaling other than "llama3" is refused."""
-        kind = rope.get("rope_type", rope.get("type"))
-        if kind in (None, "default"):
-            return None
-        if kind != "llama3":
-            raise UserError(
-                f"unsupported RoPE scaling {rope!r}; supported: the default RoPE and 'llama3'"
-            )
+    def from_hf_dict(cls, rope: dict[str, Any]) -> RopeScaling:
+        """From config.json's `rope_scaling` / `rope_parameters` of rope_type "llama3"."""
         scaling = cls(
             float(rope["factor"]),
             float(rope["low_freq_factor"]),
@@ -106,6 +102,99 @@ class RopeScaling:
         low, high = self.low_freq_factor, self.high_freq_factor
         blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long
         return inv_freq * (blend + (1.0 - blend) / self.factor)
+
+    def angles(self, positions: Tensor, inv_freq: Tensor) -> Tensor:
+        """RoPE's angles [P, D / 2] at `positions` ([P]) for the unscaled frequencies."""
+        return positions[:, None] * self.frequencies(inv_freq)[None, :]
+
+    @property
+    def attention_factor(self) -> float:
+        """What cos and sin are multiplied by (none here)."""
+        return 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class LongRope:
+    """Phi-3's LongRoPE (`rope_type` "longrope"): each frequency divided by its short factor at
+    positions below original_max_position_embeddings and by its long factor from there on,
+    cos and sin multiplied by attention_factor (by default sqrt(1 + ln(s) / ln(original)),
+    s = max_position_embeddings / original).
+
+    Hugging Face picks one set for a whole pass by the sequence's length (and its `generate`
+    recomputes the cache with the long set once the sequence outgrows the original context);
+    a cache shared by speculation needs a token's rotation to depend on its position only, so
+    here a cached token keeps the set of its position, as vLLM keeps cached keys. Within the
+    original context both are the short set."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+    @classmethod
+    def from_hf_dict(cls, rope: dict[str, Any], cfg: dict[str, Any]) -> LongRope:
+        """From `rope_scaling` / `rope_parameters` and config.json's own fields (Phi-3 keeps
+        original_max_position_embeddings at the top level)."""
+        original = rope.get("original_max_position_embeddings") or cfg.get(
+            "original_max_position_embeddings"
+        )
+        if not original:
+            raise UserError(
+                f"longrope RoPE scaling needs original_max_position_embeddings: {rope!r}"
+            )
+        short, long = (
+            tuple(map(float, rope["short_factor"])),
+            tuple(map(float, rope["long_factor"])),
+        )
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        if len(short) != head_dim // 2 or len(long) != head_dim // 2:
+            raise UserError(
+                f"longrope needs {head_dim // 2} short and long factors (head_dim / 2), got "
+                f"{len(short)} and {len(long)}"
+            )
+        factor = rope.get("factor") or cfg.get("max_position_embeddings", original) / original
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = (
+                1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+            )
+        return cls(short, long, int(original), float(attention))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {
+            "rope_type": "longrope",
+            "short_factor": list(self.short_factor),
+            "long_factor": list(self.long_factor),
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+            "attention_factor": self.attention_factor,
+        }
+
+    def angles(self, positions: Tensor, inv_freq: Tensor) -> Tensor:
+        """RoPE's angles [P, D / 2] at `positions` ([P]): the short set below the original
+        context, the long set from there on."""
+        short = positions[:, None] * (inv_freq / inv_freq.new_tensor(self.short_factor))[None, :]
+        long = positions[:, None] * (inv_freq / inv_freq.new_tensor(self.long_factor))[None, :]
+        return short.where(positions[:, None] < self.original_max_position_embeddings, long)
+
+
+def rope_scaling(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling | LongRope | None:
+    """config.json's RoPE scaling (`rope_scaling` / `rope_parameters`): None for the default
+    RoPE, "llama3" and "longrope" read, anything else (and a partial rotation) refused."""
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UserError(
+            f"partial_rotary_factor {partial} is not supported; every dimension rotates"
+        )
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind == "llama3":
+        return RopeScaling.from_hf_dict(rope)
+    if kind == "longrope":
+        return LongRope.from_hf_dict(rope, cfg)
+    raise UserError(
+        f"unsupported RoPE scaling {rope!r}; supported: the default RoPE, 'llama3' and 'longrope'"
+    )
 
 
 def _activation(name: str) -> str:
@@ -203,7 +292,7 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias) add biases to q, k, v
     tie_word_embeddings: bool = False  # output head shares the embedding matrix
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm of each q and k head before RoPE
-    rope_scaling: RopeScaling | None = None  # Llama 3.x's frequency scaling, or None
+    rope_scaling: RopeScaling | LongRope | None = None  # Llama 3.x's, Phi-3's, or None
     gemma: bool = False  # Gemma's block (see Architecture.gemma)
     activation: str = "silu"  # the MLP's gate activation, one of ACTIVATIONS
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
@@ -278,7 +367,7 @@ class ModelConfig:
             qkv_bias=table.qkv_bias or bool(cfg.get("attention_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", table.gemma)),
             qk_norm=table.qk_norm,
-            rope_scaling=RopeScaling.from_hf_dict(full),
+            rope_scaling=rope_scaling(full, cfg),
             gemma=table.gemma,
             activation=_activation(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")),
             sliding_window=window,
@@ -340,6 +429,10 @@ class ModelConfig:
             cfg["final_logit_softcapping"] = self.logit_softcap
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = self.rope_scaling.to_hf_dict()
+        if isinstance(self.rope_scaling, LongRope):
+            cfg["original_max_position_embeddings"] = (
+                self.rope_scaling.original_max_position_embeddings
+            )
         return cfg
 
     def describe(self) -> dict[str, Any]:

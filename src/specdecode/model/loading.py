@@ -11,7 +11,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from specdecode.errors import ModelNotFoundError, UserError
-from specdecode.model.config import ModelConfig
+from specdecode.model.config import ARCHITECTURES, ModelConfig
 from specdecode.model.gguf_blocks import UnsupportedBlockType
 from specdecode.model.gguf_linear import REQUANTIZED, GgufWeight, read_gguf_weights
 from specdecode.model.quant import AUTO, parse_quantization
@@ -88,10 +88,39 @@ def load_weights(
                     weights[name] = tensors.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as err:
             raise UserError(f"cannot read weights from {file} (malformed?): {err}") from err
+    if ARCHITECTURES[cfg.architecture].fused:
+        weights = split_fused(weights, cfg)
     _check_weights(weights, cfg, path)
     return {
         name: w.to(dtype) for name, w in weights.items() if not name.endswith("rotary_emb.inv_freq")
     }
+
+
+def split_fused(weights: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Phi-3's fused weights under the names every other architecture uses: each layer's
+    `qkv_proj` ([(H + 2 Hkv) D, hidden]) as q_proj, k_proj, v_proj and `gate_up_proj`
+    ([2 I, hidden], gate first) as gate_proj, up_proj. (The model fuses them again.)"""
+    out = dict(weights)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for i in range(cfg.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        if f"{attn}qkv_proj.weight" in out:
+            qkv = out.pop(f"{attn}qkv_proj.weight")
+            if qkv.shape[0] != q + 2 * kv:
+                raise UserError(
+                    f"{attn}qkv_proj.weight has {qkv.shape[0]} rows; the config needs {q + 2 * kv}"
+                )
+            for name, part in zip("qkv", qkv.split([q, kv, kv]), strict=True):
+                out[f"{attn}{name}_proj.weight"] = part
+        if f"{mlp}gate_up_proj.weight" in out:
+            gate_up = out.pop(f"{mlp}gate_up_proj.weight")
+            if gate_up.shape[0] != 2 * cfg.intermediate_size:
+                raise UserError(
+                    f"{mlp}gate_up_proj.weight has {gate_up.shape[0]} rows; the config needs "
+                    f"{2 * cfg.intermediate_size}"
+                )
+            out[f"{mlp}gate_proj.weight"], out[f"{mlp}up_proj.weight"] = gate_up.chunk(2)
+    return out
 
 
 def _check_weights(

@@ -1,7 +1,7 @@
-"""A native Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3): RMSNorm, RoPE
-(Llama 3's frequency scaling; a local base for sliding layers), GQA with optional sliding
-windows, SwiGLU or GeGLU, optional qkv bias, optional q/k head norms, Gemma's norms around each
-sublayer, embedding scale and logit soft-capping.
+"""A native Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3): RMSNorm,
+RoPE (Llama 3's frequency scaling, Phi-3's LongRoPE; a local base for sliding layers), GQA with
+optional sliding windows, SwiGLU or GeGLU, optional qkv bias, optional q/k head norms, Gemma's
+norms around each sublayer, embedding scale and logit soft-capping.
 
 `Transformer.forward` maps tokens to logits and hidden states. It never samples, never
 tokenizes and never changes its own config; all generation state lives in the `KVCache`.
@@ -20,7 +20,7 @@ from specdecode import kernels
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
 from specdecode.errors import UserError
-from specdecode.model.config import ModelConfig, RopeScaling
+from specdecode.model.config import LongRope, ModelConfig, RopeScaling
 from specdecode.model.gguf_linear import REQUANTIZED, GgufWeight, cat_weights
 from specdecode.model.linear import make_linear
 from specdecode.model.quant import AUTO, parse_quantization
@@ -66,16 +66,25 @@ class Rotary(nn.Module):
     """RoPE (rotate-half convention) with cos/sin tables kept in fp32 whatever the model dtype."""
 
     def __init__(
-        self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None
+        self,
+        head_dim: int,
+        theta: float,
+        max_positions: int,
+        scaling: RopeScaling | LongRope | None = None,
     ) -> None:
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        if scaling is not None:
-            inv_freq = scaling.frequencies(inv_freq)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        positions = torch.arange(max_positions, dtype=torch.float64)  # [P]
+        if scaling is None:
+            angles = torch.outer(positions, inv_freq)  # [P, D / 2]
+        else:
+            angles = scaling.angles(positions, inv_freq)
         angles = torch.cat([angles, angles], dim=-1).float()  # [P, D]
-        self.register_buffer("cos", angles.cos(), persistent=False)  # [P, D] fp32
-        self.register_buffer("sin", angles.sin(), persistent=False)  # [P, D] fp32
+        cos, sin = angles.cos(), angles.sin()  # [P, D] fp32
+        if scaling is not None and scaling.attention_factor != 1.0:  # LongRoPE's, in fp32
+            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: Tensor, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
         """cos, sin for `positions` ([B, T]): [B, T, D] fp32 for the native RoPE kernel
