@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 from specdecode.model.config import ModelConfig
 from specdecode.model.convert import _GLOBAL_NAMES, layer_names
-from specdecode.model.gguf_linear import PROJECTIONS
+from specdecode.model.gguf_linear import gguf_projections
 
 T = GGMLQuantizationType
 
@@ -44,10 +44,12 @@ def random_blocks(tensor_type: GGMLQuantizationType, rows: int, cols: int, seed:
 
 
 # each projection's type in the tiny GGUF: a fused q|k|v of three types, every simple format
+# (Phi-3's file stores q|k|v as one attn_qkv, and gate|up as ffn_up)
 TINY_TYPES = {
     "attn_q": T.Q4_0,
     "attn_k": T.Q8_0,
     "attn_v": T.Q5_0,
+    "attn_qkv": T.Q5_0,
     "attn_output": T.Q4_1,
     "ffn_gate": T.Q5_1,
     "ffn_up": T.Q4_0,
@@ -73,9 +75,11 @@ def build_tiny_gguf(model_dir: Path, out: Path) -> Path:
     arch = cfg["model_type"]
     weights = load_file(str(model_dir / "model.safetensors"))
     writer = GGUFWriter(out / "model.gguf", arch=arch)
+    ours = ModelConfig.from_folder(model_dir)
     for i in range(cfg["num_hidden_layers"]):
-        for name, tensor_type in TINY_TYPES.items():
-            w = weights[f"model.layers.{i}.{PROJECTIONS[name]}.weight"].astype(np.float32)
+        for name, projection in gguf_projections(ours).items():
+            tensor_type = TINY_TYPES[name]
+            w = weights[f"model.layers.{i}.{projection}.weight"].astype(np.float32)
             if arch == "llama" and name in ("attn_q", "attn_k"):
                 heads = cfg["num_attention_heads" if name == "attn_q" else "num_key_value_heads"]
                 w = _rope_permuted(w, heads)
@@ -85,7 +89,6 @@ def build_tiny_gguf(model_dir: Path, out: Path) -> Path:
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).astype(np.float32)
     name = "token_embd.weight" if cfg.get("tie_word_embeddings") else "output.weight"
     writer.add_tensor(name, quantize(head, T.Q8_0), raw_dtype=T.Q8_0)
-    ours = ModelConfig.from_folder(model_dir)
     hf_names = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()} | {
         f"model.layers.{i}.{hf}": f"blk.{i}.{gguf}"
         for i in range(cfg["num_hidden_layers"])

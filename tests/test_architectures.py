@@ -8,6 +8,7 @@ bit for bit in int8 and gguf, and configs we cannot run yet are refused with wha
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 # the architectures llama.cpp's GGUF files of which we read
-GGUF_ARCHITECTURES = ("llama3", "mistral", "qwen3", "gemma3")
+GGUF_ARCHITECTURES = ("llama3", "mistral", "qwen3", "gemma3", "phi3")
 
 
 def build(path: Path, name: str, seed: int = 0) -> Path:
@@ -368,11 +369,21 @@ def _llama_cpp_divisors(head_dim: int, theta: float, scaling: RopeScaling) -> np
     return np.array(divisors, dtype=np.float32)
 
 
-def _write_gguf_config(path: Path, head_dim: int, theta: float, rope_freqs: np.ndarray) -> Path:
-    """A GGUF holding a Llama model's metadata and a rope_freqs tensor (no weights)."""
+def _write_gguf_config(
+    path: Path,
+    head_dim: int,
+    theta: float,
+    rope_freqs: np.ndarray | None,
+    arch: str = "llama",
+    extra: Callable[[Any], None] | None = None,
+) -> Path:
+    """A GGUF holding a model's metadata and a rope_freqs tensor (no weights); `extra`
+    writes more into the writer."""
     from gguf import GGUFWriter
 
-    writer = GGUFWriter(path, arch="llama")
+    writer = GGUFWriter(path, arch=arch)
+    if extra is not None:
+        extra(writer)
     writer.add_vocab_size(VOCAB)
     writer.add_embedding_length(4 * head_dim)
     writer.add_feed_forward_length(8 * head_dim)
@@ -382,7 +393,8 @@ def _write_gguf_config(path: Path, head_dim: int, theta: float, rope_freqs: np.n
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(theta)
     writer.add_context_length(CONTEXT)
-    writer.add_tensor("rope_freqs.weight", rope_freqs)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -444,3 +456,37 @@ def test_unit_rope_freqs_are_no_scaling(tmp_path: Path) -> None:
     ones = np.ones(8, dtype=np.float32)
     reader = open_gguf(_write_gguf_config(tmp_path / "m.gguf", 16, 500000.0, ones))
     assert config_from_gguf(reader).rope_scaling is None
+
+
+def test_a_phi3_ggufs_longrope_and_window_are_read(tmp_path: Path) -> None:
+    """Phi-3's GGUF keeps LongRoPE's factors as tensors and the original context (and any
+    attention factor) as metadata; its window applies to every layer."""
+    from specdecode.model.convert import config_from_gguf, iter_hf_tensors, open_gguf
+
+    short = np.linspace(1.0, 3.0, 8, dtype=np.float32)
+    long = np.linspace(1.0, 9.0, 8, dtype=np.float32)
+
+    def phi3(writer: Any) -> None:
+        writer.add_rope_scaling_orig_ctx_len(64)
+        writer.add_sliding_window(48)
+        writer.add_tensor("rope_factors_short.weight", short)
+        writer.add_tensor("rope_factors_long.weight", long)
+
+    reader = open_gguf(_write_gguf_config(tmp_path / "m.gguf", 16, 1e4, None, "phi3", phi3))
+    cfg = config_from_gguf(reader)
+    scaling = cfg.rope_scaling
+    assert cfg.architecture == "phi3" and isinstance(scaling, LongRope)
+    assert (scaling.short_factor, scaling.long_factor) == (tuple(short), tuple(long))
+    assert scaling.original_max_position_embeddings == 64
+    assert scaling.attention_factor == pytest.approx((1 + 1 / 3) ** 0.5)  # ln 4 / ln 64
+    assert (cfg.sliding_window, cfg.sliding_layers) == (48, (0, 1))
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg  # the converted folder's config
+    assert list(iter_hf_tensors(reader, cfg)) == []
+
+    def half(writer: Any) -> None:
+        writer.add_rope_scaling_orig_ctx_len(64)
+        writer.add_tensor("rope_factors_short.weight", short)
+
+    reader = open_gguf(_write_gguf_config(tmp_path / "h.gguf", 16, 1e4, None, "phi3", half))
+    with pytest.raises(UserError, match="needs both rope_factors_short"):
+        config_from_gguf(reader)

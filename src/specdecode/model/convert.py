@@ -1,4 +1,4 @@
-"""Convert a GGUF file (Llama, Qwen2, Qwen3, Gemma 3) once into a Hugging Face-style folder.
+"""Convert a GGUF file (Llama, Qwen2, Qwen3, Gemma 3, Phi-3) once into a Hugging Face-style folder.
 
 The folder holds config.json, model.safetensors (bf16, HF tensor names), tokenizer.json,
 tokenizer_config.json and generation_config.json, so both specdecode and Hugging Face
@@ -22,12 +22,18 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdecode.errors import ModelNotFoundError, UserError
-from specdecode.model.config import ARCHITECTURES, ModelConfig, RopeScaling
+from specdecode.model.config import ARCHITECTURES, LongRope, ModelConfig, RopeScaling
 from specdecode.model.gguf_tensors import GgufTensors
 
 # GGUF architecture -> the Hugging Face model_type we read it as (llama.cpp writes Mistral
 # models as "llama").
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+}
 # What llama.cpp fixes for Gemma 3 rather than writing it in the file: every sixth layer
 # attends globally, the others through the window with RoPE base 10,000.
 GEMMA3_GLOBAL_EVERY = 6
@@ -60,6 +66,17 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Phi-3 stores q|k|v as attn_qkv and gate|up as ffn_up (read split, `loading.split_fused`).
+_FUSED_LAYER_NAMES = {
+    **{
+        k: v for k, v in _LAYER_NAMES.items() if not k.startswith(("attn_q.", "attn_k.", "attn_v."))
+    },
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+del _FUSED_LAYER_NAMES["ffn_gate.weight"]
+# LongRoPE's factors (Phi-3): read into the config's rope_scaling, not weights
+LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -113,6 +130,8 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
                 "Llama 3.x's (rope_freqs)"
             )
         divisors = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        phi3 = _phi3_fields(reader, meta, arch) if model_type == "phi3" else {}
+        llama3 = None if divisors is None else llama3_scaling(divisors, theta, head_dim)
         return ModelConfig(
             architecture=model_type,
             vocab_size=int(vocab),
@@ -128,8 +147,9 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
             qkv_bias="blk.0.attn_q.bias" in names,
             tie_word_embeddings="output.weight" not in names,
             qk_norm=ARCHITECTURES[model_type].qk_norm,
-            rope_scaling=None if divisors is None else llama3_scaling(divisors, theta, head_dim),
+            rope_scaling=phi3.pop("rope_scaling", llama3),
             **gemma,
+            **phi3,
         )
     except (KeyError, TypeError) as err:
         raise UserError(f"GGUF metadata lacks a required field: {err}") from err
@@ -151,6 +171,35 @@ def _gemma_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
         "local_rope_theta": GEMMA3_LOCAL_ROPE_THETA,
         "logit_softcap": None if cap is None else float(cap),
     }
+
+
+def _phi3_fields(reader: GGUFReader, meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Phi-3's sliding window (every layer; none when it covers the context) and LongRoPE
+    (its factors are tensors, the original context and attention factor metadata)."""
+    context, layers = int(meta[f"{arch}.context_length"]), int(meta[f"{arch}.block_count"])
+    window = meta.get(f"{arch}.attention.sliding_window")
+    slides = bool(window) and int(window) < context
+    fields: dict[str, Any] = {
+        "sliding_window": int(window) if slides else None,
+        "sliding_layers": tuple(range(layers)) if slides else (),
+    }
+    factors = {t.name: t.data for t in reader.tensors if t.name in LONGROPE_TENSORS}
+    if factors:
+        if len(factors) != 2:
+            raise UserError(f"a LongRoPE GGUF needs both {' and '.join(LONGROPE_TENSORS)}")
+        rope = {
+            "short_factor": np.asarray(factors[LONGROPE_TENSORS[0]], dtype=np.float64).tolist(),
+            "long_factor": np.asarray(factors[LONGROPE_TENSORS[1]], dtype=np.float64).tolist(),
+            "original_max_position_embeddings": meta[
+                f"{arch}.rope.scaling.original_context_length"
+            ],
+            "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor"),
+        }
+        heads, hidden = meta[f"{arch}.attention.head_count"], meta[f"{arch}.embedding_length"]
+        head_dim = int(meta.get(f"{arch}.attention.key_length", int(hidden) // int(heads)))
+        sizes = {"head_dim": head_dim, "max_position_embeddings": context}
+        fields["rope_scaling"] = LongRope.from_hf_dict(rope, sizes)
+    return fields
 
 
 def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> RopeScaling | None:
@@ -190,6 +239,8 @@ def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> RopeSca
 
 def layer_names(cfg: ModelConfig) -> dict[str, str]:
     """GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")."""
+    if ARCHITECTURES[cfg.architecture].fused:
+        return _FUSED_LAYER_NAMES
     return _GEMMA_LAYER_NAMES if cfg.gemma else _LAYER_NAMES
 
 
@@ -226,7 +277,7 @@ def iter_hf_tensors(
     """Dequantize every tensor (but those whose Hugging Face name is in `skip`) to fp32,
     exactly, and yield it under its Hugging Face name."""
     for t in tqdm(reader.tensors, desc="convert", unit="tensor", disable=not progress):
-        if t.name == "rope_freqs.weight":
+        if t.name == "rope_freqs.weight" or t.name in LONGROPE_TENSORS:
             continue  # the config's rope_scaling (config_from_gguf)
         name = _hf_name(t.name, cfg)
         if name in skip:

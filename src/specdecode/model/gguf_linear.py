@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from specdecode import kernels
 from specdecode.errors import UserError
-from specdecode.model.config import ModelConfig
+from specdecode.model.config import ARCHITECTURES, ModelConfig
 from specdecode.model.convert import _unpermute_rope, iter_hf_tensors
 from specdecode.model.gguf_blocks import Codes, check_supported, decode, pack, unpack
 from specdecode.model.gguf_tensors import read_tensors
@@ -193,6 +193,30 @@ PROJECTIONS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Phi-3's: q|k|v and gate|up stored fused (config.Architecture.fused)
+FUSED_PROJECTIONS = {
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_projections(cfg: ModelConfig) -> dict[str, str]:
+    """GGUF name inside a block -> the Hugging Face projection it is stored as."""
+    return FUSED_PROJECTIONS if ARCHITECTURES[cfg.architecture].fused else PROJECTIONS
+
+
+def _parts(cfg: ModelConfig, projection: str) -> list[tuple[str, int]]:
+    """The projections a stored one holds, in row order, with their row counts (a fused one
+    holds several; None: all its rows)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    if projection == "self_attn.qkv_proj":
+        return [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)]
+    if projection == "mlp.gate_up_proj":
+        inter = cfg.intermediate_size
+        return [("mlp.gate_proj", inter), ("mlp.up_proj", inter)]
+    return [(projection, -1)]
 
 
 def _unpermuted(raw: np.ndarray, cfg: ModelConfig, projection: str) -> np.ndarray:
@@ -211,22 +235,32 @@ def read_gguf_weights(path: Path, cfg: ModelConfig) -> dict[str, GgufWeight | Te
     reads them."""
     reader = read_tensors(path)  # the tensor table alone: the metadata is not parsed
     tensors = {t.name: t for t in reader.tensors}
-    names = {  # GGUF name -> (Hugging Face name, projection)
-        f"blk.{i}.{gguf}.weight": (f"model.layers.{i}.{hf}.weight", hf)
+    names = {  # GGUF name -> (layer prefix of the Hugging Face name, projection)
+        f"blk.{i}.{gguf}.weight": (f"model.layers.{i}.", hf)
         for i in range(cfg.num_layers)
-        for gguf, hf in PROJECTIONS.items()
+        for gguf, hf in gguf_projections(cfg).items()
     }
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    names[head] = ("lm_head.weight", "lm_head")
+    names[head] = ("", "lm_head")
     out: dict[str, GgufWeight | Tensor] = {}
-    for gguf_name, (hf_name, projection) in names.items():
+    stored: set[str] = set()  # the Hugging Face names of what is read here, fused ones too
+    for gguf_name, (prefix, projection) in names.items():
         if gguf_name not in tensors:
             raise UserError(f"{path} lacks the tensor {gguf_name}")
         t = tensors[gguf_name]
         check_supported(t.tensor_type)
         cols, rows = (int(d) for d in t.shape)  # GGUF lists dims innermost first
         raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)  # [rows, row bytes]
-        raw = _unpermuted(raw, cfg, projection)
-        out[hf_name] = GgufWeight((GgufSegment(t.tensor_type, raw),), cols)
-    out.update(iter_hf_tensors(reader, cfg, skip=frozenset(out)))
+        parts = _parts(cfg, projection)
+        if parts[0][1] > 0 and sum(n for _, n in parts) != rows:
+            raise UserError(f"{path}: {gguf_name} has {rows} rows, the config needs {parts}")
+        first = 0
+        for part, count in parts:
+            part_raw = raw[first : first + count] if count > 0 else raw  # whole rows of blocks
+            part_raw = _unpermuted(np.ascontiguousarray(part_raw), cfg, part)
+            segment = GgufSegment(t.tensor_type, part_raw)
+            out[f"{prefix}{part}.weight"] = GgufWeight((segment,), cols)
+            first += count
+        stored.add(f"{prefix}{projection}.weight")
+    out.update(iter_hf_tensors(reader, cfg, skip=frozenset(stored | set(out))))
     return out
