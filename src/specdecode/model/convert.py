@@ -67,14 +67,12 @@ _GEMMA_LAYER_NAMES = {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 # Phi-3 stores q|k|v as attn_qkv and gate|up as ffn_up (read split, `loading.split_fused`).
+_UNFUSED = ("attn_q.", "attn_k.", "attn_v.", "ffn_gate.", "ffn_up.")
 _FUSED_LAYER_NAMES = {
-    **{
-        k: v for k, v in _LAYER_NAMES.items() if not k.startswith(("attn_q.", "attn_k.", "attn_v."))
-    },
+    **{gguf: hf for gguf, hf in _LAYER_NAMES.items() if not gguf.startswith(_UNFUSED)},
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
-del _FUSED_LAYER_NAMES["ffn_gate.weight"]
 # LongRoPE's factors (Phi-3): read into the config's rope_scaling, not weights
 LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _GLOBAL_NAMES = {
@@ -130,7 +128,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
                 "Llama 3.x's (rope_freqs)"
             )
         divisors = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-        phi3 = _phi3_fields(reader, meta, arch) if model_type == "phi3" else {}
+        phi3 = _phi3_fields(reader, meta, arch, head_dim) if model_type == "phi3" else {}
         llama3 = None if divisors is None else llama3_scaling(divisors, theta, head_dim)
         return ModelConfig(
             architecture=model_type,
@@ -173,7 +171,9 @@ def _gemma_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
     }
 
 
-def _phi3_fields(reader: GGUFReader, meta: dict[str, Any], arch: str) -> dict[str, Any]:
+def _phi3_fields(
+    reader: GGUFReader, meta: dict[str, Any], arch: str, head_dim: int
+) -> dict[str, Any]:
     """Phi-3's sliding window (every layer; none when it covers the context) and LongRoPE
     (its factors are tensors, the original context and attention factor metadata)."""
     context, layers = int(meta[f"{arch}.context_length"]), int(meta[f"{arch}.block_count"])
@@ -195,8 +195,6 @@ def _phi3_fields(reader: GGUFReader, meta: dict[str, Any], arch: str) -> dict[st
             ],
             "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor"),
         }
-        heads, hidden = meta[f"{arch}.attention.head_count"], meta[f"{arch}.embedding_length"]
-        head_dim = int(meta.get(f"{arch}.attention.key_length", int(hidden) // int(heads)))
         sizes = {"head_dim": head_dim, "max_position_embeddings": context}
         fields["rope_scaling"] = LongRope.from_hf_dict(rope, sizes)
     return fields
