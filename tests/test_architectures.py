@@ -490,3 +490,16 @@ def test_a_phi3_ggufs_longrope_and_window_are_read(tmp_path: Path) -> None:
     reader = open_gguf(_write_gguf_config(tmp_path / "h.gguf", 16, 1e4, None, "phi3", half))
     with pytest.raises(UserError, match="needs both rope_factors_short"):
         config_from_gguf(reader)
+
+
+def test_fused_weights_of_the_wrong_size_are_refused() -> None:
+    from specdecode.model.loading import split_fused
+
+    cfg = ModelConfig.from_hf_dict({**SIZES, "model_type": "phi3"})
+    qkv = torch.zeros(64 + 2 * 32 - 1, 64)  # q 4 x 16 rows, k and v 2 x 16 each, one short
+    with pytest.raises(UserError, match=r"qkv_proj\.weight has 127 rows; the config needs 128"):
+        split_fused({"model.layers.0.self_attn.qkv_proj.weight": qkv}, cfg)
+    gate_up = torch.arange(256.0)[:, None].expand(256, 64)
+    split = split_fused({"model.layers.1.mlp.gate_up_proj.weight": gate_up}, cfg)
+    assert split["model.layers.1.mlp.gate_proj.weight"][0, 0] == 0  # gate first
+    assert split["model.layers.1.mlp.up_proj.weight"][0, 0] == 128

@@ -332,6 +332,18 @@ class ModelConfig:
         """RMSNorm multiplies by offset + weight (Gemma stores w for 1 + w)."""
         return 1.0 if self.gemma else 0.0
 
+    def stored_parts(self, projection: str) -> list[tuple[str, int]]:
+        """The projections a stored weight (name after "model.layers.N.", less ".weight")
+        holds, in row order, with their row counts: Phi-3's fused q|k|v and gate|up hold
+        several, any other one itself (-1: all its rows)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if projection == "self_attn.qkv_proj":
+            return [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)]
+        if projection == "mlp.gate_up_proj":
+            inter = self.intermediate_size
+            return [("mlp.gate_proj", inter), ("mlp.up_proj", inter)]
+        return [(projection, -1)]
+
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: it attends to every earlier token)."""
         return self.sliding_window if layer in self.sliding_layers else None

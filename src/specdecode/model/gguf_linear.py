@@ -207,18 +207,6 @@ def gguf_projections(cfg: ModelConfig) -> dict[str, str]:
     return FUSED_PROJECTIONS if ARCHITECTURES[cfg.architecture].fused else PROJECTIONS
 
 
-def _parts(cfg: ModelConfig, projection: str) -> list[tuple[str, int]]:
-    """The projections a stored one holds, in row order, with their row counts (a fused one
-    holds several; None: all its rows)."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    if projection == "self_attn.qkv_proj":
-        return [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)]
-    if projection == "mlp.gate_up_proj":
-        inter = cfg.intermediate_size
-        return [("mlp.gate_proj", inter), ("mlp.up_proj", inter)]
-    return [(projection, -1)]
-
-
 def _unpermuted(raw: np.ndarray, cfg: ModelConfig, projection: str) -> np.ndarray:
     """Llama GGUFs store q and k rows in llama.cpp's RoPE order; rows (whole blocks) are put
     back in Hugging Face's order (see `convert._unpermute_rope`)."""
@@ -251,7 +239,7 @@ def read_gguf_weights(path: Path, cfg: ModelConfig) -> dict[str, GgufWeight | Te
         check_supported(t.tensor_type)
         cols, rows = (int(d) for d in t.shape)  # GGUF lists dims innermost first
         raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)  # [rows, row bytes]
-        parts = _parts(cfg, projection)
+        parts = cfg.stored_parts(projection)
         if parts[0][1] > 0 and sum(n for _, n in parts) != rows:
             raise UserError(f"{path}: {gguf_name} has {rows} rows, the config needs {parts}")
         first = 0

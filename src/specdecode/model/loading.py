@@ -99,27 +99,21 @@ def load_weights(
 def split_fused(weights: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """Phi-3's fused weights under the names every other architecture uses: each layer's
     `qkv_proj` ([(H + 2 Hkv) D, hidden]) as q_proj, k_proj, v_proj and `gate_up_proj`
-    ([2 I, hidden], gate first) as gate_proj, up_proj. (The model fuses them again.)"""
+    ([2 I, hidden], gate first) as gate_proj, up_proj (`ModelConfig.stored_parts`). The
+    model fuses them again."""
     out = dict(weights)
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for i in range(cfg.num_layers):
-        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        if f"{attn}qkv_proj.weight" in out:
-            qkv = out.pop(f"{attn}qkv_proj.weight")
-            if qkv.shape[0] != q + 2 * kv:
-                raise UserError(
-                    f"{attn}qkv_proj.weight has {qkv.shape[0]} rows; the config needs {q + 2 * kv}"
-                )
-            for name, part in zip("qkv", qkv.split([q, kv, kv]), strict=True):
-                out[f"{attn}{name}_proj.weight"] = part
-        if f"{mlp}gate_up_proj.weight" in out:
-            gate_up = out.pop(f"{mlp}gate_up_proj.weight")
-            if gate_up.shape[0] != 2 * cfg.intermediate_size:
-                raise UserError(
-                    f"{mlp}gate_up_proj.weight has {gate_up.shape[0]} rows; the config needs "
-                    f"{2 * cfg.intermediate_size}"
-                )
-            out[f"{mlp}gate_proj.weight"], out[f"{mlp}up_proj.weight"] = gate_up.chunk(2)
+        for fused in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+            name = f"model.layers.{i}.{fused}.weight"
+            if name not in out:
+                continue
+            weight = out.pop(name)
+            parts = cfg.stored_parts(fused)
+            sizes = [rows for _, rows in parts]
+            if weight.shape[0] != sum(sizes):
+                raise UserError(f"{name} has {weight.shape[0]} rows; the config needs {sum(sizes)}")
+            for (part, _), rows in zip(parts, weight.split(sizes), strict=True):
+                out[f"model.layers.{i}.{part}.weight"] = rows
     return out
 
 
