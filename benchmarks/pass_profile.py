@@ -2,9 +2,12 @@
 
 Times real forward passes (`Transformer.forward` over `--context` cached tokens, as
 verification runs them) with a timer around every part: each projection (qkv, o, gate_up,
-down; the head), attention, the KV-cache write, RMSNorm, RoPE, the SiLU of SwiGLU, the
-embedding. "python + dispatch" is the pass's time minus the parts: module calls, views, the
-residual adds and the SwiGLU product, metadata. Activation quantization runs inside the int8
+down; the head), attention, the KV-cache write, RMSNorm, RoPE, the MLP's activation (SiLU or
+GELU), the embedding. A block that runs as one native call (`Block.native`: DECODE passes in
+bf16, int8 and gguf) is timed whole, as "native blocks", its parts inside it; `--op-by-op`
+runs every block from Python instead, so each part shows (same bits, more dispatch). "python +
+dispatch" is the pass's time minus the parts: module calls, views, the residual adds and the
+gated product, metadata. Activation quantization runs inside the int8
 kernel; its share is estimated separately (the kernel over a 64-row weight of the same input
 width: quantization plus a negligible product).
 
@@ -13,7 +16,7 @@ ms per pass, and T's cost relative to T = 1. The parts are timed inside the same
 their sum is the pass (less "python + dispatch").
 
 Usage: python benchmarks/pass_profile.py [--model qwen2.5-coder-1.5b] [--quantization int8]
-       [--widths 1,4,9,16] [--context 256] [--repeats 7]
+       [--widths 1,4,9,16] [--context 256] [--repeats 7] [--op-by-op]
 """
 
 from __future__ import annotations
@@ -72,8 +75,12 @@ def instrument(model: nn.Module, timers: Timers) -> None:
     ):
         setattr(kernels, fn, timers.wrap(part, getattr(kernels, fn)))
     tf._attention = timers.wrap("attention", tf._attention)
-    tf.F.silu = timers.wrap("silu", tf.F.silu)
+    tf.F.silu = timers.wrap("activation", tf.F.silu)
+    tf.F.gelu = timers.wrap("activation", tf.F.gelu)
     KVCache.write = timers.wrap("cache write", KVCache.write)
+    for block in model.layers:  # a whole block as one native call: its parts run inside
+        if block.native is not None:
+            block.native = timers.wrap("native blocks", block.native)
 
 
 def quantization_ms(model: tf.Transformer, width: int, repeats: int) -> float:
@@ -137,10 +144,16 @@ def main() -> None:
     ap.add_argument("--widths", default="1,4,9,16")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument(
+        "--op-by-op", action="store_true", help="run every block from Python: each part shows"
+    )
     args = ap.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     llm = LLM(args.model, args.dtype, quantization=args.quantization)
     model = llm.model
+    if args.op_by_op:
+        for block in model.layers:
+            block.native = None
     facts = machine_facts()
     print(
         f"{args.model} {args.quantization}, {facts['cpu']}, {facts['torch_threads']} threads, "
@@ -153,7 +166,16 @@ def main() -> None:
     )
     wait_until_quiet(10)
     rows = profile(model, widths, args.context, args.repeats)
-    names = [*PROJECTIONS, "attention", "cache write", "rms_norm", "rope", "silu", "embedding"]
+    names = [
+        *PROJECTIONS,
+        "attention",
+        "cache write",
+        "rms_norm",
+        "rope",
+        "activation",
+        "embedding",
+        "native blocks",
+    ]
     one = rows[0]["pass"]
     print("\nms per pass (median of the passes); the projections include the int8 kernel's")
     print("activation quantization, estimated on its own in the next-to-last line")
