@@ -53,7 +53,8 @@ test: install browser
 # The kernels' native test driver (tests/native: the C++ cores against scalar references, no
 # torch, no install) built and run for every variant this CPU executes.
 # The checks `make test` leaves out for time (marked slow: certify's ngram and sampling
-# drafter runs, the SmolLM2-for-Qwen cross-tokenizer run, the int4 real-model run).
+# drafter runs, the SmolLM2-for-Qwen cross-tokenizer run, the int4 real-model run, the Qwen2
+# instances of the tests marked one_architecture).
 test-slow: install
 	$(PY) -m pytest -q -m slow
 

@@ -15,6 +15,18 @@ from specdecode.kernels import variants
 TINY_VOCAB = 300
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test marked `one_architecture` (a sampling test whose statistics do not depend on
+    the tiny model's architecture) runs on the Llama model by default; its other
+    `tiny_model_dir` instances are `slow` (`make test-slow`). Runs before `-m` deselects."""
+    for item in items:
+        params = getattr(item, "callspec", None)
+        arch = params.params.get("tiny_model_dir") if params is not None else None
+        if item.get_closest_marker("one_architecture") and arch not in (None, "llama"):
+            item.add_marker(pytest.mark.slow)
+
+
 def runnable_variants() -> list[str]:
     """The kernel builds (kernels/variants.py) installed here that this CPU runs, best first."""
     from specdecode import kernels

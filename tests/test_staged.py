@@ -56,6 +56,7 @@ def test_staged_configs_are_checked(tiny_model_dir: Path) -> None:
         _llm(tiny_model_dir, staged="ngram", tree_width=2)
 
 
+@pytest.mark.one_architecture
 @pytest.mark.parametrize("biased", [False, True])
 def test_certify_passes_and_a_biased_inner_check_fails(
     tiny_model_dir: Path, other_draft_dir: Path, monkeypatch: pytest.MonkeyPatch, biased: bool

@@ -74,6 +74,7 @@ def test_drafts_stay_in_the_kept_tokens_and_q_is_zero_outside(
     assert all(set(d.tokens.tolist()) <= set(KEPT.tolist()) for d in seen)
 
 
+@pytest.mark.one_architecture
 @pytest.mark.parametrize("biased", [False, True], ids=["exact", "biased-verifier"])
 def test_sampling_matches_the_target_and_a_biased_verifier_fails(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, biased: bool
