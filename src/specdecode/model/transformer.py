@@ -171,7 +171,7 @@ def pass_view(
     window_mask = mask
     if window is not None and not per_query and meta.span > window:
         window_mask = _window_mask(meta, mask, window)
-    cos, sin = rotary.tables(meta.positions, None if attn.native_rope else dtype)
+    cos, sin = attn.rope_tables(rotary, meta.positions, dtype)
     return PassView(per_query, mask, window_mask), cos, sin
 
 
@@ -272,6 +272,13 @@ class Attention(nn.Module):
             mask = view.mask if self.window is None else view.window_mask
             out = _attention(q, keys, values, mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
+
+    def rope_tables(
+        self, rotary: Rotary, positions: Tensor, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        """`rotary`'s cos, sin at `positions` ([B, T]) as `forward` takes them: [B, T, D] fp32
+        for the native RoPE kernel, else [B, 1, T, D] in the activations' `dtype`."""
+        return rotary.tables(positions, None if self.native_rope else dtype)
 
     def _norm_heads(self, qkv: Tensor) -> None:
         """RMS-norm each q and k head of `qkv` ([B, T, (H + 2 Hkv) D]) in place."""
@@ -533,8 +540,7 @@ class Transformer(nn.Module):
         view, cos, sin = pass_view(attn, self.rotary, meta, self.dtype, window)
         tables = {False: (cos, sin), True: (cos, sin)}  # by whether the layer slides
         if self.local_rotary is not self.rotary:
-            rope_dtype = None if attn.native_rope else self.dtype  # as pass_view takes them
-            tables[True] = self.local_rotary.tables(meta.positions, rope_dtype)
+            tables[True] = attn.rope_tables(self.local_rotary, meta.positions, self.dtype)
         x = self.embed_tokens(tokens)  # [B, T, hidden]
         if self.config.embed_scale != 1.0:  # Gemma: scaled in the embeddings' dtype
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
