@@ -17,7 +17,7 @@ from specdecode.llm import LLM
 from specdecode.train.batches import epoch_batches
 from specdecode.train.compute import head_compute_dtype, training_device
 from specdecode.train.feature_store import INDEX, FeatureStore, store_key
-from specdecode.train.target_pass import NO_ARGMAX, run_target
+from specdecode.train.target_pass import NO_ARGMAX, PADDING, row_groups, run_target, run_targets
 from specdecode.train.trainer import TrainConfig, TrainState, train
 
 
@@ -73,6 +73,44 @@ def test_the_full_state_of_a_pass_gives_the_targets_logits(model_dir: Path) -> N
     p = run_target(llm.model, ids, n, (final,))
     logits = p.states @ llm.model.lm_head.weight.T.float()  # tied or not: the output rows
     assert torch.equal(logits[n - 1 :].argmax(-1), p.argmax[n - 1 :])
+
+
+@pytest.mark.parametrize(("quantization", "dtype"), [("int8", "bfloat16"), (None, "float32")])
+def test_sequences_run_as_rows_of_one_pass_give_their_own_passes(
+    model_dir: Path, quantization: str | None, dtype: str
+) -> None:
+    """Training runs a batch's new sequences as right-padded rows of a few passes: each
+    sequence's pass is the one it gets alone, bit for bit in the format CPU training uses
+    (int8 weights, bf16 activations: row-exact kernels) and to float error in fp32."""
+    llm = LLM(str(model_dir), dtype=dtype, quantization=quantization)
+    layers = (0, 2, 3)
+    seqs = _sequences(model_dir, 6)
+    seqs[1] = (seqs[1][0] + list(range(20, 26)), seqs[1][1])  # lengths that need padding
+    groups = row_groups([len(ids) for ids, _ in seqs], 4)
+    assert max(len(g) for g in groups) > 1  # some sequences do share a pass
+    together = run_targets(llm.model, seqs, layers, rows=4)
+    for (ids, n), got in zip(seqs, together, strict=True):
+        alone = run_target(llm.model, ids, n, layers)
+        assert got.tokens.tolist() == ids and got.prompt_length == n and got.layers == layers
+        assert torch.equal(got.argmax, alone.argmax)
+        if quantization == "int8":
+            assert torch.equal(got.states, alone.states)
+        else:
+            torch.testing.assert_close(got.states, alone.states, rtol=1e-5, atol=1e-5)
+
+
+def test_row_groups_bound_rows_and_padding() -> None:
+    assert row_groups([5, 100, 96], 4) == [[1, 2], [0]]
+    assert row_groups([7, 7, 7], 1) == [[0], [1], [2]]
+    lengths = [30 + (i * 37) % 200 for i in range(40)]
+    groups = row_groups(lengths, 8)
+    assert sorted(i for g in groups for i in g) == list(range(40))
+    for g in groups:
+        width, real = max(lengths[i] for i in g), sum(lengths[i] for i in g)
+        assert len(g) <= 8 and width * len(g) <= (1 + PADDING) * real
+    assert max(len(g) for g in groups) == 8
+    with pytest.raises(ValueError, match="rows"):
+        run_targets(None, [], (0,), rows=0)  # type: ignore[arg-type]
 
 
 def test_a_store_of_other_passes_or_other_data_is_refused(model_dir: Path, tmp_path: Path) -> None:

@@ -515,11 +515,16 @@ class Transformer(nn.Module):
         if hidden_layers is not None:
             captured[num_layers] = final
             hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1)
-        logits = self.lm_head(at_positions(final, logits_index))  # [B, N, V]
+        return self.head(at_positions(final, logits_index)), hidden
+
+    @torch.inference_mode()
+    def head(self, final: Tensor) -> Tensor:  # [B, N, hidden] final-normed -> [B, N, V]
+        """The output head: logits of final-normed states (soft-capped where the config says)."""
+        logits = self.lm_head(final)
         cap = self.config.logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits, hidden
+        return logits
 
     @torch.inference_mode()
     def body(

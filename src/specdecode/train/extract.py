@@ -14,7 +14,7 @@ from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
 from specdecode.train.feature_store import FeatureStore
-from specdecode.train.target_pass import TargetPass, run_target
+from specdecode.train.target_pass import TargetPass, run_targets
 
 Encoded = tuple[int, list[int], int]  # (stream index, token ids, prompt length)
 
@@ -27,6 +27,7 @@ class PassSource:
         store: where passes are kept (its key's layers are the ones run).
         responses: "dataset" (the ids are the sequences) or "target" (the target answers each
             prompt greedily, up to max_answer_tokens, the sequence cut to max_length).
+        rows: sequences one target pass may run together (`target_pass.run_targets`).
     """
 
     def __init__(
@@ -36,6 +37,7 @@ class PassSource:
         responses: str,
         max_answer_tokens: int,
         max_length: int,
+        rows: int = 1,
     ) -> None:
         self.llm = llm
         self.store = store
@@ -43,6 +45,7 @@ class PassSource:
         self.responses = responses
         self.max_answer_tokens = max_answer_tokens
         self.max_length = max_length
+        self.rows = rows
         self.computed = 0  # passes this source ran (not read)
 
     def passes(self, batch: Sequence[Encoded]) -> list[TargetPass]:
@@ -50,7 +53,9 @@ class PassSource:
         missing = [item for item in batch if item[0] not in self.store]
         if self.responses == "target":
             missing = self._answered(missing)
-        ran = {index: run_target(self.llm.model, ids, n, self.layers) for index, ids, n in missing}
+        sequences = [(ids, n) for _, ids, n in missing]
+        passes = run_targets(self.llm.model, sequences, self.layers, self.rows)
+        ran = {index: p for (index, _, _), p in zip(missing, passes, strict=True)}
         self.computed += len(ran)
         for index, p in ran.items():
             self.store.put(index, p)

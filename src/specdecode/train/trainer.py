@@ -5,9 +5,10 @@ Methods: "eagle3" and "eagle3_parallel" (`train.eagle3_model`), "medusa" and "la
 The loop, per optimizer step: take `batch_size` examples from the stream (ShareGPT exchanges
 and standard-library code, never the bench's prompts: `train.data`), let the target answer
 them (responses "target": self-distillation) or keep the dataset's answers ("dataset": teacher
-forcing), run the target once over each sequence (`run_target`: the states the head reads and
-its final-normed state) unless the feature store already holds it (`train.feature_store`;
-every pass run is kept there), and fit the head's outputs (EAGLE-3's `unroll` TTT steps,
+forcing), run the target once over each sequence (`run_targets`: the states the head reads
+and its final-normed state; on a GPU a batch's sequences run as rows of a few passes) unless
+the feature store already holds it (`train.feature_store`; every pass run is kept there), and
+fit the head's outputs (EAGLE-3's `unroll` TTT steps,
 Medusa's heads, the exit) to the target's distribution over the draft vocabulary
 (`train.objective`). With `epochs` > 1 the run trains again on the first `budget_examples`
 examples, read from the store in a shuffled order that batches similar lengths together
@@ -341,7 +342,10 @@ def _sources(
         config.max_answer_tokens,
     )
     root = features_folder(config, key)
-    args = (config.responses, config.max_answer_tokens, config.max_length)
+    # a GPU runs a batch's new sequences as rows of a few passes; on a CPU the target's
+    # prefill is compute-bound and padded rows only add work (docs/training.md)
+    rows = config.batch_size if llm.model.device.type != "cpu" else 1
+    args = (config.responses, config.max_answer_tokens, config.max_length, rows)
     return (
         PassSource(llm, FeatureStore(root, key), *args),
         PassSource(llm, FeatureStore(root / "held-out", key), *args),
