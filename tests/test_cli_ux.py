@@ -5,6 +5,7 @@ build message only when something is compiled."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -248,3 +249,20 @@ def test_plan_progress_names_its_stages_and_counts_the_replays(
     err = capsys.readouterr().err
     assert "plan: measuring the pass table" in err and "plan: generating" in err
     assert "plan: replays" in err and "shape" in err
+
+
+def test_the_command_line_runs_without_the_servers_packages(tmp_path: Path) -> None:
+    """`pip install specdecode` has no fastapi or uvicorn (the 'serve' extra): every other
+    subcommand still loads, and `serve` says which extra to install."""
+    blocked = "import sys\nfor m in ('fastapi', 'uvicorn', 'starlette'): sys.modules[m] = None\n"
+    run = "from specdecode.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    script = tmp_path / "no_server.py"
+    script.write_text(blocked + run)
+    for argv in (["train", "--help"], ["generate", "--help"]):
+        done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    done = subprocess.run(
+        [sys.executable, str(script), "serve", "some-model"], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "is missing" in done.stderr and "pip install 'specdecode[serve]'" in done.stderr

@@ -30,8 +30,9 @@ from specdecode.engine.engine import Engine
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.server.errors import APIError, bad_request
-from specdecode.server.guard import MAX_BODY_BYTES, PUBLIC_PATHS, Guard, GuardConfig
+from specdecode.server.guard import Guard, GuardConfig
 from specdecode.server.handlers import Handlers
+from specdecode.server.limits import MAX_BODY_BYTES, PUBLIC_PATHS
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.protocol import (
     ChatCompletionRequest,

@@ -7,7 +7,7 @@ import sys
 
 from specdecode.cli_args import add_weight_flags, json_object
 from specdecode.errors import UserError
-from specdecode.server.guard import MAX_BODY_BYTES, PUBLIC_PATHS
+from specdecode.server.limits import MAX_BODY_BYTES, PUBLIC_PATHS
 from specdecode.server.spec import (
     DEFAULT_KV_CACHE_GIB,
     DEFAULT_MAX_NUM_SEQS,

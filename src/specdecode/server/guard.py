@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdecode.server.errors import APIError
+from specdecode.server.limits import MAX_BODY_BYTES, PUBLIC_PATHS
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -28,8 +29,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-PUBLIC_PATHS = ("/health", "/metrics")  # answered without the key (probes, scrapers)
-MAX_BODY_BYTES = 4 << 20  # 4 MiB: a 128k-token prompt as escaped JSON fits with room
 REPLICA_HEADER = "x-specdecode-replica"  # which replica answered
 _CHALLENGE = 'Basic realm="specdecode", charset="UTF-8"'
 

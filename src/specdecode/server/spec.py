@@ -12,7 +12,7 @@ from specdecode.engine.scheduler import SchedulerConfig
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.transformer import Transformer
-from specdecode.server.guard import MAX_BODY_BYTES, PUBLIC_PATHS
+from specdecode.server.limits import MAX_BODY_BYTES, PUBLIC_PATHS
 
 if TYPE_CHECKING:
     from specdecode.server.app import ServeConfig
