@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.errors import UserError
 from specdecode.llm import LLM
-from specdecode.model.config import LongRope, ModelConfig, RopeScaling
+from specdecode.model.config import ModelConfig
 from specdecode.model.loading import load_model
-from specdecode.model.transformer import Rotary
+from specdecode.model.rope import LinearRope, LongRope, RopeScaling, Rotary
 from specdecode.sampling_params import SamplingParams
 
 VOCAB = TINY_VOCAB
@@ -53,8 +53,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", {"rope_theta": 10000.0, "sliding_window": None}),  # untied head
     "qwen3": ("qwen3", {"rope_theta": 10000.0, "head_dim": 32, "tie_word_embeddings": True}),
     # Gemma 3: a window of 16 on layers 0 and 2 (so 64 tokens run far past it), a local RoPE
-    # base, a query scale other than head_dim's, logit soft-capping (Gemma 2's; Gemma 3 has
-    # none), tied head
+    # base, linear RoPE scaling on the global layer (4B and larger: factor 8), a query scale
+    # other than head_dim's, logit soft-capping (Gemma 2's; Gemma 3 has none), tied head
     "gemma3": (
         "gemma3_text",
         {
@@ -63,6 +63,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
             "rope_theta": 20000.0,
             "rope_local_base_freq": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
             "query_pre_attn_scalar": 24,
             "final_logit_softcapping": 30.0,
         },
@@ -114,6 +115,7 @@ def test_the_config_reads_the_architectures_choices(arch_dir: Path) -> None:
         assert cfg.gemma and cfg.qk_norm and cfg.activation == "gelu_tanh"
         assert (cfg.sliding_window, cfg.sliding_layers) == (16, (0, 2))
         assert (cfg.rope_theta, cfg.local_rope_theta) == (20000.0, 100.0)
+        assert cfg.rope_scaling == LinearRope(4.0)
         assert cfg.attention_scale == 24**-0.5 and cfg.logit_softcap == 30.0
     if cfg.architecture == "phi3":
         assert isinstance(cfg.rope_scaling, LongRope)
@@ -268,6 +270,7 @@ def test_llama3_scaling_keeps_slows_and_blends_the_three_bands() -> None:
     ("fields", "message"),
     [
         ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"model_type": "llama", "rope_scaling": {"rope_type": "linear"}}, "needs a factor > 0"),
         (
             {"model_type": "llama", "rope_scaling": {**LLAMA3_SCALING, "high_freq_factor": 0.5}},
             "high_freq_factor > low_freq_factor",
@@ -456,6 +459,44 @@ def test_unit_rope_freqs_are_no_scaling(tmp_path: Path) -> None:
     ones = np.ones(8, dtype=np.float32)
     reader = open_gguf(_write_gguf_config(tmp_path / "m.gguf", 16, 500000.0, ones))
     assert config_from_gguf(reader).rope_scaling is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "factor", "scaling"),
+    [("linear", 8.0, LinearRope(8.0)), ("linear", 1.0, None), ("none", None, None)],
+)
+def test_a_ggufs_linear_rope_scaling_is_read(
+    tmp_path: Path, kind: str, factor: float | None, scaling: LinearRope | None
+) -> None:
+    """llama.cpp writes linear scaling (Gemma 3 4B and larger) as rope.scaling.type and
+    rope.scaling.factor."""
+    from gguf import RopeScalingType
+
+    from specdecode.model.convert import config_from_gguf, open_gguf
+
+    def linear(writer: Any) -> None:
+        writer.add_rope_scaling_type(RopeScalingType(kind))
+        if factor is not None:
+            writer.add_rope_scaling_factor(factor)
+
+    reader = open_gguf(_write_gguf_config(tmp_path / "m.gguf", 16, 1e4, None, extra=linear))
+    cfg = config_from_gguf(reader)
+    assert cfg.rope_scaling == scaling
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+def test_a_ggufs_yarn_scaling_is_refused(tmp_path: Path) -> None:
+    from gguf import RopeScalingType
+
+    from specdecode.model.convert import config_from_gguf, open_gguf
+
+    def yarn(writer: Any) -> None:
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+
+    reader = open_gguf(_write_gguf_config(tmp_path / "m.gguf", 16, 1e4, None, extra=yarn))
+    with pytest.raises(UserError, match="'yarn' is not supported yet; supported: none, linear"):
+        config_from_gguf(reader)
 
 
 def test_a_phi3_ggufs_longrope_and_window_are_read(tmp_path: Path) -> None:

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from specdecode.model.transformer import Rotary, Transformer
+from specdecode.model.rope import Rotary
+from specdecode.model.transformer import Transformer
 
 BANDWIDTH_BYTES = 1 << 30
 

@@ -32,12 +32,12 @@ from specdecode.heads.files import (
     tensors_for_target,
 )
 from specdecode.model.linear import make_linear
+from specdecode.model.rope import Rotary
 from specdecode.model.transformer import (
     HEAD_FORMAT,
     MLP,
     Attention,
     RMSNorm,
-    Rotary,
     Transformer,
     at_positions,
     pass_view,

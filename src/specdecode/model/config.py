@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from specdecode.errors import ModelNotFoundError, UserError
+from specdecode.model.rope import LongRope, Scaling, rope_scaling
 
 if TYPE_CHECKING:
-    from torch import Tensor
+    pass
 
 T = TypeVar("T")
 
@@ -59,142 +60,6 @@ ARCHITECTURES = {
     "phi3": Architecture("Phi3ForCausalLM", windows="all", fused=True),  # LongRoPE: LongRope
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
-
-
-@dataclass(frozen=True, slots=True)
-class RopeScaling:
-    """Llama 3.x's RoPE frequency scaling (`rope_type` "llama3"): frequencies whose wavelength
-    exceeds original_max_position_embeddings / low_freq_factor are divided by `factor`, those
-    below original_max_position_embeddings / high_freq_factor kept, and the band between
-    blended (`model.transformer.Rotary`)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    @classmethod
-    def from_hf_dict(cls, rope: dict[str, Any]) -> RopeScaling:
-        """From config.json's `rope_scaling` / `rope_parameters` of rope_type "llama3"."""
-        scaling = cls(
-            float(rope["factor"]),
-            float(rope["low_freq_factor"]),
-            float(rope["high_freq_factor"]),
-            int(rope["original_max_position_embeddings"]),
-        )
-        if not scaling.factor > 0 or not scaling.high_freq_factor > scaling.low_freq_factor > 0:
-            raise UserError(
-                f"llama3 RoPE scaling needs factor > 0 and high_freq_factor > low_freq_factor > "
-                f"0, got {rope!r}"
-            )
-        return scaling
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        return {"rope_type": "llama3", **asdict(self)}
-
-    def frequencies(self, inv_freq: Tensor) -> Tensor:
-        """The scaled RoPE frequencies ([D / 2]) of the unscaled ones: long wavelengths
-        (beyond the original context / low_freq_factor) slowed down `factor` times, short ones
-        (below the original context / high_freq_factor) kept, and the band between blended
-        linearly in original context / wavelength."""
-        context = self.original_max_position_embeddings
-        wavelength = 2 * math.pi / inv_freq
-        low, high = self.low_freq_factor, self.high_freq_factor
-        blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long
-        return inv_freq * (blend + (1.0 - blend) / self.factor)
-
-    def angles(self, positions: Tensor, inv_freq: Tensor) -> Tensor:
-        """RoPE's angles [P, D / 2] at `positions` ([P]) for the unscaled frequencies."""
-        return positions[:, None] * self.frequencies(inv_freq)[None, :]
-
-    @property
-    def attention_factor(self) -> float:
-        """What cos and sin are multiplied by (none here)."""
-        return 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class LongRope:
-    """Phi-3's LongRoPE (`rope_type` "longrope"): each frequency divided by its short factor at
-    positions below original_max_position_embeddings and by its long factor from there on,
-    cos and sin multiplied by attention_factor (by default sqrt(1 + ln(s) / ln(original)),
-    s = max_position_embeddings / original).
-
-    Hugging Face picks one set for a whole pass by the sequence's length (and its `generate`
-    recomputes the cache with the long set once the sequence outgrows the original context);
-    a cache shared by speculation needs a token's rotation to depend on its position only, so
-    here a cached token keeps the set of its position, as vLLM keeps cached keys. Within the
-    original context both are the short set."""
-
-    short_factor: tuple[float, ...]
-    long_factor: tuple[float, ...]
-    original_max_position_embeddings: int
-    attention_factor: float
-
-    @classmethod
-    def from_hf_dict(cls, rope: dict[str, Any], cfg: dict[str, Any]) -> LongRope:
-        """From `rope_scaling` / `rope_parameters` and config.json's own fields (Phi-3 keeps
-        original_max_position_embeddings at the top level)."""
-        original = rope.get("original_max_position_embeddings") or cfg.get(
-            "original_max_position_embeddings"
-        )
-        if not original:
-            raise UserError(
-                f"longrope RoPE scaling needs original_max_position_embeddings: {rope!r}"
-            )
-        short, long = (
-            tuple(map(float, rope["short_factor"])),
-            tuple(map(float, rope["long_factor"])),
-        )
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        if len(short) != head_dim // 2 or len(long) != head_dim // 2:
-            raise UserError(
-                f"longrope needs {head_dim // 2} short and long factors (head_dim / 2), got "
-                f"{len(short)} and {len(long)}"
-            )
-        factor = rope.get("factor") or cfg.get("max_position_embeddings", original) / original
-        attention = rope.get("attention_factor")
-        if attention is None:
-            attention = (
-                1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-            )
-        return cls(short, long, int(original), float(attention))
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        return {
-            "rope_type": "longrope",
-            "short_factor": list(self.short_factor),
-            "long_factor": list(self.long_factor),
-            "original_max_position_embeddings": self.original_max_position_embeddings,
-            "attention_factor": self.attention_factor,
-        }
-
-    def angles(self, positions: Tensor, inv_freq: Tensor) -> Tensor:
-        """RoPE's angles [P, D / 2] at `positions` ([P]): the short set below the original
-        context, the long set from there on."""
-        short = positions[:, None] * (inv_freq / inv_freq.new_tensor(self.short_factor))[None, :]
-        long = positions[:, None] * (inv_freq / inv_freq.new_tensor(self.long_factor))[None, :]
-        return short.where(positions[:, None] < self.original_max_position_embeddings, long)
-
-
-def rope_scaling(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling | LongRope | None:
-    """config.json's RoPE scaling (`rope_scaling` / `rope_parameters`): None for the default
-    RoPE, "llama3" and "longrope" read, anything else (and a partial rotation) refused."""
-    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise UserError(
-            f"partial_rotary_factor {partial} is not supported; every dimension rotates"
-        )
-    kind = rope.get("rope_type", rope.get("type"))
-    if kind in (None, "default"):
-        return None
-    if kind == "llama3":
-        return RopeScaling.from_hf_dict(rope)
-    if kind == "longrope":
-        return LongRope.from_hf_dict(rope, cfg)
-    raise UserError(
-        f"unsupported RoPE scaling {rope!r}; supported: the default RoPE, 'llama3' and 'longrope'"
-    )
 
 
 def _activation(name: str) -> str:
@@ -292,7 +157,7 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias) add biases to q, k, v
     tie_word_embeddings: bool = False  # output head shares the embedding matrix
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm of each q and k head before RoPE
-    rope_scaling: RopeScaling | LongRope | None = None  # Llama 3.x's, Phi-3's, or None
+    rope_scaling: Scaling | None = None  # Llama 3.x's, Phi-3's, linear, or None
     gemma: bool = False  # Gemma's block (see Architecture.gemma)
     activation: str = "silu"  # the MLP's gate activation, one of ACTIVATIONS
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included

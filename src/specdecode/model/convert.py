@@ -22,8 +22,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdecode.errors import ModelNotFoundError, UserError
-from specdecode.model.config import ARCHITECTURES, LongRope, ModelConfig, RopeScaling
+from specdecode.model.config import ARCHITECTURES, ModelConfig
 from specdecode.model.gguf_tensors import GgufTensors
+from specdecode.model.rope import LinearRope, LongRope, RopeScaling, base_frequencies
 
 # GGUF architecture -> the Hugging Face model_type we read it as (llama.cpp writes Mistral
 # models as "llama").
@@ -121,15 +122,10 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         gemma = _gemma_fields(meta, arch) if ARCHITECTURES[model_type].gemma else {}
         head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
         theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
-        scaling = meta.get(f"{arch}.rope.scaling.type")
-        if scaling not in (None, "none"):
-            raise UserError(
-                f"GGUF RoPE scaling {scaling!r} is not supported yet; supported: none, and "
-                "Llama 3.x's (rope_freqs)"
-            )
         divisors = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
         phi3 = _phi3_fields(reader, meta, arch, head_dim) if model_type == "phi3" else {}
         llama3 = None if divisors is None else llama3_scaling(divisors, theta, head_dim)
+        linear = _linear_scaling(meta, arch)
         return ModelConfig(
             architecture=model_type,
             vocab_size=int(vocab),
@@ -145,12 +141,30 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
             qkv_bias="blk.0.attn_q.bias" in names,
             tie_word_embeddings="output.weight" not in names,
             qk_norm=ARCHITECTURES[model_type].qk_norm,
-            rope_scaling=phi3.pop("rope_scaling", llama3),
+            rope_scaling=phi3.pop("rope_scaling", llama3 or linear),
             **gemma,
             **phi3,
         )
     except (KeyError, TypeError) as err:
         raise UserError(f"GGUF metadata lacks a required field: {err}") from err
+
+
+def _linear_scaling(meta: dict[str, Any], arch: str) -> LinearRope | None:
+    """The GGUF's linear RoPE scaling (`rope.scaling.type` "linear", `rope.scaling.factor`);
+    None for none (or a factor of 1). Other types (YaRN) are refused; Llama 3.x's scaling
+    comes as rope_freqs and Phi-3's LongRoPE as its factor tensors, not through this key."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise UserError(
+            f"GGUF RoPE scaling {kind!r} is not supported yet; supported: none, linear, and "
+            "Llama 3.x's (rope_freqs)"
+        )
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+    if not factor > 0:
+        raise UserError(f"GGUF linear RoPE scaling needs a factor > 0, got {factor}")
+    return None if factor == 1.0 else LinearRope(factor)
 
 
 def _gemma_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -206,7 +220,7 @@ def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> RopeSca
     divisor, the bands Meta's (LLAMA3_*_FREQ_FACTOR), and the original context the one that
     puts the blended frequencies where they are (or, with none blended, the band between the
     kept and the scaled ones). Refused unless these parameters give back every divisor."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv_freq = base_frequencies(theta, head_dim)
     div = torch.from_numpy(np.asarray(divisors, dtype=np.float64).reshape(-1))  # [D / 2]
     if div.shape != inv_freq.shape or not bool((div >= 1.0 - 1e-6).all()):
         raise UserError(

@@ -20,10 +20,11 @@ from specdecode import kernels
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
 from specdecode.errors import UserError
-from specdecode.model.config import LongRope, ModelConfig, RopeScaling
+from specdecode.model.config import ModelConfig
 from specdecode.model.gguf_linear import REQUANTIZED, GgufWeight, cat_weights
 from specdecode.model.linear import make_linear
 from specdecode.model.quant import AUTO, parse_quantization
+from specdecode.model.rope import Rotary
 
 
 class RMSNorm(nn.Module):
@@ -60,39 +61,6 @@ class RMSNorm(nn.Module):
         if self.round_first:
             return self.weight * x32.to(x.dtype)
         return (x32 * self.weight).to(x.dtype)
-
-
-class Rotary(nn.Module):
-    """RoPE (rotate-half convention) with cos/sin tables kept in fp32 whatever the model dtype."""
-
-    def __init__(
-        self,
-        head_dim: int,
-        theta: float,
-        max_positions: int,
-        scaling: RopeScaling | LongRope | None = None,
-    ) -> None:
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        positions = torch.arange(max_positions, dtype=torch.float64)  # [P]
-        if scaling is None:
-            angles = torch.outer(positions, inv_freq)  # [P, D / 2]
-        else:
-            angles = scaling.angles(positions, inv_freq)
-        angles = torch.cat([angles, angles], dim=-1).float()  # [P, D]
-        cos, sin = angles.cos(), angles.sin()  # [P, D] fp32
-        if scaling is not None and scaling.attention_factor != 1.0:  # LongRoPE's, in fp32
-            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def tables(self, positions: Tensor, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
-        """cos, sin for `positions` ([B, T]): [B, T, D] fp32 for the native RoPE kernel
-        (dtype None), or [B, 1, T, D] in `dtype` for `_rotate`."""
-        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D] fp32
-        if dtype is None:
-            return cos, sin
-        return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
 
 # bf16/fp16 on the CPU: at most SHORT_QUERY new tokens over at least LONG_SPAN cached slots use

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from specdecode.heads.eagle3 import LAYER, head_tensor_shapes, save_eagle3_head
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
+from specdecode.model.rope import base_frequencies
 from specdecode.train.head_params import HeadParameters, param_key, rms_norm
 
 
@@ -52,9 +53,7 @@ class TrainableEagle3(HeadParameters):
         self.shift = 1  # step j of column t predicts token t + j + 2
         self.gathers = True  # steps j > 0 run only for the columns the loss reads
         lay = cfg.layer
-        inv = 1.0 / lay.rope_theta ** (
-            torch.arange(0, lay.head_dim, 2, dtype=torch.float64) / lay.head_dim
-        )
+        inv = base_frequencies(lay.rope_theta, lay.head_dim)
         self.register_buffer("inv_freq", inv.float(), persistent=False)
 
     @property
