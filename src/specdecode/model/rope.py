@@ -27,7 +27,7 @@ class RopeScaling:
     """Llama 3.x's RoPE frequency scaling (`rope_type` "llama3"): frequencies whose wavelength
     exceeds original_max_position_embeddings / low_freq_factor are divided by `factor`, those
     below original_max_position_embeddings / high_freq_factor kept, and the band between
-    blended (`model.transformer.Rotary`)."""
+    blended (`Rotary`, below)."""
 
     factor: float
     low_freq_factor: float
