@@ -293,7 +293,8 @@ def test_each_request_is_released_once(tiny_model_dir: Path) -> None:
 
 
 def test_stopping_a_stream_early_releases_everything(tiny_model_dir: Path) -> None:
-    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 2}
+    # "fixed": the default "cost" policy prices measured passes and may never draft at all
+    config = {"model": str(tiny_model_dir), "num_speculative_tokens": 2, "draft_length": "fixed"}
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     stream = llm.stream(PROMPTS[0], params)
