@@ -39,7 +39,17 @@ def _int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias:
 
 @pytest.mark.parametrize(
     ("out", "inp", "rows"),
-    [(96, 256, 1), (97, 200, 9), (13, 77, 5), (130, 192, 16), (130, 192, 40)],
+    # 600 inputs: the 256-bit paths' chunks of 256 (the last partial); tiles of 1, 2, 3 tokens
+    [
+        (96, 256, 1),
+        (97, 200, 9),
+        (13, 77, 5),
+        (130, 192, 16),
+        (130, 192, 40),
+        (70, 600, 1),
+        (70, 600, 2),
+        (70, 600, 6),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_kernel_equals_the_reference_bit_for_bit(

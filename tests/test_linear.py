@@ -57,23 +57,28 @@ def test_bf16_kernel_sums_in_fp32_and_pads_odd_shapes(out: int, inp: int, kernel
     torch.testing.assert_close(got.float(), want, atol=0, rtol=2**-8)
 
 
-@pytest.mark.parametrize("rows", [9, 70])
-def test_bf16_kernel_is_row_exact(rows: int, kernel_path: str) -> None:
+@pytest.mark.parametrize(("rows", "inp"), [(9, 96), (70, 96), (6, 300)])
+def test_bf16_kernel_is_row_exact(rows: int, inp: int, kernel_path: str) -> None:
     """Each row of a pass gets the bits a 1-row pass gives it (verification needs this), on
-    every path (AMX takes 96 input features, 70 rows in chunks of 16)."""
-    weight, bias = _case(130, 96)
+    every path (AMX takes 96 input features, 70 rows in chunks of 16; the 256-bit paths take
+    300 in chunks of 128, 6 rows as tiles of 3)."""
+    weight, bias = _case(130, inp)
     module = Bf16Linear(weight, bias)
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(3)).bfloat16()
     alone = torch.cat([module(x[i : i + 1]) for i in range(rows)])
     assert torch.equal(module(x), alone)
 
 
-def test_the_avx2_bf16_kernel_gives_the_portable_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Per pair, odd product then even, each rounded before its addition: the same order."""
+@pytest.mark.parametrize("inp", [97, 300])
+def test_the_avx2_bf16_kernel_gives_the_portable_bits(
+    inp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per pair, odd product then even, each rounded before its addition: the same order (300
+    inputs: AVX2 sums them in chunks of 128, the groups taking turns)."""
     if not {"avx2", "portable"} <= set(runnable_variants()):
         pytest.skip("needs the avx2 and portable kernels")
-    weight, bias = _case(130, 97)
-    x = torch.randn(11, 97, generator=torch.Generator().manual_seed(4)).bfloat16()
+    weight, bias = _case(130, inp)
+    x = torch.randn(11, inp, generator=torch.Generator().manual_seed(4)).bfloat16()
     outputs = []
     for name in ("avx2", "portable"):
         select_variant(name, monkeypatch)

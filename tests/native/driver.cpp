@@ -549,8 +549,11 @@ int main() {
   const std::string isa = sd::isa();
   std::printf("kernels: %s\n", isa.c_str());
   check_conversions();
-  for (const int64_t M : {1, 3, 9})
-    for (const auto& [K, N] : {std::pair<int64_t, int64_t>{64, 64}, {200, 80}, {35, 130}}) {
+  // tiles of 1, 2, 3 and 4 tokens (5 = 3 + 2, 8 = 4 + 4); K = 600: the 256-bit paths' chunks
+  // of 256 int8 / 128 bf16 values, the last one partial
+  for (const int64_t M : {1, 3, 5, 8, 9})
+    for (const auto& [K, N] :
+         {std::pair<int64_t, int64_t>{64, 64}, {200, 80}, {35, 130}, {600, 70}}) {
       check_int8<float>(M, K, N, M != 3);
       check_int8<sd::BFloat16>(M, K, N, true);
     }
@@ -560,6 +563,7 @@ int main() {
   for (const int64_t M : {1, 5, 17}) {
     check_bf16(M, 64, 64, bf16_exact);
     check_bf16(M, 94, 100, bf16_exact);
+    check_bf16(M, 600, 70, bf16_exact);
   }
   for (const Format& f : FORMATS)
     for (const int64_t M : {1, 2, 5, 9, 11, 21}) {  // one group of tokens, 2 and 3
