@@ -16,7 +16,9 @@ built):
 - specdecode's native int8 kernel, per-token scales (`Int8DynamicLinear`, our "int8");
 - int8 weight-only (`aten._weight_int8pack_mm`, bf16 activations);
 - int4 weight-only, group 128 (`Int4Linear`, our "int4", bf16 activations).
-Each format's error vs the fp32 product is printed too (max |y - y_fp32| / max |y_fp32|).
+Each format's error vs the fp32 product is printed too (max |y - y_fp32| / max |y_fp32|). A
+format this CPU cannot run (oneDNN's packed bf16 without AVX-512 or AVX-NE-CONVERT) is left
+out with torch's reason.
 
 Usage: python benchmarks/linear_formats.py [--out 8960] [--in 1536] [--matrices 24]
        [--tokens 1,4,8,9,64,256]
@@ -100,8 +102,13 @@ def main() -> None:
         for _ in range(args.matrices)
     ]
     xs = {t: torch.randn(t, args.in_f, generator=gen).bfloat16() for t in widths}
-    kernels = {name: [build(w) for w in weights] for name, build in FORMATS.items()}
-    times: dict[tuple[str, int], list[float]] = {(n, t): [] for n in FORMATS for t in widths}
+    kernels = {}
+    for name, build in FORMATS.items():
+        try:
+            kernels[name] = [build(w) for w in weights]
+        except RuntimeError as error:  # e.g. oneDNN's packed bf16 needs AVX-512 or AVX-NE-CONVERT
+            print(f"left out {name}: {str(error).splitlines()[0]}")
+    times: dict[tuple[str, int], list[float]] = {(n, t): [] for n in kernels for t in widths}
     facts = machine_facts()
     print(f"{facts['cpu']}, {facts['torch_threads']} threads, torch {torch.__version__}")
     wait_until_quiet(10)

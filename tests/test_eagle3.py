@@ -107,6 +107,32 @@ def test_trainable_head_equals_the_inference_head(tiny_model_dir: Path, head_dir
         torch.testing.assert_close(logits[0, 0], steps[j][0, n - 1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("quantization", ["int8", None])
+def test_the_native_layer_gives_the_torch_layers_bits(
+    tiny_model_dir: Path, head_dir: Path, quantization: str | None
+) -> None:
+    """In bf16 (int8 or bf16 projections), DECODE and TREE passes run the head's layer as one
+    native call: the bits of its Python-level layer."""
+    target = load_model(tiny_model_dir, dtype="bfloat16", quantization=quantization)
+    head = load_eagle3_head(head_dir, target, quantization)
+    assert head.native is not None
+    tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    meta = AttentionMetadata.prefill([16], "cpu")
+    layers = head.config.aux_layers
+    _, states = target(tokens, meta, target.new_cache(1, 16), hidden_layers=layers)  # [1, 16, F]
+    fused = head.fuse(states)  # [1, 16, h]
+    runs = []
+    for native in (head.native, None):
+        head.native = native
+        cache = head.new_cache(1, 32)
+        out = [head(tokens[:, 1:9], fused[:, :8], AttentionMetadata.prefill([8], "cpu"), cache)]
+        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [8], [3], "cpu")
+        out.append(head(tokens[:, 9:12], fused[:, 8:11], meta, cache))
+        runs.append(out)
+    for (logits, hidden), (want_logits, want_hidden) in zip(*runs, strict=True):
+        assert torch.equal(logits, want_logits) and torch.equal(hidden, want_hidden)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny Llama and a head trained on it for 64 examples."""

@@ -10,7 +10,9 @@ place of the target's state.
 
 The head's projections use the model's weight formats (`make_linear`: int8 by default under an
 int8 target) and the native per-query attention over its own one-layer `KVCache`, so a draft
-is the same whether its request runs alone or in a batch.
+is the same whether its request runs alone or in a batch; in DECODE and TREE passes its layer
+after the input norms is one native call (`transformer.native_layer`: the same kernels in the
+same order).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from specdecode.model.transformer import (
     RMSNorm,
     Transformer,
     at_positions,
+    native_layer,
     pass_view,
 )
 
@@ -133,6 +136,17 @@ class Eagle3Head(nn.Module):
         self.rotary = Rotary(
             layer.head_dim, layer.rope_theta, max_positions, layer.rope_scaling
         ).to(device)
+        # the layer after the input norms as one native call (None: no native kernel)
+        self.native = native_layer(
+            self.self_attn,
+            self.mlp,
+            None,
+            self.post_attention_layernorm,
+            None,
+            None,
+            eps,
+            self.norm.weight.dtype,
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -181,8 +195,23 @@ class Eagle3Head(nn.Module):
         normed = self.hidden_norm(hidden)  # [B, T, h]
         residual = normed if self.config.norm_before_residual else hidden
         x = torch.cat([embeds, normed], dim=-1)  # [B, T, 2h]
-        x = residual + self.self_attn(x, cos, sin, cache, 0, meta, view)
-        x = x + self.mlp(self.post_attention_layernorm(x))  # [B, T, h]
+        if view.per_query and self.native is not None:
+            x = self.native(
+                x,
+                residual,
+                cos,
+                sin,
+                cache.k,
+                cache.v,
+                0,
+                meta.starts,
+                meta.tree_starts or (),
+                meta.tree_mask,
+                cache.block_table,
+            )  # [B, T, h]
+        else:
+            x = residual + self.self_attn(x, cos, sin, cache, 0, meta, view)
+            x = x + self.mlp(self.post_attention_layernorm(x))  # [B, T, h]
         cache.advance(meta)
         return self.lm_head(self.norm(at_positions(x, logits_index))), x  # [B, N, Vd], [B, T, h]
 

@@ -200,7 +200,7 @@ def gguf_projection(
 
 
 def decoder_layer(
-    input_norm: Tensor,
+    input_norm: Tensor | None,
     mlp_in_norm: Tensor,
     attn_out_norm: Tensor | None,
     mlp_out_norm: Tensor | None,
@@ -226,9 +226,13 @@ def decoder_layer(
     SwiGLU, q's factor before attention and the sliding window (0: none). Called as
     `layer(x [B, T, hidden], cos, sin ([B, T, D] fp32), k_pool, v_pool ([L, blocks, Hkv,
     block_size, D]), layer_index, starts, tree_starts, tree_mask, block_table ([B, max_blocks]
-    int64))` for a DECODE or TREE pass; returns the block's output [B, T, hidden]."""
+    int64))` for a DECODE or TREE pass; returns the block's output [B, T, hidden].
+
+    With `input_norm` None, the block starts from q|k|v's input already normed: called as
+    `layer(input [B, T, W], x [B, T, hidden], cos, sin, ...)` (the rest as above), x the
+    residual (an EAGLE-3 head's layer: input = [norm(embedding), norm(feature)], W = 2 hidden)."""
     qkv, o, gate_up, down = projections
-    return native().DecoderLayer(
+    layer = native().DecoderLayer(
         input_norm=input_norm,
         mlp_in_norm=mlp_in_norm,
         attn_out_norm=attn_out_norm,
@@ -247,6 +251,7 @@ def decoder_layer(
         q_scale=q_scale,
         window=window,
     )
+    return layer if input_norm is not None else layer.normed
 
 
 def set_amx(wanted: bool) -> bool:

@@ -58,7 +58,7 @@ at::Tensor Projection::operator()(const at::Tensor& x) const {
   return y.view(out_shape(x, N_));
 }
 
-DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor mlp_in_norm,
+DecoderLayer::DecoderLayer(c10::optional<at::Tensor> input_norm, at::Tensor mlp_in_norm,
                            c10::optional<at::Tensor> attn_out_norm,
                            c10::optional<at::Tensor> mlp_out_norm,
                            c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
@@ -101,7 +101,8 @@ void DecoderLayer::norm_heads(at::Tensor& qkv, int64_t first, int64_t heads,
 // of block block_table[b][s / block_size]): the block's keys and values of new token t of row b
 // go to slot starts[b] + t of `layer`, and its queries attend as decode_attention says
 // (tree_starts and tree_mask: TREE passes; the layer's window). Returns the block's output
-// [B, T, hidden].
+// [B, T, hidden]. `normed` is the same block from q|k|v's `input` (what the input norm gives
+// here) and the residual x.
 at::Tensor DecoderLayer::operator()(const at::Tensor& x, const at::Tensor& cos,
                                     const at::Tensor& sin, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, int64_t layer,
@@ -109,9 +110,23 @@ at::Tensor DecoderLayer::operator()(const at::Tensor& x, const at::Tensor& cos,
                                     const std::vector<int64_t>& tree_starts,
                                     const c10::optional<at::Tensor>& tree_mask,
                                     const at::Tensor& block_table) const {
+  TORCH_CHECK(input_norm_.has_value(), "this layer was built without an input norm: call normed");
+  return normed(rms_norm(x, *input_norm_, eps_), x, cos, sin, k_cache, v_cache, layer, starts,
+                tree_starts, tree_mask, block_table);
+}
+
+at::Tensor DecoderLayer::normed(const at::Tensor& input, const at::Tensor& x,
+                                const at::Tensor& cos, const at::Tensor& sin,
+                                const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                int64_t layer, const std::vector<int64_t>& starts,
+                                const std::vector<int64_t>& tree_starts,
+                                const c10::optional<at::Tensor>& tree_mask,
+                                const at::Tensor& block_table) const {
   const int64_t B = x.size(0), T = x.size(1);
   TORCH_CHECK(int64_t(starts.size()) == B, "starts needs one entry per row of x");
-  at::Tensor qkv = qkv_(rms_norm(x, input_norm_, eps_));  // [B, T, (H + 2 Hkv) D]
+  TORCH_CHECK(input.size(0) == B && input.size(1) == T,
+              "the normed input and the residual need the same rows and tokens");
+  at::Tensor qkv = qkv_(input);  // [B, T, (H + 2 Hkv) D]
   const int64_t q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
   if (q_norm_.has_value()) {  // Qwen3, Gemma 3: each q and k head normed before RoPE
     norm_heads(qkv, 0, heads_, *q_norm_);

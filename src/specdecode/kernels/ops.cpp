@@ -41,7 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &Projection::operator(), "x [..., K] -> x @ W^T (+ b) [..., N]",
            pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<DecoderLayer>(m, "DecoderLayer", pybind11::module_local())
-      .def(pybind11::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>,
+      .def(pybind11::init<c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>,
                           c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                           c10::optional<at::Tensor>, double, Projection, Projection, Projection,
                           Projection, int64_t, int64_t, int64_t, bool, double, int64_t>(),
@@ -53,5 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("head_dim"), pybind11::arg("gelu"), pybind11::arg("q_scale"),
            pybind11::arg("window"))
       .def("__call__", &DecoderLayer::operator(), "one decoder block over the cache",
-           pybind11::call_guard<pybind11::gil_scoped_release>());  // other threads run meanwhile
+           pybind11::call_guard<pybind11::gil_scoped_release>())  // other threads run meanwhile
+      .def("normed", &DecoderLayer::normed, "the block from q|k|v's normed input and a residual",
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -65,7 +65,7 @@ class Projection {
 // order, in one call.
 class DecoderLayer {
  public:
-  DecoderLayer(at::Tensor input_norm, at::Tensor mlp_in_norm,
+  DecoderLayer(c10::optional<at::Tensor> input_norm, at::Tensor mlp_in_norm,
                c10::optional<at::Tensor> attn_out_norm, c10::optional<at::Tensor> mlp_out_norm,
                c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, double eps,
                Projection qkv, Projection o, Projection gate_up, Projection down, int64_t heads,
@@ -76,11 +76,20 @@ class DecoderLayer {
                         const std::vector<int64_t>& tree_starts,
                         const c10::optional<at::Tensor>& tree_mask,
                         const at::Tensor& block_table) const;
+  // The block over q|k|v's input already normed (`input` [B, T, W]: an EAGLE-3 head's
+  // [norm(embedding), norm(feature)], W = 2 hidden) with its own residual `x` [B, T, hidden].
+  at::Tensor normed(const at::Tensor& input, const at::Tensor& x, const at::Tensor& cos,
+                    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    int64_t layer, const std::vector<int64_t>& starts,
+                    const std::vector<int64_t>& tree_starts,
+                    const c10::optional<at::Tensor>& tree_mask,
+                    const at::Tensor& block_table) const;
 
  private:
   void norm_heads(at::Tensor& qkv, int64_t first, int64_t heads, const at::Tensor& weight) const;
 
-  at::Tensor input_norm_, mlp_in_norm_;                    // [hidden]
+  c10::optional<at::Tensor> input_norm_;                   // [hidden] (None: `normed` only)
+  at::Tensor mlp_in_norm_;                                 // [hidden]
   c10::optional<at::Tensor> attn_out_norm_, mlp_out_norm_;  // [hidden] (Gemma)
   c10::optional<at::Tensor> q_norm_, k_norm_;              // [D] (Qwen3, Gemma 3)
   double eps_;

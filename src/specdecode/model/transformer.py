@@ -284,6 +284,43 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def native_layer(
+    attn: Attention,
+    mlp: MLP,
+    input_norm: RMSNorm | None,
+    mlp_in_norm: RMSNorm,
+    attn_out_norm: RMSNorm | None,
+    mlp_out_norm: RMSNorm | None,
+    eps: float,
+    dtype: torch.dtype,
+) -> Callable[..., Tensor] | None:
+    """A decoder block of these parts as one native call for DECODE and TREE passes (`kernels.
+    decoder_layer`: the same kernels in the same order, so the same bits, without ~12
+    Python-level calls per layer) over activations of `dtype`, or None where a part has no
+    native kernel. With `input_norm` None it starts from q|k|v's normed input and a residual
+    (an EAGLE-3 head's layer)."""
+    parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    projections = [getattr(part, "projection", None) for part in parts]
+    optional = (input_norm, attn_out_norm, mlp_out_norm, attn.q_norm, attn.k_norm)
+    norms = [mlp_in_norm, *[n for n in optional if n is not None]]
+    if not attn.native_rope or None in projections or not all(n.takes(dtype) for n in norms):
+        return None
+    weights = [None if n is None else n.weight for n in optional]
+    return kernels.decoder_layer(
+        weights[0],
+        mlp_in_norm.weight,
+        *weights[1:],
+        eps=eps,
+        projections=projections,
+        heads=attn.num_heads,
+        kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        gelu=mlp.activation == "gelu_tanh",
+        q_scale=attn.q_scale,
+        window=attn.window or 0,
+    )
+
+
 class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); Gemma's also norms
     each sublayer's output: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))).
@@ -317,32 +354,15 @@ class Block(nn.Module):
             self.mlp_in_norm = RMSNorm(w[f"{p}post_attention_layernorm.weight"], eps)
         self.mlp = MLP(w, f"{p}mlp.", quantization, cfg.activation)
         dtype = w["model.embed_tokens.weight"].dtype  # the activations' (Transformer.dtype)
-        self.native = self._native_layer(cfg, dtype)
-
-    def _native_layer(self, cfg: ModelConfig, dtype: torch.dtype) -> Callable[..., Tensor] | None:
-        """The whole block as one native call for DECODE and TREE passes (`kernels.
-        decoder_layer`: the same kernels in the same order, so the same bits, without ~12
-        Python-level calls per layer) over activations of `dtype`, or None where a part has
-        no native kernel."""
-        attn, mlp = self.self_attn, self.mlp
-        parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        projections = [getattr(part, "projection", None) for part in parts]
-        optional = (self.attn_out_norm, self.mlp_out_norm, attn.q_norm, attn.k_norm)
-        norms = [self.input_layernorm, self.mlp_in_norm, *[n for n in optional if n is not None]]
-        if not attn.native_rope or None in projections or not all(n.takes(dtype) for n in norms):
-            return None
-        return kernels.decoder_layer(
-            self.input_layernorm.weight,
-            self.mlp_in_norm.weight,
-            *[None if n is None else n.weight for n in optional],
-            eps=cfg.rms_norm_eps,
-            projections=projections,
-            heads=cfg.num_heads,
-            kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            gelu=mlp.activation == "gelu_tanh",
-            q_scale=attn.q_scale,
-            window=attn.window or 0,
+        self.native = native_layer(
+            self.self_attn,
+            self.mlp,
+            self.input_layernorm,
+            self.mlp_in_norm,
+            self.attn_out_norm,
+            self.mlp_out_norm,
+            cfg.rms_norm_eps,
+            dtype,
         )
 
     def forward(
