@@ -111,8 +111,8 @@ def test_trainable_head_equals_the_inference_head(tiny_model_dir: Path, head_dir
 def test_the_native_layer_gives_the_torch_layers_bits(
     tiny_model_dir: Path, head_dir: Path, quantization: str | None
 ) -> None:
-    """In bf16 (int8 or bf16 projections), DECODE and TREE passes run the head's layer as one
-    native call: the bits of its Python-level layer."""
+    """In bf16 (int8 or bf16 projections), a DECODE pass (as a TREE pass, the same call) runs
+    the head's layer as one native call: the bits of its Python-level layer."""
     target = load_model(tiny_model_dir, dtype="bfloat16", quantization=quantization)
     head = load_eagle3_head(head_dir, target, quantization)
     assert head.native is not None

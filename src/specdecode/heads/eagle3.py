@@ -140,12 +140,12 @@ class Eagle3Head(nn.Module):
         self.native = native_layer(
             self.self_attn,
             self.mlp,
-            None,
-            self.post_attention_layernorm,
-            None,
-            None,
-            eps,
-            self.norm.weight.dtype,
+            input_norm=None,  # q|k|v read [norm(embedding), norm(feature)], normed here
+            mlp_in_norm=self.post_attention_layernorm,
+            attn_out_norm=None,
+            mlp_out_norm=None,
+            eps=eps,
+            dtype=self.norm.weight.dtype,
         )
 
     @property
