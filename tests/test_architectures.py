@@ -1,6 +1,7 @@
 """Architectures beyond the two the rest of the suite runs (Llama, Qwen2): Llama 3.x's RoPE
-scaling, Mistral, Qwen3's q/k head norms and Gemma 3 (its norms, GeGLU, embedding scale,
-sliding-window layers with their own RoPE base, query scale, soft-capping), each a tiny random
+scaling, Mistral, Qwen3's q/k head norms, Gemma 2 (soft-capped attention scores and logits,
+every second layer sliding) and Gemma 3 (its norms, GeGLU, embedding scale, sliding-window
+layers with their own RoPE base, query scale, soft-capping), Phi-3, each a tiny random
 Hugging Face model built offline. fp32 logits equal transformers' over 64 tokens, greedy
 output is transformers', speculation (ngram, a draft model) gives plain's tokens, in fp32 and
 bit for bit in int8 and gguf, and configs we cannot run yet are refused with what is wrong."""
@@ -68,6 +69,20 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "final_logit_softcapping": 30.0,
         },
     ),
+    # Gemma 2: Gemma's block without q/k norms; a window of 16 on every second layer (0 and 2,
+    # transformers' default), one RoPE base, attention scores soft-capped at 0.5 (the real
+    # models' 50 leaves these tiny models' scores of ~1 alone: 0.5 bends them), logits at 5
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "sliding_window": 16,
+            "rope_theta": 10000.0,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 0.5,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
     # Phi-3: fused q|k|v and gate|up, LongRoPE past an original context of 64 (factor 256 / 64)
     "phi3": (
         "phi3",
@@ -87,7 +102,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 # the architectures llama.cpp's GGUF files of which we read
-GGUF_ARCHITECTURES = ("llama3", "mistral", "qwen3", "gemma3", "phi3")
+GGUF_ARCHITECTURES = ("llama3", "mistral", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 def build(path: Path, name: str, seed: int = 0) -> Path:
@@ -117,6 +132,12 @@ def test_the_config_reads_the_architectures_choices(arch_dir: Path) -> None:
         assert (cfg.rope_theta, cfg.local_rope_theta) == (20000.0, 100.0)
         assert cfg.rope_scaling == LinearRope(4.0)
         assert cfg.attention_scale == 24**-0.5 and cfg.logit_softcap == 30.0
+        assert cfg.attn_softcap is None
+    if cfg.architecture == "gemma2":
+        assert cfg.gemma and not cfg.qk_norm and cfg.activation == "gelu_tanh"
+        assert (cfg.sliding_window, cfg.sliding_layers) == (16, (0, 2))
+        assert (cfg.local_rope_theta, cfg.attention_scale) == (None, 24**-0.5)
+        assert (cfg.attn_softcap, cfg.logit_softcap) == (0.5, 5.0)
     if cfg.architecture == "phi3":
         assert isinstance(cfg.rope_scaling, LongRope)
         assert cfg.rope_scaling.original_max_position_embeddings == 64
@@ -140,6 +161,25 @@ def test_fp32_logits_equal_transformers_over_64_tokens(arch_dir: Path) -> None:
     for t in range(40, 64):
         meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [t], [1], "cpu")
         step, _ = ours(tokens[:, t : t + 1], meta, cache)
+        torch.testing.assert_close(step[:, 0], want[:, t], atol=1e-4, rtol=1e-4)
+
+
+def test_decode_steps_on_the_attention_kernel_give_the_prefills_logits(arch_dir: Path) -> None:
+    """In fp32 a prefill attends with torch's ops; here every DECODE step attends with the
+    native per-query kernel instead (as the row-exact formats' steps do; forced, since fp32
+    projections are not row-exact): 32 steps past a 16-token window give the prefill's logits,
+    which a part the kernel's call left out (Gemma 2's soft-cap, a window) would not. (The
+    native whole-block call gives this route's bits: test_native_blocks_give_the_python_...)"""
+    model = load_model(arch_dir, dtype="float32")
+    for block in model.layers:
+        block.self_attn.per_query = True
+    tokens = _tokens(8, 40)
+    want, _ = model(tokens, AttentionMetadata.prefill([40], "cpu"), model.new_cache(1, 40))
+    cache = model.new_cache(1, 40)
+    model(tokens[:, :8], AttentionMetadata.prefill([8], "cpu"), cache)
+    for t in range(8, 40):
+        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [t], [1], "cpu")
+        step, _ = model(tokens[:, t : t + 1], meta, cache)
         torch.testing.assert_close(step[:, 0], want[:, t], atol=1e-4, rtol=1e-4)
 
 
@@ -275,7 +315,11 @@ def test_llama3_scaling_keeps_slows_and_blends_the_three_bands() -> None:
             {"model_type": "llama", "rope_scaling": {**LLAMA3_SCALING, "high_freq_factor": 0.5}},
             "high_freq_factor > low_freq_factor",
         ),
-        ({"model_type": "gemma2"}, "supported: llama, mistral, qwen2, qwen3, gemma3_text, phi3"),
+        (
+            {"model_type": "gemma"},
+            "supported: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3",
+        ),
+        ({"model_type": "gemma2", "attn_logit_softcapping": 0.0}, "attn_softcap must be > 0"),
         ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
         (
             {
@@ -341,6 +385,7 @@ def test_configs_we_cannot_run_are_refused(fields: dict[str, Any], message: str)
             4096,
             (0, 2),
         ),
+        ({"model_type": "gemma2", "sliding_window": 8}, 8, (0, 2)),  # every second layer
         # transformers' default max_window_layers (28) leaves none of 3 layers sliding
         ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 32}, None, ()),
         ({"model_type": "llama", "sliding_window": 8}, None, ()),  # Llama has none
@@ -379,9 +424,10 @@ def _write_gguf_config(
     rope_freqs: np.ndarray | None,
     arch: str = "llama",
     extra: Callable[[Any], None] | None = None,
+    layers: int = 2,
 ) -> Path:
-    """A GGUF holding a model's metadata and a rope_freqs tensor (no weights); `extra`
-    writes more into the writer."""
+    """A GGUF holding a model's metadata (`layers` blocks) and a rope_freqs tensor (no
+    weights); `extra` writes more into the writer."""
     from gguf import GGUFWriter
 
     writer = GGUFWriter(path, arch=arch)
@@ -390,7 +436,7 @@ def _write_gguf_config(
     writer.add_vocab_size(VOCAB)
     writer.add_embedding_length(4 * head_dim)
     writer.add_feed_forward_length(8 * head_dim)
-    writer.add_block_count(2)
+    writer.add_block_count(layers)
     writer.add_head_count(4)
     writer.add_head_count_kv(2)
     writer.add_layer_norm_rms_eps(1e-5)
@@ -531,6 +577,42 @@ def test_a_phi3_ggufs_longrope_and_window_are_read(tmp_path: Path) -> None:
     reader = open_gguf(_write_gguf_config(tmp_path / "h.gguf", 16, 1e4, None, "phi3", half))
     with pytest.raises(UserError, match="needs both rope_factors_short"):
         config_from_gguf(reader)
+
+
+@pytest.mark.parametrize(
+    ("arch", "layers", "sliding", "scale"),
+    [
+        ("gemma2", 3, (0, 2), None),  # every second layer slides
+        ("gemma2", 46, tuple(range(0, 46, 2)), 16**-0.5),  # 27B: (hidden / heads) ** -0.5
+        ("gemma3", 7, (0, 1, 2, 3, 4, 6), None),  # every sixth attends globally
+        ("gemma3", 62, tuple(i for i in range(62) if i % 6 != 5), 16**-0.5),  # 27B
+    ],
+)
+def test_a_gemma_ggufs_windows_caps_and_query_scale_are_read(
+    tmp_path: Path, arch: str, layers: int, sliding: tuple[int, ...], scale: float | None
+) -> None:
+    """What llama.cpp fixes rather than writes: which layers slide, Gemma 3's local RoPE base
+    and the 27B models' query scale (hidden 64 / 4 heads = 16 per head, against head_dim 32);
+    the window and the soft-caps come from the file."""
+    from specdecode.model.convert import config_from_gguf, open_gguf
+
+    def gemma(writer: Any) -> None:
+        writer.add_key_length(32)
+        writer.add_value_length(32)
+        writer.add_sliding_window(8)
+        writer.add_final_logit_softcapping(30.0)
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(50.0)
+
+    path = _write_gguf_config(tmp_path / "m.gguf", 16, 1e4, None, arch, gemma, layers)
+    cfg = config_from_gguf(open_gguf(path))
+    assert cfg.architecture == {"gemma2": "gemma2", "gemma3": "gemma3_text"}[arch]
+    assert cfg.gemma and cfg.head_dim == 32 and cfg.sliding_window == 8
+    assert cfg.sliding_layers == sliding and cfg.attention_scale == scale
+    assert cfg.logit_softcap == 30.0
+    assert cfg.attn_softcap == (50.0 if arch == "gemma2" else None)
+    assert cfg.local_rope_theta == (None if arch == "gemma2" else 10000.0)
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg  # the converted folder's config
 
 
 def test_fused_weights_of_the_wrong_size_are_refused() -> None:

@@ -172,6 +172,37 @@ def test_windowed_decode_attention_reads_the_window_alone(
             assert torch.equal(got[rows, :, t : t + 1], alone)
 
 
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize("dim", [40, 64, 128])
+def test_soft_capped_decode_attention_caps_each_score(
+    dtype: torch.dtype, tolerance: float, dim: int, kernel_path: str
+) -> None:
+    """Gemma 2's soft-cap: each score q.k / sqrt(D) becomes cap * tanh(score / cap) before the
+    softmax (the reference below), on every head size's path; a pass gives each query what a
+    one-token pass gives; a negative cap is refused."""
+    gen = torch.Generator().manual_seed(6)
+    heads, kv_heads, new, slots, cap = 4, 2, 3, 40, 1.5  # scores of ~N(0, 1): most bend
+    q = torch.randn(1, heads, new, dim, generator=gen).to(dtype)
+    k = torch.randn(1, kv_heads, slots, dim, generator=gen).to(dtype)
+    v = torch.randn(1, kv_heads, slots, dim, generator=gen).to(dtype)
+    start = slots - new
+    got = kernels.decode_attention(q, k, v, [start], softcap=cap)
+    keys = k.float().repeat_interleave(heads // kv_heads, dim=1)  # [1, H, S, D]
+    scores = q.float() @ keys.transpose(-1, -2) * dim**-0.5  # [1, H, T, S]
+    scores = torch.tanh(scores / cap) * cap
+    visible = torch.arange(slots)[None, :] <= start + torch.arange(new)[:, None]  # [T, S]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    want = scores.softmax(-1) @ v.float().repeat_interleave(heads // kv_heads, dim=1)
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+    uncapped = kernels.decode_attention(q, k, v, [start])
+    assert (got.float() - uncapped.float()).abs().max() > 10 * tolerance  # the cap matters
+    for t in range(new):
+        alone = kernels.decode_attention(q[:, :, t : t + 1], k, v, [start + t], softcap=cap)
+        assert torch.equal(got[:, :, t : t + 1], alone)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        kernels.decode_attention(q, k, v, [start], softcap=-1.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_windowed_tree_attention_gives_each_path_the_chain_bits(
     dtype: torch.dtype, kernel_path: str

@@ -373,12 +373,14 @@ void check_gguf(const Format& f, int64_t M, int64_t K, int64_t N) {
 
 // ---------------------------------------------------------------- attention
 
+// softcap > 0: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2).
 template <typename T>
 void check_attention(int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t S, int64_t D,
-                     bool tree) {
+                     bool tree, float softcap = 0.f) {
   std::vector<int64_t> rows(B);  // rectangular: row b is block b of S slots
   for (int64_t b = 0; b < B; ++b) rows[b] = b;
-  const sd::AttentionShape shape{B, H, Tq, D, Hkv, Hkv * S * D, S * D, D, S, 1, rows.data()};
+  const sd::AttentionShape shape{B,     H, Tq, D, Hkv, Hkv * S * D, S * D, D, S, 1, rows.data(),
+                                 0, softcap};
   const std::vector<T> q = cast<T>(randn(B * H * Tq * D)), k = cast<T>(randn(B * Hkv * S * D)),
                        v = cast<T>(randn(B * Hkv * S * D));
   std::vector<int64_t> starts(B), tree_starts(B), extra, extra_begin(B * Tq + 1, 0);
@@ -417,7 +419,8 @@ void check_attention(int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t S, i
           double dot = 0;
           for (int64_t d = 0; d < D; ++d)
             dot += double(q[row * D + d]) * double(k[((b * Hkv + kvh) * S + s) * D + d]);
-          scores.push_back(dot / std::sqrt(double(D)));
+          const double score = dot / std::sqrt(double(D));
+          scores.push_back(softcap > 0 ? softcap * std::tanh(score / softcap) : score);
         }
         const double top = *std::max_element(scores.begin(), scores.end());
         double total = 0;
@@ -432,7 +435,8 @@ void check_attention(int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t S, i
   const std::string what = std::string("attention ") + (tree ? "tree " : "chain ") + name(T()) +
                            " B=" + std::to_string(B) + " H=" + std::to_string(H) + "/" +
                            std::to_string(Hkv) + " T=" + std::to_string(Tq) +
-                           " D=" + std::to_string(D);
+                           " D=" + std::to_string(D) +
+                           (softcap > 0 ? " softcap=" + std::to_string(softcap) : "");
   const float tolerance = sizeof(T) == 2 ? 1e-2f : 1e-5f;
   report(max_rel_error(got, want) < tolerance, what + ": close to the fp64 reference");
   if (tree) return;
@@ -441,7 +445,7 @@ void check_attention(int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t S, i
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < Tq; ++t) {
       const int64_t zero = 0;
-      const sd::AttentionShape one_shape{1, H, 1, D, Hkv, 0, S * D, D, S, 1, &zero};
+      const sd::AttentionShape one_shape{1, H, 1, D, Hkv, 0, S * D, D, S, 1, &zero, 0, softcap};
       std::vector<T> q1(H * D), o1(H * D);
       for (int64_t h = 0; h < H; ++h)
         std::copy_n(q.data() + ((b * H + h) * Tq + t) * D, D, q1.data() + h * D);
@@ -575,6 +579,9 @@ int main() {
     check_attention<float>(1, 2, 1, 3, 70, 48, tree);
     check_attention<sd::BFloat16>(2, 4, 2, 5, 40, 64, tree);
     check_attention<sd::BFloat16>(1, 2, 2, 2, 33, 128, tree);
+    check_attention<float>(2, 4, 2, 5, 40, 64, tree, 2.f);  // small: the cap bends most scores
+    check_attention<sd::BFloat16>(1, 2, 2, 2, 33, 128, tree, 2.f);
+    check_attention<float>(1, 2, 1, 3, 70, 48, tree, 2.f);
     check_paged_attention<float>(3, 4, 2, 5, 70, 64, tree);
     check_paged_attention<sd::BFloat16>(2, 4, 2, 3, 41, 128, tree);
     check_paged_attention<sd::BFloat16>(2, 2, 1, 2, 35, 48, tree);

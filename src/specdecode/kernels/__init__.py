@@ -215,6 +215,7 @@ def decoder_layer(
     gelu: bool = False,
     q_scale: float = 1.0,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> Callable[..., Tensor]:
     """One decoder block in one native call (see layer.cpp).
 
@@ -223,7 +224,8 @@ def decoder_layer(
     norms ([head_dim] or None, both or neither). A weight in the activations' dtype multiplies
     after rounding, an fp32 weight under bf16 activations before (`rms_norm`). The q|k|v, o,
     gate|up and down projections (from `*_projection`), the head counts, GeGLU (`gelu`) or
-    SwiGLU, q's factor before attention and the sliding window (0: none). Called as
+    SwiGLU, q's factor before attention, the sliding window (0: none) and the attention
+    scores' soft-cap (Gemma 2's cap * tanh(score / cap); 0: none). Called as
     `layer(x [B, T, hidden], cos, sin ([B, T, D] fp32), k_pool, v_pool ([L, blocks, Hkv,
     block_size, D]), layer_index, starts, tree_starts, tree_mask, block_table ([B, max_blocks]
     int64))` for a DECODE or TREE pass; returns the block's output [B, T, hidden].
@@ -250,6 +252,7 @@ def decoder_layer(
         gelu=gelu,
         q_scale=q_scale,
         window=window,
+        softcap=softcap,
     )
     return layer if input_norm is not None else layer.normed
 
@@ -274,6 +277,7 @@ def decode_attention(
     tree_mask: Tensor | None = None,
     block_table: Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Per-query attention: q [B, H, T, D]; k and v [B, Hkv, S, D], or with `block_table`
     ([B, max_blocks] int64) pools of blocks [blocks, Hkv, block_size, D] where row b's slot s
@@ -281,10 +285,11 @@ def decode_attention(
     of row b reads slots 0 .. starts[b] + t; with `tree_mask` ([B, T, M] bool) and
     `tree_starts` ([B]) it reads slots 0 .. tree_starts[b] - 1 and tree_starts[b] + r where
     tree_mask[b, t, r]. `window` > 0: a query at position p reads no slot before
-    p - window + 1 (sliding-window attention; trees shallower than the window). Returns
+    p - window + 1 (sliding-window attention; trees shallower than the window). `softcap` > 0:
+    each score becomes softcap * tanh(score / softcap) before the softmax (Gemma 2). Returns
     [B, H, T, D]; see attention.cpp."""
     return native().decode_attention(
-        q, k, v, list(starts), list(tree_starts), tree_mask, block_table, window
+        q, k, v, list(starts), list(tree_starts), tree_mask, block_table, window, softcap
     )
 
 

@@ -9,7 +9,8 @@
 // 0 .. tree_starts[b] - 1 and then the slots tree_starts[b] + r that its mask row allows (its
 // ancestors and itself), in increasing order: the same keys in the same order as a chain pass
 // over its own path, so the same bits. With a sliding window W a query at position p reads
-// no slot before p - W + 1 (Mistral, Gemma's local layers), again in any pass shape alike. Scores q.k * scale, the softmax and the
+// no slot before p - W + 1 (Mistral, Gemma's local layers), again in any pass shape alike. Scores q.k * scale
+// (soft-capped to cap * tanh(score / cap) where a cap is given: Gemma 2), the softmax and the
 // weighted sum of values are all in fp32 (bf16 inputs are widened, never rounded in between;
 // bf16 scores of head size 64 / 128 are sums of exact bf16 products, scaled after the sum);
 // the output is rounded once to q's dtype. Query head h reads KV head h / (H / Hkv). A query's
@@ -166,8 +167,11 @@ void axpy(float p, const scalar_t* v, float* out, int64_t D) {
   for (; d < D; ++d) out[d] += p * widen(v[d]);
 }
 
-// scores[0:n] -> exp(scores - max), returns their sum.
-float exp_shifted(float* scores, int64_t n) {
+// scores[0:n] -> exp(scores - max), returns their sum; cap > 0 first soft-caps each score to
+// cap * tanh(score / cap) (Gemma 2's attention; one scalar tanh per score, in every variant).
+float exp_shifted(float* scores, int64_t n, float cap) {
+  if (cap > 0.f)
+    for (int64_t s = 0; s < n; ++s) scores[s] = cap * std::tanh(scores[s] / cap);
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t s = 0; s < n; ++s) top = std::max(top, scores[s]);
   int64_t s = 0;
@@ -208,14 +212,14 @@ float exp_shifted(float* scores, int64_t n) {
 }
 
 template <typename scalar_t, typename Slots>
-void attend_one(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Slots& slots, int64_t D, float scale, scalar_t* out,
+void attend_one(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Slots& slots, int64_t D, float scale, float cap, scalar_t* out,
                 std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t span = slots.size();
   qf.resize(D);
   for (int64_t d = 0; d < D; ++d) qf[d] = widen(q[d]) * scale;
   scores.resize(span);
   for (int64_t s = 0; s < span; ++s) scores[s] = dot(qf.data(), k + slots[s], D);
-  const float total = exp_shifted(scores.data(), span);
+  const float total = exp_shifted(scores.data(), span, cap);
   acc.assign(D, 0.f);
   for (int64_t s = 0; s < span; ++s) axpy(scores[s], v + slots[s], acc.data(), D);
   const float inv = 1.f / total;
@@ -226,7 +230,7 @@ void attend_one(const scalar_t* q, const scalar_t* k, const scalar_t* v, const S
 // attend_one for D = 16 * C with the query and the output kept in registers: the same products
 // summed in the same order (so the same bits), without a trip through memory per slot.
 template <int C, typename scalar_t, typename Slots>
-void attend_one_registers(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Slots& slots, float scale, scalar_t* out,
+void attend_one_registers(const scalar_t* q, const scalar_t* k, const scalar_t* v, const Slots& slots, float scale, float cap, scalar_t* out,
                           std::vector<float>& scores) {
   constexpr int64_t D = C * V;
   const int64_t span = slots.size();
@@ -243,7 +247,7 @@ void attend_one_registers(const scalar_t* q, const scalar_t* k, const scalar_t* 
     for (int c = 0; c < C; ++c) sum = _mm512_fmadd_ps(qv[c], load16(key + c * V), sum);
     scores[s] = _mm512_reduce_add_ps(sum);
   }
-  const float total = exp_shifted(scores.data(), span);
+  const float total = exp_shifted(scores.data(), span, cap);
   __m512 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t s = 0; s < span; ++s) {
@@ -264,7 +268,7 @@ void attend_one_registers(const scalar_t* q, const scalar_t* k, const scalar_t* 
 // by shifts (even and odd values in separate lanes) and summed over the slots in order.
 template <int C, typename Slots>
 void attend_bf16(const BFloat16* q, const BFloat16* k, const BFloat16* v, const Slots& slots, float scale,
-                 BFloat16* out, std::vector<float>& scores) {
+                 float cap, BFloat16* out, std::vector<float>& scores) {
   constexpr int64_t PAIRS = 2 * V;  // bf16 values per vector
   const int64_t span = slots.size();
   __m512bh qv[C];
@@ -287,7 +291,7 @@ void attend_bf16(const BFloat16* q, const BFloat16* k, const BFloat16* v, const 
     for (int j = 0; j < 4; ++j) scores[s + j] = _mm512_reduce_add_ps(sum[j]) * scale;
   }
   for (; s < span; ++s) scores[s] = score(k + slots[s]);
-  const float total = exp_shifted(scores.data(), span);
+  const float total = exp_shifted(scores.data(), span, cap);
   const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
   __m512 even[C], odd[C];
   for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
@@ -316,12 +320,12 @@ void attend_bf16(const BFloat16* q, const BFloat16* k, const BFloat16* v, const 
 // One query: the attention over `slots` with the fastest exact routine for its dtype and D.
 template <typename scalar_t, typename Slots>
 void attend(const scalar_t* q, const scalar_t* keys, const scalar_t* values, const Slots& slots,
-            int64_t D, float scale, scalar_t* out, std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
+            int64_t D, float scale, float cap, scalar_t* out, std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (std::is_same_v<scalar_t, BFloat16>) {
     if (D == 64 || D == 128) {
       auto run = D == 64 ? attend_bf16<2, Slots> : attend_bf16<4, Slots>;
-      run(q, keys, values, slots, scale, out, scores);
+      run(q, keys, values, slots, scale, cap, out, scores);
       return;
     }
   }
@@ -330,11 +334,11 @@ void attend(const scalar_t* q, const scalar_t* keys, const scalar_t* values, con
   if (D == 64 || D == 128) {
     auto run = D == 64 ? attend_one_registers<4, scalar_t, Slots>
                        : attend_one_registers<8, scalar_t, Slots>;
-    run(q, keys, values, slots, scale, out, scores);
+    run(q, keys, values, slots, scale, cap, out, scores);
     return;
   }
 #endif
-  attend_one(q, keys, values, slots, D, scale, out, qf, scores, acc);
+  attend_one(q, keys, values, slots, D, scale, cap, out, qf, scores, acc);
 }
 
 // The element offsets (from a KV head's base) of the slots query (b, t) reads, in order: the
@@ -370,7 +374,7 @@ void attention(const T* q, const T* k, const T* v, const AttentionShape& shape,
                const int64_t* starts, const int64_t* tree_starts, const int64_t* extra,
                const int64_t* extra_begin, T* out) {
   const int64_t H = shape.H, Tq = shape.T, D = shape.D, group = shape.H / shape.Hkv;
-  const float scale = 1.f / std::sqrt(float(D));
+  const float scale = 1.f / std::sqrt(float(D)), cap = shape.softcap;
   // Tasks run (row, query, head) with the head fastest: a query's slot offsets are computed once
   // for all its heads (query heads read their KV head through the base pointer).
   parallel_for(0, shape.B * Tq * H, 1, [&](int64_t begin, int64_t end) {
@@ -396,7 +400,7 @@ void attention(const T* q, const T* k, const T* v, const AttentionShape& shape,
       const int64_t head = h / group * shape.head_stride;
       const int64_t at = ((b * H + h) * Tq + t) * D;  // q and out are [B, H, T, D]
       const Offsets slots{offsets.data(), int64_t(offsets.size())};
-      attend(q + at, k + head, v + head, slots, D, scale, out + at, qf, scores, acc);
+      attend(q + at, k + head, v + head, slots, D, scale, cap, out + at, qf, scores, acc);
     }
   });
 }

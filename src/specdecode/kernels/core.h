@@ -154,13 +154,15 @@ void gguf_pack_codes(const uint8_t* q, int64_t Np, int64_t K, int64_t bits, int6
 // contiguous). Row b's slot s is slot s % block_size of block table[b * max_blocks + s /
 // block_size]. A rectangular cache [B, Hkv, S, D] is the case block_size = S, table[b] = b.
 // window > 0: sliding-window attention, a query at position p reads no slot before
-// p - window + 1 (see `attention`).
+// p - window + 1 (see `attention`). softcap > 0: each score becomes softcap * tanh(score /
+// softcap) before the softmax (Gemma 2).
 struct AttentionShape {
   int64_t B, H, T, D, Hkv;
   int64_t block_stride, head_stride, slot_stride;
   int64_t block_size, max_blocks;
   const int64_t* table;  // [B, max_blocks]
   int64_t window = 0;    // 0: every earlier slot
+  float softcap = 0.f;   // 0: scores as they are
 };
 
 // Query t of row b (position p = starts[b] + t) attends to slots 0 .. p. A tree pass

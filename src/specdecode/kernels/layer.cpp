@@ -64,7 +64,7 @@ DecoderLayer::DecoderLayer(c10::optional<at::Tensor> input_norm, at::Tensor mlp_
                            c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
                            double eps, Projection qkv, Projection o, Projection gate_up,
                            Projection down, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                           bool gelu, double q_scale, int64_t window)
+                           bool gelu, double q_scale, int64_t window, double softcap)
     : input_norm_(std::move(input_norm)),
       mlp_in_norm_(std::move(mlp_in_norm)),
       attn_out_norm_(std::move(attn_out_norm)),
@@ -81,9 +81,11 @@ DecoderLayer::DecoderLayer(c10::optional<at::Tensor> input_norm, at::Tensor mlp_
       head_dim_(head_dim),
       gelu_(gelu),
       q_scale_(q_scale),
-      window_(window) {
+      window_(window),
+      softcap_(softcap) {
   TORCH_CHECK(q_norm_.has_value() == k_norm_.has_value(), "q and k head norms come together");
   TORCH_CHECK(window_ >= 0, "the window is a slot count (0: none), got ", window_);
+  TORCH_CHECK(softcap_ >= 0, "the soft-cap must be >= 0 (0: none), got ", softcap_);
 }
 
 // The heads of x [B, T, W] in columns first .. first + heads * D, RMS-normed in place.
@@ -100,7 +102,7 @@ void DecoderLayer::norm_heads(at::Tensor& qkv, int64_t first, int64_t heads,
 // (a paged cache; block_table [B, max_blocks] int64 maps row b's slot s to slot s % block_size
 // of block block_table[b][s / block_size]): the block's keys and values of new token t of row b
 // go to slot starts[b] + t of `layer`, and its queries attend as decode_attention says
-// (tree_starts and tree_mask: TREE passes; the layer's window). Returns the block's output
+// (tree_starts and tree_mask: TREE passes; the layer's window and soft-cap). Returns the block's output
 // [B, T, hidden]. `normed` is the same block from q|k|v's `input` (what the input norm gives
 // here) and the residual x.
 at::Tensor DecoderLayer::operator()(const at::Tensor& x, const at::Tensor& cos,
@@ -142,7 +144,7 @@ at::Tensor DecoderLayer::normed(const at::Tensor& input, const at::Tensor& x,
   write_kv(keys, k, block_table, starts);  // checks the table against the pool
   write_kv(values, v, block_table, starts);
   const at::Tensor out = decode_attention(q, keys, values, starts, tree_starts, tree_mask,
-                                          block_table, window_);  // [B, H, T, D]
+                                          block_table, window_, softcap_);  // [B, H, T, D]
   at::Tensor attn = o_(out.transpose(1, 2).reshape({B, T, -1}));  // [B, T, hidden]
   if (attn_out_norm_.has_value()) attn = rms_norm(attn, *attn_out_norm_, eps_);
   const at::Tensor h = x + attn;

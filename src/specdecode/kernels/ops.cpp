@@ -44,14 +44,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>,
                           c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                           c10::optional<at::Tensor>, double, Projection, Projection, Projection,
-                          Projection, int64_t, int64_t, int64_t, bool, double, int64_t>(),
+                          Projection, int64_t, int64_t, int64_t, bool, double, int64_t,
+                          double>(),
            pybind11::arg("input_norm"), pybind11::arg("mlp_in_norm"),
            pybind11::arg("attn_out_norm"), pybind11::arg("mlp_out_norm"),
            pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("eps"),
            pybind11::arg("qkv"), pybind11::arg("o"), pybind11::arg("gate_up"),
            pybind11::arg("down"), pybind11::arg("heads"), pybind11::arg("kv_heads"),
            pybind11::arg("head_dim"), pybind11::arg("gelu"), pybind11::arg("q_scale"),
-           pybind11::arg("window"))
+           pybind11::arg("window"), pybind11::arg("softcap"))
       .def("__call__", &DecoderLayer::operator(), "one decoder block over the cache",
            pybind11::call_guard<pybind11::gil_scoped_release>())  // other threads run meanwhile
       .def("normed", &DecoderLayer::normed, "the block from q|k|v's normed input and a residual",

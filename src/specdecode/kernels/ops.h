@@ -24,7 +24,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::vector<int64_t>& tree_starts,
                             const c10::optional<at::Tensor>& tree_mask,
                             const c10::optional<at::Tensor>& block_table,
-                            int64_t window);
+                            int64_t window, double softcap);
 // Store x [B, T, Hkv, D] (new token t of row b) at slot starts[b] + t of a pool of blocks
 // [blocks, Hkv, block_size, D] through the block table [B, max_blocks] int64.
 void write_kv(at::Tensor& pool, const at::Tensor& x, const at::Tensor& table,
@@ -59,17 +59,18 @@ class Projection {
 };
 
 // One pre-norm decoder block (RMSNorm, fused q|k|v with optional q/k head norms and RoPE,
-// per-query attention over the cache with an optional sliding window, o, RMSNorm, SwiGLU or
-// GeGLU; Gemma's norms of each sublayer's output where given) for passes whose new tokens each
-// attend by themselves (DECODE and TREE): the ops of model/transformer.py's Block in the same
-// order, in one call.
+// per-query attention over the cache with an optional sliding window and soft-cap, o, RMSNorm,
+// SwiGLU or GeGLU; Gemma's norms of each sublayer's output where given) for passes whose new
+// tokens each attend by themselves (DECODE and TREE): the ops of model/transformer.py's Block
+// in the same order, in one call.
 class DecoderLayer {
  public:
   DecoderLayer(c10::optional<at::Tensor> input_norm, at::Tensor mlp_in_norm,
                c10::optional<at::Tensor> attn_out_norm, c10::optional<at::Tensor> mlp_out_norm,
                c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, double eps,
                Projection qkv, Projection o, Projection gate_up, Projection down, int64_t heads,
-               int64_t kv_heads, int64_t head_dim, bool gelu, double q_scale, int64_t window);
+               int64_t kv_heads, int64_t head_dim, bool gelu, double q_scale, int64_t window,
+               double softcap);
   at::Tensor operator()(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer,
                         const std::vector<int64_t>& starts,
@@ -98,4 +99,5 @@ class DecoderLayer {
   bool gelu_;       // GeGLU (tanh GELU) instead of SwiGLU
   double q_scale_;  // q's factor before attention (1: none)
   int64_t window_;  // sliding-window attention's slot count (0: none)
+  double softcap_;  // the attention scores' soft-cap (0: none)
 };

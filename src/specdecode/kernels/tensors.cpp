@@ -242,16 +242,18 @@ void write_kv(at::Tensor& pool, const at::Tensor& x, const at::Tensor& table,
 // bool: query t of row b then attends to slots 0 .. tree_starts[b] - 1 and to
 // tree_starts[b] + r wherever tree_mask[b, t, r] (which must hold for its own slot
 // starts[b] + t and for no later slot). window > 0: a query at position p reads no slot before
-// p - window + 1 (a tree's own slots excepted: it must be shallower than the window). Returns
+// p - window + 1 (a tree's own slots excepted: it must be shallower than the window). softcap
+// > 0: the scores are soft-capped to softcap * tanh(score / softcap) (Gemma 2). Returns
 // [B, H, T, D] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::vector<int64_t>& starts,
                             const std::vector<int64_t>& tree_starts,
                             const c10::optional<at::Tensor>& tree_mask,
                             const c10::optional<at::Tensor>& block_table,
-                            int64_t window) {
+                            int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
               "specdecode kernels run on the CPU");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
@@ -307,7 +309,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const sd::AttentionShape shape{B,           H,           T,           D,
                                  Hkv,         k.stride(0), k.stride(1), k.stride(2),
                                  k.size(2),   table.size(1), table.data_ptr<int64_t>(),
-                                 window};
+                                 window,      float(softcap)};
   fp32_or_bf16(q.scalar_type(), "decode_attention", [&](auto type_tag) {
     using T_ = decltype(type_tag);
     sd::attention(data<const T_>(qc), data<const T_>(k), data<const T_>(v), shape, starts.data(),

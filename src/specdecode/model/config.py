@@ -3,7 +3,7 @@
 An architecture is a row of `ARCHITECTURES`: the choices that set it apart from Llama's
 decoder (q/k/v biases, a norm of each q and k head, Gemma's norms, activation and embedding
 scale, which layers attend through a sliding window, fused projections). The rest (sizes, RoPE
-bases and scaling, the window, a tied head, soft-capping) comes from the config itself.
+bases and scaling, the window, a tied head, the soft-caps) comes from the config itself.
 """
 
 from __future__ import annotations
@@ -35,10 +35,14 @@ class Architecture:
     qk_norm: each q and k head is RMS-normed (its own weight [head_dim]) before RoPE.
     gemma: Gemma's block: RMSNorm weights stored as w with the norm multiplying by 1 + w,
         norms around each sublayer's output too, a GeGLU MLP, embeddings times
-        sqrt(hidden_size), and a local RoPE base for the sliding-window layers.
+        sqrt(hidden_size), a query scale (query_pre_attn_scalar) and soft-caps where the
+        config gives them (Gemma 2's attention scores and logits).
+    local_rope: the sliding-window layers take their own RoPE base (Gemma 3).
     windows: which layers attend through `sliding_window`: "none", "all" (Mistral, Phi-3),
-        "from_max_window_layers" (Qwen2/3 with use_sliding_window) or "pattern" (Gemma 3:
-        `layer_types`, else every layer but each sliding_window_pattern-th).
+        "from_max_window_layers" (Qwen2/3 with use_sliding_window) or "pattern" (Gemma:
+        `layer_types`, else every layer but each `global_every`-th: Gemma 2's every second,
+        Gemma 3's every sliding_window_pattern-th, 6 unless given).
+    global_every: the "pattern" windows' default period (0: no pattern).
     fused: q|k|v and gate|up are stored as one weight each (`qkv_proj`, `gate_up_proj`:
         Phi-3), split when read.
     """
@@ -47,7 +51,9 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     gemma: bool = False
+    local_rope: bool = False
     windows: str = "none"
+    global_every: int = 0
     fused: bool = False
 
 
@@ -56,7 +62,15 @@ ARCHITECTURES = {
     "mistral": Architecture("MistralForCausalLM", windows="all"),  # Llama's block
     "qwen2": Architecture("Qwen2ForCausalLM", qkv_bias=True, windows="from_max_window_layers"),
     "qwen3": Architecture("Qwen3ForCausalLM", qk_norm=True, windows="from_max_window_layers"),
-    "gemma3_text": Architecture("Gemma3ForCausalLM", qk_norm=True, gemma=True, windows="pattern"),
+    "gemma2": Architecture("Gemma2ForCausalLM", gemma=True, windows="pattern", global_every=2),
+    "gemma3_text": Architecture(
+        "Gemma3ForCausalLM",
+        qk_norm=True,
+        gemma=True,
+        local_rope=True,
+        windows="pattern",
+        global_every=6,
+    ),
     "phi3": Architecture("Phi3ForCausalLM", windows="all", fused=True),  # LongRoPE: LongRope
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -97,25 +111,25 @@ def _sliding(
             )
         sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
     else:
-        pattern = cfg.get("sliding_window_pattern", 6)
+        pattern = cfg.get("sliding_window_pattern", table.global_every)
         sliding = [i for i in range(layers) if (i + 1) % pattern]
     if not sliding:
         return None, ()
     return int(window), tuple(sliding)
 
 
-def _rope_parameters(cfg: dict[str, Any], gemma: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def _rope_parameters(cfg: dict[str, Any], local: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the full-attention layers' RoPE parameters, the sliding layers' ({} : none given)).
-    transformers >= 5 writes `rope_parameters` (for Gemma one dict per layer type); older
+    transformers >= 5 writes `rope_parameters` (for Gemma 3 one dict per layer type); older
     configs `rope_theta` + `rope_scaling`."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if gemma and "full_attention" in rope:
+    if local and "full_attention" in rope:
         return rope["full_attention"], rope.get("sliding_attention") or {}
     return rope, {}
 
 
 def _local_theta(local: dict[str, Any], cfg: dict[str, Any]) -> float:
-    """The RoPE base of Gemma's sliding layers (default RoPE only)."""
+    """The RoPE base of Gemma 3's sliding layers (default RoPE only)."""
     if local.get("rope_type", "default") != "default":
         raise UserError(
             f"unsupported RoPE scaling {local!r} of the sliding layers; supported: the default"
@@ -165,6 +179,7 @@ class ModelConfig:
     local_rope_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
     attention_scale: float | None = None  # scores' scale (None: head_dim ** -0.5)
     logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (None: none)
+    attn_softcap: float | None = None  # attention scores, likewise (Gemma 2; None: none)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -186,6 +201,10 @@ class ModelConfig:
             raise UserError(f"sliding layers need a sliding_window > 0, got {self.sliding_window}")
         if not all(0 <= i < self.num_layers for i in self.sliding_layers):
             raise UserError(f"sliding layers must lie in 0..{self.num_layers - 1}")
+        for name in ("logit_softcap", "attn_softcap"):
+            cap = getattr(self, name)
+            if cap is not None and not cap > 0:
+                raise UserError(f"{name} must be > 0 (or None: no soft-cap), got {cap}")
 
     @property
     def embed_scale(self) -> float:
@@ -227,7 +246,7 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         context = cfg.get("max_position_embeddings", 2048)
         window, sliding = _sliding(table, cfg, cfg["num_hidden_layers"], context)
-        full, local = _rope_parameters(cfg, table.gemma)
+        full, local = _rope_parameters(cfg, table.local_rope)
         scalar = cfg.get("query_pre_attn_scalar") if table.gemma else None
         return cls(
             architecture=arch,
@@ -249,9 +268,10 @@ class ModelConfig:
             activation=_activation(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")),
             sliding_window=window,
             sliding_layers=sliding,
-            local_rope_theta=_local_theta(local, cfg) if table.gemma else None,
+            local_rope_theta=_local_theta(local, cfg) if table.local_rope else None,
             attention_scale=None if scalar in (None, head_dim) else float(scalar) ** -0.5,
             logit_softcap=cfg.get("final_logit_softcapping") if table.gemma else None,
+            attn_softcap=cfg.get("attn_logit_softcapping") if table.gemma else None,
         )
 
     @classmethod
@@ -302,8 +322,10 @@ class ModelConfig:
                 "sliding_attention" if self.window(i) else "full_attention"
                 for i in range(self.num_layers)
             ]
-            cfg["rope_local_base_freq"] = self.local_rope_theta
             cfg["final_logit_softcapping"] = self.logit_softcap
+            cfg["attn_logit_softcapping"] = self.attn_softcap
+        if table.local_rope:
+            cfg["rope_local_base_freq"] = self.local_rope_theta
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = self.rope_scaling.to_hf_dict()
         if isinstance(self.rope_scaling, LongRope):

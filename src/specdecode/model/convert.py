@@ -1,4 +1,5 @@
-"""Convert a GGUF file (Llama, Qwen2, Qwen3, Gemma 3, Phi-3) once into a Hugging Face-style folder.
+"""Convert a GGUF file (Llama, Qwen2, Qwen3, Gemma 2 and 3, Phi-3) once into a Hugging Face-style
+folder.
 
 The folder holds config.json, model.safetensors (bf16, HF tensor names), tokenizer.json,
 tokenizer_config.json and generation_config.json, so both specdecode and Hugging Face
@@ -32,13 +33,16 @@ GGUF_ARCHITECTURES = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
 }
-# What llama.cpp fixes for Gemma 3 rather than writing it in the file: every sixth layer
-# attends globally, the others through the window with RoPE base 10,000.
-GEMMA3_GLOBAL_EVERY = 6
+# What llama.cpp fixes for Gemma rather than writing it in the file: Gemma 2's every second
+# layer attends globally, the others through the window; Gemma 3's every sixth, the others
+# through the window with RoPE base 10,000. The 27B models (Gemma 2's 46 layers, Gemma 3's 62)
+# scale the scores by (hidden_size / heads) ** -0.5, the others by head_dim's.
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Llama 3.1 / 3.2's RoPE scaling bands (Meta's low_freq_factor and high_freq_factor for every
 # size): llama.cpp stores the frequencies' divisors (rope_freqs), not the parameters.
 LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR = 1.0, 4.0
@@ -119,8 +123,8 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         heads = int(meta[f"{arch}.attention.head_count"])
         hidden = int(meta[f"{arch}.embedding_length"])
         vocab = meta.get(f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
-        gemma = _gemma_fields(meta, arch) if ARCHITECTURES[model_type].gemma else {}
         head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+        gemma = _gemma_fields(meta, arch, head_dim) if ARCHITECTURES[model_type].gemma else {}
         theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
         divisors = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
         phi3 = _phi3_fields(reader, meta, arch, head_dim) if model_type == "phi3" else {}
@@ -167,21 +171,33 @@ def _linear_scaling(meta: dict[str, Any], arch: str) -> LinearRope | None:
     return None if factor == 1.0 else LinearRope(factor)
 
 
-def _gemma_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The Gemma 3 fields of a ModelConfig from GGUF metadata and llama.cpp's fixed choices
-    (query scale: head_dim's, as llama.cpp takes it for every size but 27B)."""
+def _gemma_fields(meta: dict[str, Any], arch: str, head_dim: int) -> dict[str, Any]:
+    """The Gemma 2 / 3 fields of a ModelConfig from GGUF metadata and llama.cpp's fixed
+    choices (which layers slide, Gemma 3's local RoPE base, the 27B models' query scale)."""
     layers = int(meta[f"{arch}.block_count"])
     window = meta.get(f"{arch}.attention.sliding_window")
-    slides = bool(window)  # its layers also take the local RoPE base: kept if it covers all
-    sliding = [i for i in range(layers) if (i + 1) % GEMMA3_GLOBAL_EVERY]
-    cap = meta.get(f"{arch}.final_logit_softcapping")
+    slides = bool(window)  # Gemma 3's also take the local RoPE base: kept if it covers all
+    table = ARCHITECTURES[GGUF_ARCHITECTURES[arch]]
+    sliding = [i for i in range(layers) if (i + 1) % table.global_every]
+    scale = None
+    if layers == GEMMA_27B_LAYERS[arch]:
+        hidden, heads = meta[f"{arch}.embedding_length"], meta[f"{arch}.attention.head_count"]
+        per_head = int(hidden) // int(heads)
+        scale = None if per_head == head_dim else per_head**-0.5
+
+    def cap(key: str) -> float | None:
+        value = meta.get(f"{arch}.{key}")
+        return None if value is None else float(value)
+
     return {
         "gemma": True,
         "activation": "gelu_tanh",
         "sliding_window": int(window) if slides else None,
         "sliding_layers": tuple(sliding) if slides else (),
-        "local_rope_theta": GEMMA3_LOCAL_ROPE_THETA,
-        "logit_softcap": None if cap is None else float(cap),
+        "local_rope_theta": GEMMA3_LOCAL_ROPE_THETA if table.local_rope else None,
+        "attention_scale": scale,
+        "logit_softcap": cap("final_logit_softcapping"),
+        "attn_softcap": cap("attn_logit_softcapping"),
     }
 
 

@@ -52,7 +52,7 @@ GEMMA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 # GGUF general.architecture -> the chat template of files that carry none
-DEFAULT_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
+DEFAULT_CHAT_TEMPLATES = {"gemma2": GEMMA_CHAT_TEMPLATE, "gemma3": GEMMA_CHAT_TEMPLATE}
 
 
 _QWEN2_SPLIT = (

@@ -1,7 +1,7 @@
-"""A native Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3): RMSNorm,
+"""A native Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3): RMSNorm,
 RoPE (Llama 3's frequency scaling, Phi-3's LongRoPE; a local base for sliding layers), GQA with
 optional sliding windows, SwiGLU or GeGLU, optional qkv bias, optional q/k head norms, Gemma's
-norms around each sublayer, embedding scale and logit soft-capping.
+norms around each sublayer, embedding scale and soft-capping of attention scores and logits.
 
 `Transformer.forward` maps tokens to logits and hidden states. It never samples, never
 tokenizes and never changes its own config; all generation state lives in the `KVCache`.
@@ -70,8 +70,11 @@ SHORT_QUERY = 16
 LONG_SPAN = 256
 
 
-def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """softmax(q k^T / sqrt(D)) v with grouped heads, scores and softmax in fp32.
+def _grouped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, softcap: float | None = None
+) -> Tensor:
+    """softmax(q k^T / sqrt(D)) v with grouped heads, scores and softmax in fp32; with a
+    `softcap` the scores become softcap * tanh(scores / softcap) first (Gemma 2).
 
     For a few queries in bf16 on the CPU, torch's SDPA kernel grows steeply with the cached
     length; one grouped matmul per KV head does not. Max error vs fp32 attention ~2e-3 either
@@ -84,6 +87,8 @@ def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> 
     group = heads // kv_heads
     qg = q.reshape(batch, kv_heads, group * num_new, dim)  # rows ordered (g, t)
     scores = (qg @ k.transpose(-1, -2)).float() * dim**-0.5  # [B, Hkv, G*T, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.view(batch, kv_heads, group, num_new, span)
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # [B, 1, 1, T, S]
@@ -92,11 +97,15 @@ def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> 
     return out.view(batch, heads, num_new, dim)
 
 
-def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """Attention of q ([B, H, T, D]) over k, v ([B, Hkv, S, D]); mask [B, 1, T, S] or None."""
+def _attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, softcap: float | None = None
+) -> Tensor:
+    """Attention of q ([B, H, T, D]) over k, v ([B, Hkv, S, D]); mask [B, 1, T, S] or None;
+    soft-capped scores (`softcap`: Gemma 2) take the grouped route, SDPA has no soft-cap."""
     short_over_long = q.shape[2] <= SHORT_QUERY and k.shape[2] >= LONG_SPAN
-    if q.device.type == "cpu" and q.dtype != torch.float32 and short_over_long:
-        return _grouped_attention(q, k, v, mask)
+    cpu_short = q.device.type == "cpu" and q.dtype != torch.float32 and short_over_long
+    if softcap is not None or cpu_short:
+        return _grouped_attention(q, k, v, mask, softcap)
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
@@ -183,6 +192,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(w[f"{prefix}q_norm.weight"], eps, offset)  # [D]
             self.k_norm = RMSNorm(w[f"{prefix}k_norm.weight"], eps, offset)  # [D]
         self.window = window  # keys a query sees through a sliding window (None: all)
+        self.softcap = cfg.attn_softcap  # scores -> cap * tanh(scores / cap) (None: as they are)
         # the scores' scale is head_dim ** -0.5 in every attention routine: another one
         # (Gemma's query_pre_attn_scalar) scales q first
         scale = cfg.attention_scale
@@ -234,11 +244,12 @@ class Attention(nn.Module):
                 meta.tree_mask,
                 cache.block_table,
                 self.window or 0,
+                self.softcap or 0.0,
             )  # [B, H, T, D]
         else:
             keys, values = cache.read(layer, k, v)  # [B, Hkv, S, D]
             mask = view.mask if self.window is None else view.window_mask
-            out = _attention(q, keys, values, mask)  # [B, H, T, D]
+            out = _attention(q, keys, values, mask, self.softcap)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
 
     def rope_tables(
@@ -318,6 +329,7 @@ def native_layer(
         gelu=mlp.activation == "gelu_tanh",
         q_scale=attn.q_scale,
         window=attn.window or 0,
+        softcap=attn.softcap or 0.0,
     )
 
 
