@@ -24,7 +24,7 @@ from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.config import ModelConfig
 from specdecode.model.loading import load_model
-from specdecode.model.rope import LinearRope, LongRope, RopeScaling, Rotary
+from specdecode.model.rope import LinearRope, LongRope, RopeScaling, Rotary, Yarn, base_frequencies
 from specdecode.sampling_params import SamplingParams
 
 VOCAB = TINY_VOCAB
@@ -309,7 +309,14 @@ def test_llama3_scaling_keeps_slows_and_blends_the_three_bands() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        (
+            {
+                "model_type": "llama",
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0},
+            },
+            "mscale",
+        ),
+        ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "yarn'"),
         ({"model_type": "llama", "rope_scaling": {"rope_type": "linear"}}, "needs a factor > 0"),
         (
             {"model_type": "llama", "rope_scaling": {**LLAMA3_SCALING, "high_freq_factor": 0.5}},
@@ -531,18 +538,76 @@ def test_a_ggufs_linear_rope_scaling_is_read(
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
 
 
-def test_a_ggufs_yarn_scaling_is_refused(tmp_path: Path) -> None:
+def test_a_ggufs_yarn_scaling_is_read(tmp_path: Path) -> None:
+    """llama.cpp writes YaRN (Qwen past its native context) as rope.scaling.type "yarn", the
+    factor, the original context and its own beta keys; DeepSeek's variant (a log multiplier)
+    and a file without the original context are refused."""
     from gguf import RopeScalingType
 
     from specdecode.model.convert import config_from_gguf, open_gguf
 
-    def yarn(writer: Any) -> None:
-        writer.add_rope_scaling_type(RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(4.0)
+    def yarn(*extra: tuple[str, float]) -> Callable[[Any], None]:
+        def write(writer: Any) -> None:
+            writer.add_rope_scaling_type(RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(4.0)
+            for key, value in extra:
+                writer.add_float32(f"llama.rope.scaling.{key}", value)
 
-    reader = open_gguf(_write_gguf_config(tmp_path / "m.gguf", 16, 1e4, None, extra=yarn))
-    with pytest.raises(UserError, match="'yarn' is not supported yet; supported: none, linear"):
-        config_from_gguf(reader)
+        return write
+
+    cases = [(), (("original_context_length", 64.0), ("yarn_beta_fast", 16.0))]
+    cases.append((("original_context_length", 64.0), ("yarn_log_multiplier", 0.1)))
+    paths = [
+        _write_gguf_config(tmp_path / f"m{i}.gguf", 16, 1e4, None, extra=yarn(*case))
+        for i, case in enumerate(cases)
+    ]
+    with pytest.raises(UserError, match=r"needs a factor >= 1 and llama\.rope\.scaling\.original"):
+        config_from_gguf(open_gguf(paths[0]))
+    cfg = config_from_gguf(open_gguf(paths[1]))
+    assert cfg.rope_scaling == Yarn(4.0, 64, 16.0, 1.0, 0.1 * math.log(4.0) + 1.0)
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    with pytest.raises(UserError, match="yarn_log_multiplier"):
+        config_from_gguf(open_gguf(paths[2]))
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5 / Qwen3's advice
+        {"factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16.0},
+        {"factor": 2.0, "original_max_position_embeddings": 2048, "truncate": False},
+        {"factor": 4.0, "original_max_position_embeddings": 64, "attention_factor": 1.5},
+    ],
+)
+def test_yarn_gives_transformers_frequencies_and_attention_factor(rope: dict[str, Any]) -> None:
+    """Yarn's scaled frequencies and attention factor are transformers' own (its
+    `_compute_yarn_parameters`), head_dim 128 and RoPE base 1e6 (Qwen3's)."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fields = {"rope_type": "yarn", "rope_theta": 1e6, **rope}
+    config = Qwen3Config(head_dim=128, max_position_embeddings=131072, rope_parameters=fields)
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours = ModelConfig.from_hf_dict({**SIZES, "model_type": "qwen3", "rope_scaling": fields})
+    scaling = ours.rope_scaling
+    assert isinstance(scaling, Yarn) and scaling.attention_factor == pytest.approx(factor)
+    got = scaling.frequencies(base_frequencies(1e6, 128))
+    torch.testing.assert_close(got.float(), want, rtol=1e-6, atol=0.0)  # theirs in fp32
+
+
+def test_a_yarn_model_gives_transformers_logits(tmp_path: Path) -> None:
+    """A tiny Qwen2 with YaRN (factor 4 over an original context of 64; its attention factor
+    scales cos and sin): fp32 logits over 64 tokens equal transformers'."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    folder = build_tiny_model(tmp_path / "yarn", "qwen2", 0, CONTEXT, rope_scaling=yarn)
+    ours = load_model(folder, dtype="float32")
+    assert isinstance(ours.config.rope_scaling, Yarn)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens = _tokens(9, 64)
+    with torch.no_grad():
+        want = ref(tokens).logits  # [1, 64, V]
+    got, _ = ours(tokens, AttentionMetadata.prefill([64], "cpu"), ours.new_cache(1, 64))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_a_phi3_ggufs_longrope_and_window_are_read(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from specdecode.errors import ModelNotFoundError, UserError
 from specdecode.model.config import ARCHITECTURES, ModelConfig
 from specdecode.model.gguf_tensors import GgufTensors
-from specdecode.model.rope import LinearRope, LongRope, RopeScaling, base_frequencies
+from specdecode.model.rope import LinearRope, LongRope, RopeScaling, Yarn, base_frequencies
 
 # GGUF architecture -> the Hugging Face model_type we read it as (llama.cpp writes Mistral
 # models as "llama").
@@ -129,7 +129,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         divisors = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
         phi3 = _phi3_fields(reader, meta, arch, head_dim) if model_type == "phi3" else {}
         llama3 = None if divisors is None else llama3_scaling(divisors, theta, head_dim)
-        linear = _linear_scaling(meta, arch)
+        scaled = _scaling(meta, arch)
         return ModelConfig(
             architecture=model_type,
             vocab_size=int(vocab),
@@ -145,7 +145,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
             qkv_bias="blk.0.attn_q.bias" in names,
             tie_word_embeddings="output.weight" not in names,
             qk_norm=ARCHITECTURES[model_type].qk_norm,
-            rope_scaling=phi3.pop("rope_scaling", llama3 or linear),
+            rope_scaling=phi3.pop("rope_scaling", llama3 or scaled),
             **gemma,
             **phi3,
         )
@@ -153,22 +153,46 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         raise UserError(f"GGUF metadata lacks a required field: {err}") from err
 
 
-def _linear_scaling(meta: dict[str, Any], arch: str) -> LinearRope | None:
-    """The GGUF's linear RoPE scaling (`rope.scaling.type` "linear", `rope.scaling.factor`);
-    None for none (or a factor of 1). Other types (YaRN) are refused; Llama 3.x's scaling
+def _scaling(meta: dict[str, Any], arch: str) -> LinearRope | Yarn | None:
+    """The GGUF's RoPE scaling by `rope.scaling.type`: None for none (or a factor of 1),
+    "linear" (`rope.scaling.factor`) or "yarn" (the factor, `rope.scaling.original_context_
+    length`, llama.cpp's `yarn_beta_fast` / `yarn_beta_slow`, cos and sin times
+    `yarn_attn_factor` * (0.1 ln factor + 1)); other types, and YaRN's DeepSeek variants
+    (`yarn_log_multiplier`, an `yarn_ext_factor` other than 1), are refused. Llama 3.x's scaling
     comes as rope_freqs and Phi-3's LongRoPE as its factor tensors, not through this key."""
-    kind = meta.get(f"{arch}.rope.scaling.type")
+    key = f"{arch}.rope.scaling."
+    kind = meta.get(f"{key}type")
     if kind in (None, "none"):
         return None
-    if kind != "linear":
+    factor = float(meta.get(f"{key}factor", 1.0))
+    if kind not in ("linear", "yarn"):
         raise UserError(
-            f"GGUF RoPE scaling {kind!r} is not supported yet; supported: none, linear, and "
-            "Llama 3.x's (rope_freqs)"
+            f"GGUF RoPE scaling {kind!r} is not supported yet; supported: none, linear, yarn, "
+            "and Llama 3.x's (rope_freqs)"
         )
-    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
     if not factor > 0:
-        raise UserError(f"GGUF linear RoPE scaling needs a factor > 0, got {factor}")
-    return None if factor == 1.0 else LinearRope(factor)
+        raise UserError(f"GGUF {kind} RoPE scaling needs a factor > 0, got {factor}")
+    if kind == "linear":
+        return None if factor == 1.0 else LinearRope(factor)
+    if meta.get(f"{key}yarn_log_multiplier") or meta.get(f"{key}yarn_ext_factor", 1.0) not in (
+        -1.0,
+        1.0,
+    ):
+        raise UserError(
+            "GGUF yarn RoPE scaling with a yarn_log_multiplier or a yarn_ext_factor other than "
+            "1 (DeepSeek's variants) is not supported"
+        )
+    original = meta.get(f"{key}original_context_length")
+    if not original or factor < 1.0:
+        raise UserError(
+            f"GGUF yarn RoPE scaling needs a factor >= 1 and {key}original_context_length, got "
+            f"factor {factor} and {original}"
+        )
+    attention = float(meta.get(f"{key}yarn_attn_factor", 1.0)) * (0.1 * math.log(factor) + 1.0)
+    beta_fast = float(meta.get(f"{key}yarn_beta_fast", 32.0))
+    return Yarn(
+        factor, int(original), beta_fast, float(meta.get(f"{key}yarn_beta_slow", 1.0)), attention
+    )
 
 
 def _gemma_fields(meta: dict[str, Any], arch: str, head_dim: int) -> dict[str, Any]:

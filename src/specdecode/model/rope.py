@@ -1,5 +1,5 @@
 """RoPE: the base frequencies, the scalings a config may name (Llama 3.x's "llama3", Phi-3's
-"longrope", "linear"), and `Rotary`, the cos/sin tables a model's attention reads.
+"longrope", "linear", "yarn"), and `Rotary`, the cos/sin tables a model's attention reads.
 
 A scaling maps positions and the unscaled frequencies to angles (`angles`), and may multiply
 cos and sin by a constant (`attention_factor`); `rope_scaling` reads one from config.json.
@@ -167,13 +167,88 @@ class LinearRope:
         return 1.0
 
 
-Scaling = RopeScaling | LongRope | LinearRope  # what a ModelConfig may hold
+@dataclass(frozen=True, slots=True)
+class Yarn:
+    """YaRN (`rope_type` "yarn", Peng et al. 2023; Qwen2.5 / Qwen3 past their native context):
+    a frequency that turns more than `beta_fast` times over the original context is kept, one
+    that turns fewer than `beta_slow` times is divided by `factor`, and those between are
+    blended linearly in their index (the bounds rounded outwards: `truncate`); cos and sin are
+    multiplied by attention_factor (by default 0.1 ln(factor) + 1). As transformers and
+    llama.cpp compute it."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+    @classmethod
+    def from_hf_dict(cls, rope: dict[str, Any], cfg: dict[str, Any]) -> Yarn:
+        """From `rope_scaling` / `rope_parameters` of rope_type "yarn" (the original context
+        from the top level or max_position_embeddings where the dict has none, as
+        transformers reads it)."""
+        original = (
+            rope.get("original_max_position_embeddings")
+            or cfg.get("original_max_position_embeddings")
+            or cfg.get("max_position_embeddings")
+        )
+        factor = rope.get("factor")
+        if factor is None and original:
+            factor = cfg.get("max_position_embeddings", original) / original
+        if not original or factor is None or factor < 1.0:
+            raise UserError(
+                f"yarn RoPE scaling needs a factor >= 1 and original_max_position_embeddings: "
+                f"{rope!r}"
+            )
+        if rope.get("mscale") or rope.get("mscale_all_dim"):
+            raise UserError(
+                f"yarn's mscale / mscale_all_dim (DeepSeek's) are not supported: {rope!r}"
+            )
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
+        return cls(
+            float(factor),
+            int(original),
+            float(rope.get("beta_fast") or 32.0),
+            float(rope.get("beta_slow") or 1.0),
+            float(attention),
+            bool(rope.get("truncate", True)),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {"rope_type": "yarn", **asdict(self)}
+
+    def _bound(self, rotations: float, inv_freq: Tensor) -> float:
+        """The (fractional) index of the frequency that turns `rotations` times over the
+        original context, for frequencies base^(-i / (D / 2)) (i = 0 .. D / 2 - 1)."""
+        turns = self.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return math.log(turns) / -math.log(float(inv_freq[1] / inv_freq[0]))
+
+    def frequencies(self, inv_freq: Tensor) -> Tensor:
+        """The scaled frequencies ([D / 2]) of the unscaled ones."""
+        half = len(inv_freq)
+        low, high = self._bound(self.beta_fast, inv_freq), self._bound(self.beta_slow, inv_freq)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, 2 * half - 1)
+        span = high - low if high != low else 0.001
+        ramp = ((torch.arange(half, dtype=inv_freq.dtype) - low) / span).clamp(0.0, 1.0)
+        return inv_freq / self.factor * ramp + inv_freq * (1.0 - ramp)  # 0: kept, 1: divided
+
+    def angles(self, positions: Tensor, inv_freq: Tensor) -> Tensor:
+        """RoPE's angles [P, D / 2] at `positions` ([P]) for the unscaled frequencies."""
+        return positions[:, None] * self.frequencies(inv_freq)[None, :]
+
+
+Scaling = RopeScaling | LongRope | LinearRope | Yarn  # what a ModelConfig may hold
 
 
 def rope_scaling(rope: dict[str, Any], cfg: dict[str, Any]) -> Scaling | None:
     """config.json's RoPE scaling (`rope_scaling` / `rope_parameters`): None for the default
-    RoPE, "llama3", "longrope" and "linear" read, anything else (and a partial rotation)
-    refused."""
+    RoPE, "llama3", "longrope", "linear" and "yarn" read, anything else (and a partial
+    rotation) refused."""
     partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise UserError(
@@ -188,9 +263,11 @@ def rope_scaling(rope: dict[str, Any], cfg: dict[str, Any]) -> Scaling | None:
         return LongRope.from_hf_dict(rope, cfg)
     if kind == "linear":
         return LinearRope.from_hf_dict(rope)
+    if kind == "yarn":
+        return Yarn.from_hf_dict(rope, cfg)
     raise UserError(
-        f"unsupported RoPE scaling {rope!r}; supported: the default RoPE, 'llama3', 'longrope' "
-        "and 'linear'"
+        f"unsupported RoPE scaling {rope!r}; supported: the default RoPE, 'llama3', 'longrope', "
+        "'linear' and 'yarn'"
     )
 
 
