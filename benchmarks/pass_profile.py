@@ -36,6 +36,7 @@ from specdecode.bench.machine import machine_facts, wait_until_quiet
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
 from specdecode.llm import LLM
+from specdecode.model import attention
 from specdecode.model import transformer as tf
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
@@ -74,7 +75,7 @@ def instrument(model: nn.Module, timers: Timers) -> None:
         ("rope_", "rope"),
     ):
         setattr(kernels, fn, timers.wrap(part, getattr(kernels, fn)))
-    tf._attention = timers.wrap("attention", tf._attention)
+    attention._attention = timers.wrap("attention", attention._attention)
     tf.F.silu = timers.wrap("activation", tf.F.silu)
     tf.F.gelu = timers.wrap("activation", tf.F.gelu)
     KVCache.write = timers.wrap("cache write", KVCache.write)

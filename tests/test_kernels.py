@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from specdecode import kernels
+from specdecode.model.attention import _rotate
 from specdecode.model.quant import Int8DynamicLinear
 from specdecode.model.rope import Rotary
-from specdecode.model.transformer import _rotate
 
 
 def _int8_case(out: int, inp: int, seed: int = 0) -> dict[str, torch.Tensor]:

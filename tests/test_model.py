@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
-from specdecode.model import transformer
+from specdecode.model import attention
+from specdecode.model.attention import _grouped_attention
 from specdecode.model.loading import load_model
-from specdecode.model.transformer import Transformer, _grouped_attention
+from specdecode.model.transformer import Transformer
 
 
 def _meta(starts: list[int], width: int, mode: AttentionMode | None = None) -> AttentionMetadata:
@@ -162,7 +163,7 @@ def test_bf16_decoding_through_grouped_attention(
     tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(9))
 
     def decode(long_span: int) -> torch.Tensor:
-        monkeypatch.setattr(transformer, "LONG_SPAN", long_span)
+        monkeypatch.setattr(attention, "LONG_SPAN", long_span)
         logits, _, cache = _run(model, tokens[:, :4])
         steps = [_run(model, tokens[:, i : i + 1], start=i, cache=cache)[0] for i in range(4, 12)]
         return torch.cat([logits, *steps], dim=1).float()

@@ -33,18 +33,11 @@ from specdecode.heads.files import (
     save_head_folder,
     tensors_for_target,
 )
+from specdecode.model.attention import Attention, pass_view
 from specdecode.model.linear import make_linear
+from specdecode.model.norm import RMSNorm
 from specdecode.model.rope import Rotary
-from specdecode.model.transformer import (
-    HEAD_FORMAT,
-    MLP,
-    Attention,
-    RMSNorm,
-    Transformer,
-    at_positions,
-    native_layer,
-    pass_view,
-)
+from specdecode.model.transformer import HEAD_FORMAT, MLP, Transformer, at_positions, native_layer
 
 LAYER = "layers.0."
 

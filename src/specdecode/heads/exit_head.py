@@ -40,7 +40,8 @@ from specdecode.heads.files import (
 )
 from specdecode.model.config import ModelConfig, read_config_json
 from specdecode.model.linear import make_linear
-from specdecode.model.transformer import HEAD_FORMAT, RMSNorm, Transformer
+from specdecode.model.norm import RMSNorm
+from specdecode.model.transformer import HEAD_FORMAT, Transformer
 
 EXIT_KINDS = ("medusa", "layer_skip")
 
