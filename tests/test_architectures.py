@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_VOCAB, build_tiny_model
+from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
@@ -25,6 +26,7 @@ from specdecode.llm import LLM
 from specdecode.model.config import ModelConfig
 from specdecode.model.loading import load_model
 from specdecode.model.rope import LinearRope, LongRope, RopeScaling, Rotary, Yarn, base_frequencies
+from specdecode.model.transformer import Transformer
 from specdecode.sampling_params import SamplingParams
 
 VOCAB = TINY_VOCAB
@@ -120,6 +122,17 @@ def _tokens(seed: int, length: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
+def _assert_steps_give(model: Transformer, tokens: Tensor, want: Tensor, prefill: int) -> None:
+    """Prefill tokens[:, :prefill] ([1, T]), then one DECODE step per later token: each
+    step's fp32 logits equal want[:, t] ([1, T, V]) within 1e-4."""
+    cache = model.new_cache(1, tokens.shape[1])
+    model(tokens[:, :prefill], AttentionMetadata.prefill([prefill], "cpu"), cache)
+    for t in range(prefill, tokens.shape[1]):
+        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [t], [1], "cpu")
+        step, _ = model(tokens[:, t : t + 1], meta, cache)
+        torch.testing.assert_close(step[:, 0], want[:, t], atol=1e-4, rtol=1e-4)
+
+
 def test_the_config_reads_the_architectures_choices(arch_dir: Path) -> None:
     cfg = ModelConfig.from_folder(arch_dir)
     if cfg.architecture == "qwen3":
@@ -156,12 +169,7 @@ def test_fp32_logits_equal_transformers_over_64_tokens(arch_dir: Path) -> None:
     cache = ours.new_cache(1, 64)
     logits, _ = ours(tokens, AttentionMetadata.prefill([64], "cpu"), cache)
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
-    cache = ours.new_cache(1, 64)
-    ours(tokens[:, :40], AttentionMetadata.prefill([40], "cpu"), cache)
-    for t in range(40, 64):
-        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [t], [1], "cpu")
-        step, _ = ours(tokens[:, t : t + 1], meta, cache)
-        torch.testing.assert_close(step[:, 0], want[:, t], atol=1e-4, rtol=1e-4)
+    _assert_steps_give(ours, tokens, want, prefill=40)
 
 
 def test_decode_steps_on_the_attention_kernel_give_the_prefills_logits(arch_dir: Path) -> None:
@@ -175,12 +183,7 @@ def test_decode_steps_on_the_attention_kernel_give_the_prefills_logits(arch_dir:
         block.self_attn.per_query = True
     tokens = _tokens(8, 40)
     want, _ = model(tokens, AttentionMetadata.prefill([40], "cpu"), model.new_cache(1, 40))
-    cache = model.new_cache(1, 40)
-    model(tokens[:, :8], AttentionMetadata.prefill([8], "cpu"), cache)
-    for t in range(8, 40):
-        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [t], [1], "cpu")
-        step, _ = model(tokens[:, t : t + 1], meta, cache)
-        torch.testing.assert_close(step[:, 0], want[:, t], atol=1e-4, rtol=1e-4)
+    _assert_steps_give(model, tokens, want, prefill=8)
 
 
 def test_longrope_keeps_each_cached_tokens_rotation_past_the_original_context(
