@@ -9,14 +9,14 @@
 // 0 .. tree_starts[b] - 1 and then the slots tree_starts[b] + r that its mask row allows (its
 // ancestors and itself), in increasing order: the same keys in the same order as a chain pass
 // over its own path, so the same bits. With a sliding window W a query at position p reads
-// no slot before p - W + 1 (Mistral, Gemma's local layers), again in any pass shape alike. Scores q.k * scale
-// (soft-capped to cap * tanh(score / cap) where a cap is given: Gemma 2), the softmax and the
-// weighted sum of values are all in fp32 (bf16 inputs are widened, never rounded in between;
-// bf16 scores of head size 64 / 128 are sums of exact bf16 products, scaled after the sum);
-// the output is rounded once to q's dtype. Query head h reads KV head h / (H / Hkv). A query's
-// arithmetic depends only on its own span, never on the other queries of the call. The
-// AVX-512, AVX2 and NEON variants sum in vectors of 16, 8 and 4 lanes: their last bits may
-// differ from each other's, never between the passes of one variant.
+// no slot before p - W + 1 (Mistral, Gemma's local layers), again in any pass shape alike.
+// Scores q.k * scale (soft-capped to cap * tanh(score / cap) where a cap is given: Gemma 2),
+// the softmax and the weighted sum of values are all in fp32 (bf16 inputs are widened, never
+// rounded in between; bf16 scores of head size 64 / 128 are sums of exact bf16 products,
+// scaled after the sum); the output is rounded once to q's dtype. Query head h reads KV head
+// h / (H / Hkv). A query's arithmetic depends only on its own span, never on the other queries
+// of the call. The AVX-512, AVX2 and NEON variants sum in vectors of 16, 8 and 4 lanes: their
+// last bits may differ from each other's, never between the passes of one variant.
 
 #include "core.h"
 #include "isa.h"

@@ -102,9 +102,9 @@ void DecoderLayer::norm_heads(at::Tensor& qkv, int64_t first, int64_t heads,
 // (a paged cache; block_table [B, max_blocks] int64 maps row b's slot s to slot s % block_size
 // of block block_table[b][s / block_size]): the block's keys and values of new token t of row b
 // go to slot starts[b] + t of `layer`, and its queries attend as decode_attention says
-// (tree_starts and tree_mask: TREE passes; the layer's window and soft-cap). Returns the block's output
-// [B, T, hidden]. `normed` is the same block from q|k|v's `input` (what the input norm gives
-// here) and the residual x.
+// (tree_starts and tree_mask: TREE passes; the layer's window and soft-cap). Returns the
+// block's output [B, T, hidden]. `normed` is the same block from q|k|v's `input` (what the
+// input norm gives here) and the residual x.
 at::Tensor DecoderLayer::operator()(const at::Tensor& x, const at::Tensor& cos,
                                     const at::Tensor& sin, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, int64_t layer,
