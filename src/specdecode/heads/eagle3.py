@@ -37,7 +37,14 @@ from specdecode.model.attention import Attention, pass_view
 from specdecode.model.linear import make_linear
 from specdecode.model.norm import RMSNorm
 from specdecode.model.rope import Rotary
-from specdecode.model.transformer import HEAD_FORMAT, MLP, Transformer, at_positions, native_layer
+from specdecode.model.transformer import (
+    HEAD_FORMAT,
+    MLP,
+    Transformer,
+    at_positions,
+    native_layer,
+    run_native,
+)
 
 LAYER = "layers.0."
 
@@ -189,19 +196,7 @@ class Eagle3Head(nn.Module):
         residual = normed if self.config.norm_before_residual else hidden
         x = torch.cat([embeds, normed], dim=-1)  # [B, T, 2h]
         if view.per_query and self.native is not None:
-            x = self.native(
-                x,
-                residual,
-                cos,
-                sin,
-                cache.k,
-                cache.v,
-                0,
-                meta.starts,
-                meta.tree_starts or (),
-                meta.tree_mask,
-                cache.block_table,
-            )  # [B, T, h]
+            x = run_native(self.native, (x, residual), cos, sin, cache, 0, meta)  # [B, T, h]
         else:
             x = residual + self.self_attn(x, cos, sin, cache, 0, meta, view)
             x = x + self.mlp(self.post_attention_layernorm(x))  # [B, T, h]

@@ -91,6 +91,33 @@ def native_layer(
     )
 
 
+def run_native(
+    layer: Callable[..., Tensor],
+    inputs: tuple[Tensor, ...],
+    cos: Tensor,
+    sin: Tensor,
+    cache: KVCache,
+    index: int,
+    meta: AttentionMetadata,
+) -> Tensor:
+    """Run a `native_layer` over a DECODE or TREE pass: `inputs` are (x,) for a block, (normed
+    input, residual) for one built without an input norm; cos, sin [B, T, D] fp32; `index` the
+    layer's place in `cache`. Returns [B, T, hidden]."""
+    tree_starts = meta.tree_starts or ()
+    return layer(
+        *inputs,
+        cos,
+        sin,
+        cache.k,
+        cache.v,
+        index,
+        meta.starts,
+        tree_starts,
+        meta.tree_mask,
+        cache.block_table,
+    )
+
+
 class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); Gemma's also norms
     each sublayer's output: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))).
@@ -145,18 +172,7 @@ class Block(nn.Module):
         view: PassView,
     ) -> Tensor:  # [B, T, hidden]
         if view.per_query and self.native is not None:
-            return self.native(
-                x,
-                cos,
-                sin,
-                cache.k,
-                cache.v,
-                self.layer,
-                meta.starts,
-                meta.tree_starts or (),
-                meta.tree_mask,
-                cache.block_table,
-            )
+            return run_native(self.native, (x,), cos, sin, cache, self.layer, meta)
         out = self.self_attn(self.input_layernorm(x), cos, sin, cache, self.layer, meta, view)
         x = x + (out if self.attn_out_norm is None else self.attn_out_norm(out))
         out = self.mlp(self.mlp_in_norm(x))
