@@ -137,6 +137,28 @@ def test_decode_attention_gives_each_query_what_a_one_token_call_gives(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(12, 2, 128), (7, 1, 40), (9, 3, 64)])
+def test_decode_attention_gives_the_same_bits_on_any_number_of_threads(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, kernel_path: str
+) -> None:
+    """The query heads that share a KV head attend together in blocks whose size follows the
+    thread pool's (AVX2, NEON): a head's output must not depend on its block."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, heads, 3, dim, generator=gen).to(dtype)
+    k = torch.randn(2, kv_heads, 90, dim, generator=gen).to(dtype)
+    v = torch.randn(2, kv_heads, 90, dim, generator=gen).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        outputs = []
+        for threads in (1, 2, 8):
+            torch.set_num_threads(threads)
+            outputs.append(kernels.decode_attention(q, k, v, [60, 33]))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_windowed_decode_attention_reads_the_window_alone(
     dtype: torch.dtype, kernel_path: str
 ) -> None:

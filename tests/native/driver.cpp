@@ -33,6 +33,10 @@ void specdecode::parallel_for(int64_t begin, int64_t end, int64_t grain,
   for (int64_t lo = begin; lo < end; lo += step) body(lo, std::min(end, lo + step));
 }
 
+// The pool size the cores see (attention splits its work by it); a test may change it.
+int64_t pool_threads = 1;
+int64_t specdecode::max_threads() { return pool_threads; }
+
 namespace {
 
 int failures = 0;
@@ -407,6 +411,12 @@ void check_attention(int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t S, i
   std::vector<T> out(B * H * Tq * D);
   sd::attention(q.data(), k.data(), v.data(), shape, starts.data(),
                 tree ? tree_starts.data() : nullptr, extra.data(), extra_begin.data(), out.data());
+  // on a larger pool (the heads that share a KV head split into more, smaller blocks)
+  std::vector<T> wide(out.size());
+  pool_threads = 64;
+  sd::attention(q.data(), k.data(), v.data(), shape, starts.data(),
+                tree ? tree_starts.data() : nullptr, extra.data(), extra_begin.data(), wide.data());
+  pool_threads = 1;
   std::vector<float> got(out.begin(), out.end());
   std::vector<double> want(out.size());
   for (int64_t b = 0; b < B; ++b)
@@ -439,6 +449,8 @@ void check_attention(int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t S, i
                            (softcap > 0 ? " softcap=" + std::to_string(softcap) : "");
   const float tolerance = sizeof(T) == 2 ? 1e-2f : 1e-5f;
   report(max_rel_error(got, want) < tolerance, what + ": close to the fp64 reference");
+  report(same_bits(wide.data(), out.data(), int64_t(out.size())),
+         what + ": the same bits on a larger pool");
   if (tree) return;
   // chain: each query alone (a 1-token pass at its own start) gives the same bits
   bool alone = true;
@@ -582,6 +594,13 @@ int main() {
     check_attention<float>(2, 4, 2, 5, 40, 64, tree, 2.f);  // small: the cap bends most scores
     check_attention<sd::BFloat16>(1, 2, 2, 2, 33, 128, tree, 2.f);
     check_attention<float>(1, 2, 1, 3, 70, 48, tree, 2.f);
+    // query heads per KV head: 6 (two blocks of 3), 7 (4 + 3), 3; head sizes of 5 and 10
+    // vectors (shorter last chunks), 20 (no whole 8-lane vectors), 256
+    check_attention<sd::BFloat16>(1, 12, 2, 4, 45, 128, tree);
+    check_attention<float>(2, 7, 1, 3, 29, 40, tree);
+    check_attention<sd::BFloat16>(1, 9, 3, 2, 50, 80, tree, 2.f);
+    check_attention<float>(1, 6, 2, 3, 19, 20, tree);
+    check_attention<sd::BFloat16>(1, 4, 1, 2, 23, 256, tree);
     check_paged_attention<float>(3, 4, 2, 5, 70, 64, tree);
     check_paged_attention<sd::BFloat16>(2, 4, 2, 3, 41, 128, tree);
     check_paged_attention<sd::BFloat16>(2, 2, 1, 2, 35, 48, tree);

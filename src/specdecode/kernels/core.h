@@ -73,6 +73,9 @@ inline uint16_t float_to_half(float value) {
 void parallel_for(int64_t begin, int64_t end, int64_t grain,
                   const std::function<void(int64_t, int64_t)>& body);
 
+// The number of threads parallel_for may run the chunks on.
+int64_t max_threads();
+
 // ---------------------------------------------------------------- matmul.cpp
 
 constexpr int64_t MATMUL_ROWS = 64;  // output rows per packed block of int8 / bf16 weights

@@ -11,3 +11,7 @@
 #define SPECDECODE_NEON 1
 #include <arm_neon.h>
 #endif
+
+// Full unrolling of the kernels' small loops over registers (a tile's or a query's sums) lets
+// the compiler keep every accumulator in a register.
+#define UNROLL _Pragma("GCC unroll 16")

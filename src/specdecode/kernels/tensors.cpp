@@ -21,6 +21,8 @@ void specdecode::parallel_for(int64_t begin, int64_t end, int64_t grain,
   at::parallel_for(begin, end, grain, body);
 }
 
+int64_t specdecode::max_threads() { return at::get_num_threads(); }
+
 namespace {
 
 void check_bias(const c10::optional<at::Tensor>& bias, int64_t N) {

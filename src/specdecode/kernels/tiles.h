@@ -9,10 +9,6 @@
 #include <cstdint>
 #include <type_traits>
 
-
-// Full unrolling of the tile loops lets the compiler keep every accumulator in a register.
-#define UNROLL _Pragma("GCC unroll 16")
-
 namespace specdecode {
 namespace {
 
