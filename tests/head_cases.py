@@ -34,6 +34,31 @@ def record_drafts(llm: LLM) -> list:
     return seen
 
 
+def check_greedy_and_sampled_in_one_batch(
+    llm: LLM, vocab_size: int, greedy: SamplingParams, expected: list[int]
+) -> None:
+    """A greedy and a sampled request drafted in one batch: the greedy one's chains come as
+    bare tokens (probs None: the head's argmax, a one-hot q) and its output is plain greedy
+    decoding's (`expected`); the sampled one's carry the q [k, vocab_size] they came from."""
+    drafter, seen = llm.engine.drafter, []
+    original = drafter.propose
+
+    def spy(seqs, max_tokens):
+        drafts = original(seqs, max_tokens)
+        seen.extend((seq.params.greedy, d) for seq, d in zip(seqs, drafts, strict=True))
+        return drafts
+
+    drafter.propose = spy
+    sampled = SamplingParams(temperature=0.8, max_tokens=greedy.max_tokens, seed=5, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:2], [greedy, sampled])
+    assert list(outs[0].token_ids) == expected
+    drafted = [(is_greedy, d) for is_greedy, d in seen if len(d.tokens)]
+    assert {is_greedy for is_greedy, _ in drafted} == {True, False}
+    for is_greedy, draft in drafted:
+        want = None if is_greedy else (len(draft.tokens), vocab_size)
+        assert (None if draft.probs is None else tuple(draft.probs.shape)) == want
+
+
 def check_reduced_vocabulary(
     llm: LLM, draft_to_target: torch.Tensor, expected: list[list[int]]
 ) -> None:

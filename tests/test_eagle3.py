@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_eagle3_head, build_tiny_model
-from head_cases import check_certify, check_reduced_vocabulary, edited_head, sampled_runs
+from head_cases import (
+    check_certify,
+    check_greedy_and_sampled_in_one_batch,
+    check_reduced_vocabulary,
+    edited_head,
+    sampled_runs,
+)
 from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples, train_config
 
@@ -80,6 +86,13 @@ def test_drafts_stay_in_the_draft_vocabulary_and_q_is_zero_outside(
     llm = _eagle(tiny_model_dir, head_dir)
     drafter = llm.engine.drafter
     check_reduced_vocabulary(llm, drafter.head.draft_to_target, expected)
+
+
+def test_greedy_chains_come_as_tokens_and_sampled_ones_with_their_q(
+    tiny_model_dir: Path, head_dir: Path, expected: list[list[int]]
+) -> None:
+    llm = _eagle(tiny_model_dir, head_dir)
+    check_greedy_and_sampled_in_one_batch(llm, llm.engine.drafter.vocab_size, GREEDY, expected[0])
 
 
 def test_trainable_head_equals_the_inference_head(tiny_model_dir: Path, head_dir: Path) -> None:

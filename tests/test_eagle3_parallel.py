@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_eagle3_head, build_tiny_model
-from head_cases import check_certify
+from head_cases import check_certify, check_greedy_and_sampled_in_one_batch
 from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples, train_config
 
@@ -93,6 +93,13 @@ def test_greedy_equals_plain_batched_and_alone_with_one_head_pass_a_step(
     # one head pass per drafting request per step, however long its chain or deep its tree
     assert per_propose and all(n <= drafting for n, drafting in per_propose)
     assert not drafter._rows  # finished requests released their caches
+
+
+def test_greedy_chains_come_as_tokens_and_sampled_ones_with_their_q(
+    tiny_model_dir: Path, head_dir: Path, expected: list[list[int]]
+) -> None:
+    llm = _parallel(tiny_model_dir, head_dir)
+    check_greedy_and_sampled_in_one_batch(llm, llm.engine.drafter.vocab_size, GREEDY, expected[0])
 
 
 def test_the_trainable_head_scores_what_one_drafter_pass_drafts(

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_exit_head, build_tiny_model
-from head_cases import check_certify, check_reduced_vocabulary, edited_head, sampled_runs
+from head_cases import (
+    check_certify,
+    check_greedy_and_sampled_in_one_batch,
+    check_reduced_vocabulary,
+    edited_head,
+    sampled_runs,
+)
 from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples, train_config
 
@@ -86,6 +92,13 @@ def test_drafts_stay_in_the_draft_vocabulary_and_q_is_zero_outside(
     drafter = llm.engine.drafter
     head = drafter.head if kind == "medusa" else drafter.model.head
     check_reduced_vocabulary(llm, head.draft_to_target, expected)
+
+
+def test_medusa_greedy_chains_come_as_tokens_and_sampled_ones_with_their_q(
+    tiny_model_dir: Path, heads: dict, expected: list[list[int]]
+) -> None:
+    llm = _llm(tiny_model_dir, "medusa", heads["medusa"])
+    check_greedy_and_sampled_in_one_batch(llm, llm.engine.drafter.vocab_size, GREEDY, expected[0])
 
 
 @pytest.mark.parametrize("kind", KINDS)

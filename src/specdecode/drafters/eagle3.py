@@ -136,8 +136,9 @@ class Eagle3Drafter(DrafterBase):
             max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
 
         Returns:
-            drafts: per sequence, a chain `Draft(tokens [k_i] int64, probs [k_i, V] float32)`,
-            or with tree_width > 1 a tree `Draft(tokens [k_i], None, tree)`.
+            drafts: per sequence, a chain `Draft(tokens [k_i] int64, probs [k_i, V] float32)`
+            (probs None under greedy parameters: each token is the head's argmax), or with
+            tree_width > 1 a tree `Draft(tokens [k_i], None, tree)`.
         """
         check_draft_limits(seqs, max_tokens)
         propose = self._propose_chain if self.tree_width == 1 else self._propose_tree
@@ -170,15 +171,18 @@ class Eagle3Drafter(DrafterBase):
             return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, self.vocab_size))
         logits, hidden = self._catch_up(seq, row)
         logits = logits[0]
-        st = SamplingTensors.from_params([seq.params], self.head.device)
         tokens = torch.empty(k, dtype=torch.long)  # [k]
+        if seq.params.greedy:  # each token the argmax: deterministic, q one-hot (probs None)
+            for j in range(k):
+                tokens[j] = self._draft_ids[int(logits.argmax())]
+                if j + 1 < k:
+                    logits, hidden = self._feed(row.cache, tokens[j : j + 1], hidden)
+            return Draft(tokens)
+        st = SamplingTensors.from_params([seq.params], self.head.device)
         probs = torch.zeros(k, self.vocab_size)  # [k, V]
         for j in range(k):
             q = probs_from_logits(logits[None], st)[0].cpu()  # [Vd]
-            draft_id = (
-                int(q.argmax()) if st.all_greedy else int(sample(q[None], [seq.generator])[0])
-            )
-            tokens[j] = self._draft_ids[draft_id]
+            tokens[j] = self._draft_ids[int(sample(q[None], [seq.generator])[0])]
             probs[j, self._draft_ids] = q
             if j + 1 < k:
                 logits, hidden = self._feed(row.cache, tokens[j : j + 1], hidden)

@@ -34,14 +34,14 @@ def empty_draft(tree: bool, vocab_size: int) -> Draft:
 def chain_from_levels(seq: SeqView, logits: Tensor, draft_ids: Tensor, vocab_size: int) -> Draft:
     """Level j's pick for d_(j+1) (logits [k, Vd] on any device; draft_ids [Vd] host target
     ids): argmax under greedy parameters, else a sample from q_j with the request's generator.
-    Returns Draft(tokens [k] int64, probs [k, vocab_size])."""
+    Returns Draft(tokens [k] int64, probs [k, vocab_size]; None under greedy parameters: the
+    tokens are deterministic, q one-hot)."""
+    if seq.params.greedy:
+        return Draft(draft_ids[logits.argmax(-1).cpu()])
     st = SamplingTensors.from_params([seq.params], logits.device)
     q = probs_from_logits(logits[None], st)[0].cpu()  # [k, Vd]
     k = len(q)
-    if st.all_greedy:
-        picks = q.argmax(-1)
-    else:
-        picks = torch.cat([sample(q[j : j + 1], [seq.generator]) for j in range(k)])
+    picks = torch.cat([sample(q[j : j + 1], [seq.generator]) for j in range(k)])
     probs = torch.zeros(k, vocab_size)  # [k, V]
     probs[:, draft_ids] = q
     return Draft(draft_ids[picks], probs)
