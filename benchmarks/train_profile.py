@@ -30,11 +30,12 @@ import torch
 from specdecode.corpus.vocab import draft_vocabulary
 from specdecode.llm import LLM
 from specdecode.train.compute import HEAD_DTYPES, head_compute_dtype
+from specdecode.train.config import TrainConfig
 from specdecode.train.feature_store import FeatureStore
 from specdecode.train.init import target_output
 from specdecode.train.objective import SHAPE_BUCKET, Teacher, batch_loss, padded_batch
 from specdecode.train.target_pass import run_target
-from specdecode.train.trainer import TrainConfig, _encoded, _new_head, default_examples
+from specdecode.train.trainer import _encoded, _new_head, default_examples
 
 PARTS = ("target passes", "head forward + loss", "backward", "optimizer")
 READ = "store read (later epochs)"

@@ -34,11 +34,12 @@ from specdecode.llm import LLM
 from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
 from specdecode.train.compute import head_compute_dtype
+from specdecode.train.config import TrainConfig
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.init import target_output
 from specdecode.train.objective import Teacher, batch_loss, padded_batch
 from specdecode.train.target_pass import run_target
-from specdecode.train.trainer import TrainConfig, _new_head, train
+from specdecode.train.trainer import _new_head, train
 
 
 @pytest.fixture(scope="module")

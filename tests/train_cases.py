@@ -6,8 +6,8 @@ from pathlib import Path
 
 from specdecode.corpus.examples import Example
 from specdecode.model.tokenizer import Tokenizer
+from specdecode.train.config import TrainConfig
 from specdecode.train.data import encode_example
-from specdecode.train.trainer import TrainConfig
 
 WORDS = [
     "alpha",

@@ -9,8 +9,9 @@ from pathlib import Path
 from specdecode.model.loading import DTYPES
 from specdecode.model.quant import QUANTIZATIONS
 from specdecode.train.compute import HEAD_DTYPES
+from specdecode.train.config import METHODS, RESPONSES, TrainConfig
 from specdecode.train.init import INITS
-from specdecode.train.trainer import LOG, METHODS, RESPONSES, TrainConfig, train
+from specdecode.train.trainer import LOG, train
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
