@@ -17,9 +17,10 @@ s4 (its state after t4):
 
 Drafted tokens come from the reduced draft vocabulary, mapped to target ids; q is the head's
 distribution after the request's sampling parameters, zero outside the draft vocabulary, so
-verification (against the target's full distribution) stays exact. With `tree_width` > 1 the
-draft is EAGLE-2's dynamic tree (`drafters.dynamic_tree`): each level is one TREE pass over
-the frontier, each node reading its parent's pre-norm output.
+verification (against the target's full distribution) stays exact. Under greedy parameters a
+chain is the head's argmax at each entry and carries no q (deterministic: q one-hot). With
+`tree_width` > 1 the draft is EAGLE-2's dynamic tree (`drafters.dynamic_tree`): each level is
+one TREE pass over the frontier, each node reading its parent's pre-norm output.
 """
 
 from __future__ import annotations
