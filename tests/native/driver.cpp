@@ -594,8 +594,8 @@ int main() {
     check_attention<float>(2, 4, 2, 5, 40, 64, tree, 2.f);  // small: the cap bends most scores
     check_attention<sd::BFloat16>(1, 2, 2, 2, 33, 128, tree, 2.f);
     check_attention<float>(1, 2, 1, 3, 70, 48, tree, 2.f);
-    // query heads per KV head: 6 (two blocks of 3), 7 (4 + 3), 3; head sizes of 5 and 10
-    // vectors (shorter last chunks), 20 (no whole 8-lane vectors), 256
+    // query heads per KV head: 6 (two blocks of 3), 7 (3 + 4), 3; head sizes of 5 and 10
+    // 8-lane vectors (shorter last chunks), 20 (not a multiple of 8: AVX2's per-head path), 256
     check_attention<sd::BFloat16>(1, 12, 2, 4, 45, 128, tree);
     check_attention<float>(2, 7, 1, 3, 29, 40, tree);
     check_attention<sd::BFloat16>(1, 9, 3, 2, 50, 80, tree, 2.f);
