@@ -173,18 +173,17 @@ class Eagle3Drafter(DrafterBase):
         logits, hidden = self._catch_up(seq, row)
         logits = logits[0]
         tokens = torch.empty(k, dtype=torch.long)  # [k]
-        if seq.params.greedy:  # each token the argmax: deterministic, q one-hot (probs None)
-            for j in range(k):
-                tokens[j] = self._draft_ids[int(logits.argmax())]
-                if j + 1 < k:
-                    logits, hidden = self._feed(row.cache, tokens[j : j + 1], hidden)
-            return Draft(tokens)
-        st = SamplingTensors.from_params([seq.params], self.head.device)
-        probs = torch.zeros(k, self.vocab_size)  # [k, V]
+        # greedy: each token the argmax, deterministic (q one-hot: no probs)
+        greedy = seq.params.greedy
+        st = None if greedy else SamplingTensors.from_params([seq.params], self.head.device)
+        probs = None if greedy else torch.zeros(k, self.vocab_size)  # [k, V]
         for j in range(k):
-            q = probs_from_logits(logits[None], st)[0].cpu()  # [Vd]
-            tokens[j] = self._draft_ids[int(sample(q[None], [seq.generator])[0])]
-            probs[j, self._draft_ids] = q
+            if greedy:
+                tokens[j] = self._draft_ids[int(logits.argmax())]
+            else:
+                q = probs_from_logits(logits[None], st)[0].cpu()  # [Vd]
+                tokens[j] = self._draft_ids[int(sample(q[None], [seq.generator])[0])]
+                probs[j, self._draft_ids] = q
             if j + 1 < k:
                 logits, hidden = self._feed(row.cache, tokens[j : j + 1], hidden)
         return Draft(tokens, probs)
