@@ -298,16 +298,6 @@ void weigh_chunk(const float* p, const scalar_t* v, const Slots& slots, int64_t 
     UNROLL for (int c = 0; c < C; ++c) vstore(out + i * D + d0 + c * W, acc[i][c]);
 }
 
-// Calls f(std::integral_constant<int, n>()) for 1 <= n <= MAX: a run-time count as a
-// compile-time one.
-template <int MAX, class F>
-void with_count(int64_t n, const F& f) {
-  if constexpr (MAX > 1) {
-    if (n < MAX) return with_count<MAX - 1>(n, f);
-  }
-  f(std::integral_constant<int, MAX>());
-}
-
 // out [NH, D] = the weighted sums of every head, C vectors of D at a time.
 template <int NH, typename scalar_t, typename Slots>
 void weigh_heads(const float* p, const scalar_t* v, const Slots& slots, int64_t D, float* out) {

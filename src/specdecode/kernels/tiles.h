@@ -64,18 +64,6 @@ void store_rows(const float* acc, int64_t T, int64_t n0, int64_t N, const float*
 #endif
 }
 
-template <int V>
-using Int = std::integral_constant<int, V>;
-
-// Calls f(Int<count>()) for 1 <= count <= MAX: a run-time token count as a compile-time one.
-template <int MAX, class F>
-void with_tokens(int64_t count, const F& f) {
-  if constexpr (MAX > 1) {
-    if (count < MAX) return with_tokens<MAX - 1>(count, f);
-  }
-  f(Int<MAX>());
-}
-
 // Calls tile(Int<T>, block, m0) for every block (of a weight's rows) and every group of T
 // tokens starting at m0: the fewest groups of at most MAX tokens, of sizes that differ by at
 // most one (9 tokens of MAX 8: 5 + 4, not 8 + 1); blocks are split across threads, at least
@@ -88,7 +76,7 @@ void for_each_tile(int64_t blocks, int64_t M, int64_t block_bytes, const Tile& t
     for (int64_t block = begin; block < end; ++block)
       for (int64_t g = 0, m0 = 0; g < groups; ++g) {
         const int64_t count = M / groups + (g < M % groups ? 1 : 0);
-        with_tokens<MAX>(count, [&](auto tokens) { tile(tokens, block, m0); });
+        with_count<MAX>(count, [&](auto tokens) { tile(tokens, block, m0); });
         m0 += count;
       }
   });
