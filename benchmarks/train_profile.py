@@ -12,7 +12,8 @@ Prints per part the median ms per step and the target tokens per second the step
 the target's passes (a first epoch) and with the store's reads (a later one).
 
 Usage: python benchmarks/train_profile.py [--model qwen2.5-coder-1.5b] [--quantization int8]
-       [--batch-size 4] [--max-length 512] [--steps 3] [--head-dtype auto] [--dtype bfloat16]
+       [--batch-size 4] [--max-length 512] [--steps 3] [--draft-vocab-size N]
+       [--head-dtype auto] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--unroll", type=int, default=3)
+    parser.add_argument("--draft-vocab-size", type=int, default=TrainConfig.draft_vocab_size)
     parser.add_argument("--head-dtype", default="auto", choices=HEAD_DTYPES)
     parser.add_argument("--dtype", default="bfloat16", help="the target's activations")
     args = parser.parse_args()
@@ -59,6 +61,7 @@ def main() -> None:
         batch_size=args.batch_size,
         max_length=args.max_length,
         unroll=args.unroll,
+        draft_vocab_size=args.draft_vocab_size,
         head_dtype=args.head_dtype,
         dtype=args.dtype,
     )

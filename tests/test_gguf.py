@@ -335,3 +335,23 @@ def test_the_exact_model_is_the_files_weights_in_fp32(gguf_dir: Path) -> None:
     want, _ = exact(tokens, meta, exact.new_cache(1, 64))
     got, _ = model(tokens, meta, model.new_cache(1, 64))
     assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+
+
+def test_a_projection_checks_its_segments_once_and_its_input_each_call(kernel_path: str) -> None:
+    """The segments are checked when the projection is built (so a call runs the kernels on
+    raw pointers); a call checks x's width."""
+    module = _linear([T.Q8_0, T.Q4_K], [16, 32], 512)
+    with pytest.raises(RuntimeError, match="x has 256 features, the projection takes 512"):
+        module(torch.randn(2, 256))
+    packed = module.packed0
+    layout = module.layouts[0][0]
+    with pytest.raises(RuntimeError, match="the segments have 512 and 256 inputs"):
+        kernels.gguf_projection(
+            [(packed, layout, 16, 0), (packed[:, :8], layout, 16, 16)], None, 32
+        )
+    with pytest.raises(RuntimeError, match="lie outside the projection's 20"):
+        kernels.gguf_projection([(packed, layout, 16, 8)], None, 20)
+    with pytest.raises(RuntimeError, match="does not fit its 16 packed rows"):
+        kernels.gguf_projection([(packed, layout, 40, 0)], None, 40)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous fp32 \\[16\\] tensor"):
+        kernels.gguf_projection([(packed, layout, 16, 0)], torch.zeros(8), 16)

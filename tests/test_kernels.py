@@ -373,3 +373,37 @@ def test_rope_rounds_exactly_as_the_torch_rotation(dtype: torch.dtype, kernel_pa
     assert torch.equal(qkv[..., (heads + kv_heads) * dim :], v_before)
     with pytest.raises(RuntimeError, match="cos and sin must be contiguous fp32"):
         kernels.rope_(qkv, cos.bfloat16(), sin, heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_gives_torchs_index_ties_nans_and_infinities_included(
+    dtype: torch.dtype, kernel_path: str
+) -> None:
+    """The first largest value's index per row, a NaN counting as the largest, as
+    torch.argmax(-1); over widths below, at and past a vector, and a vocabulary's."""
+    gen = torch.Generator().manual_seed(8)
+    for width in (1, 7, 8, 9, 100, 49_152):
+        x = torch.randn(6, width, generator=gen)
+        x[1] = torch.randint(0, 3, (width,), generator=gen).float()  # ties
+        x[2, width // 2] = x[2, -1] = float("nan")
+        x[3] = float("-inf")
+        x[4, -1] = float("inf")
+        x[5, ::2] = 0.0
+        x[5, 1::2] = -0.0
+        x = x.to(dtype)
+        assert torch.equal(kernels.argmax(x), x.argmax(-1)), width
+    batch = torch.randn(2, 3, 40, generator=gen).to(dtype)
+    assert torch.equal(kernels.argmax(batch), batch.argmax(-1))  # [2, 3]
+    strided = batch[..., ::2]
+    assert torch.equal(kernels.argmax(strided), strided.argmax(-1))
+    with pytest.raises(RuntimeError, match=r"argmax needs x \[\.\.\., N\] with N >= 1"):
+        kernels.argmax(torch.zeros(3, 0, dtype=dtype))
+
+
+def test_the_samplers_argmax_takes_any_logits() -> None:
+    """`sampling.argmax`: the native pass for fp32 / bf16 CPU logits, torch's for the rest."""
+    from specdecode.sampling.argmax import argmax
+
+    logits = torch.randn(2, 5, 300, generator=torch.Generator().manual_seed(9))
+    for x in (logits, logits.bfloat16(), logits.half(), logits.double(), logits[..., ::3]):
+        assert torch.equal(argmax(x), x.argmax(-1))

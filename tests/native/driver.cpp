@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -561,6 +562,35 @@ void check_pointwise(int64_t rows, int64_t D) {
 
 }  // namespace
 
+// ---------------------------------------------------------------- argmax
+
+// Rows of N values (random; a few distinct ones: ties; NaNs; all -inf; the largest last) against
+// the first-largest scan, a NaN counting as the largest.
+template <typename T>
+void check_argmax(int64_t N) {
+  const int64_t rows = 5;
+  std::vector<T> x = cast<T>(randn(rows * N));
+  for (int64_t i = 0; i < N; ++i) {
+    x[N + i] = T(float(i % 3));                                  // row 1: ties
+    x[3 * N + i] = T(-std::numeric_limits<float>::infinity());  // row 3: all -inf
+  }
+  x[2 * N + N / 2] = T(std::nanf("")), x[2 * N + N - 1] = T(std::nanf(""));  // row 2: NaNs
+  x[4 * N + N - 1] = T(100.f);                                                // row 4: last
+  std::vector<int64_t> got(rows), want(rows);
+  sd::argmax(x.data(), rows, N, got.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t best = 0;
+    for (int64_t i = 0; i < N; ++i) {
+      const float v = float(x[r * N + i]), top = float(x[r * N + best]);
+      if (std::isnan(top)) break;
+      if (std::isnan(v) || v > top) best = i;
+    }
+    want[r] = best;
+  }
+  report(got == want, "argmax " + name(T()) + " N=" + std::to_string(N) +
+                          ": the first largest (a NaN the largest)");
+}
+
 int main() {
   const std::string isa = sd::isa();
   std::printf("kernels: %s\n", isa.c_str());
@@ -607,6 +637,10 @@ int main() {
   }
   check_pointwise<float>(7, 64);
   check_pointwise<sd::BFloat16>(7, 128);
+  for (const int64_t N : {1, 7, 8, 9, 64, 1003}) {  // below, at and past one 8-lane vector
+    check_argmax<float>(N);
+    check_argmax<sd::BFloat16>(N);
+  }
   std::printf("%s (%d checks failed)\n", failures ? "FAILED" : "passed", failures);
   return failures ? 1 : 0;
 }

@@ -61,6 +61,7 @@ from specdecode.drafters.base import (
 from specdecode.drafters.draft_model import DraftLM, feed
 from specdecode.errors import UserError
 from specdecode.model.tokenizer import Tokenizer
+from specdecode.sampling.argmax import argmax
 from specdecode.types import Draft, TargetOutputs, Verdict
 
 LOOKBACK = 4  # committed target tokens re-encoded with the draft text (the token boundary)
@@ -270,7 +271,7 @@ class CrossTokenizerDrafter(DrafterBase):
         """Feed `new` at positions start.. and return the draft model's argmax after the last
         of them (over the tokenizer's ids: a padded vocabulary's extra rows never win)."""
         logits = feed(self.model, cache, new, start)  # [1, V]
-        return int(logits[0, : self.draft_tokenizer.vocab_size].argmax())
+        return int(argmax(logits[0, : self.draft_tokenizer.vocab_size]))
 
     def _text_after(self, context: list[int], drafted: list[int]) -> str:
         """The text `drafted` adds after `context`, decoded with the last `LOOKBACK` context

@@ -64,6 +64,7 @@ from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, log_con
 from specdecode.errors import UserError
 from specdecode.model.config import ModelConfig
 from specdecode.model.tokenizer import Tokenizer
+from specdecode.sampling.argmax import argmax
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
 from specdecode.types import Draft, TargetOutputs, Verdict
@@ -455,7 +456,7 @@ class DraftModelDrafter(DrafterBase):
     ) -> list[int]:
         """The next draft token of each row of q ([F, V]): the argmax of a greedy (one-hot)
         row, else a sample with the row's generator."""
-        drawn = q.argmax(-1)  # [F]
+        drawn = argmax(q)  # [F]
         sampled = [f for f, greedy in enumerate(st.greedy) if not greedy]
         if sampled:
             drawn[sampled] = sample(q[sampled], [generators[f] for f in sampled])

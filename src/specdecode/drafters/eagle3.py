@@ -50,6 +50,7 @@ from specdecode.drafters.base import (
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, reduced_log_confidence
 from specdecode.errors import UserError
 from specdecode.heads.eagle3 import Eagle3Head, load_eagle3_head, mask_token
+from specdecode.sampling.argmax import argmax
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
 from specdecode.types import Draft, TargetOutputs, Verdict
@@ -179,7 +180,7 @@ class Eagle3Drafter(DrafterBase):
         probs = None if greedy else torch.zeros(k, self.vocab_size)  # [k, V]
         for j in range(k):
             if greedy:
-                tokens[j] = self._draft_ids[int(logits.argmax())]
+                tokens[j] = self._draft_ids[int(argmax(logits))]
             else:
                 q = probs_from_logits(logits[None], st)[0].cpu()  # [Vd]
                 tokens[j] = self._draft_ids[int(sample(q[None], [seq.generator])[0])]

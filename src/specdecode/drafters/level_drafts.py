@@ -19,6 +19,7 @@ from torch import Tensor
 
 from specdecode.drafters.base import SeqView
 from specdecode.drafters.dynamic_tree import DynamicTree, reduced_log_confidence
+from specdecode.sampling.argmax import argmax
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
 from specdecode.types import Draft
@@ -37,7 +38,7 @@ def chain_from_levels(seq: SeqView, logits: Tensor, draft_ids: Tensor, vocab_siz
     Returns Draft(tokens [k] int64, probs [k, vocab_size]; None under greedy parameters: the
     tokens are deterministic, q one-hot)."""
     if seq.params.greedy:
-        return Draft(draft_ids[logits.argmax(-1).cpu()])
+        return Draft(draft_ids[argmax(logits).cpu()])
     st = SamplingTensors.from_params([seq.params], logits.device)
     q = probs_from_logits(logits[None], st)[0].cpu()  # [k, Vd]
     k = len(q)

@@ -41,7 +41,7 @@ REBUILD = "pip install -e . --no-build-isolation (or `make install`)"
 
 
 class GgufActivations(NamedTuple):
-    """A pass's activations as `gguf_linear` reads them (kernels/gguf.cpp): per token, int8
+    """A pass's activations as the GGUF matmul reads them (kernels/gguf.cpp): per token, int8
     values x8 [M, K], scales dx [M, K / block] (and sx, block 32 only), int16 sums of x8 per 16
     and per 32 values."""
 
@@ -163,7 +163,7 @@ def bf16_linear(x: Tensor, packed: Tensor, bias: Tensor | None, n: int) -> Tenso
 
 
 def gguf_quantize(x: Tensor, block: int) -> GgufActivations:
-    """x [..., K] (K % block == 0) -> the int8 activations of `gguf_linear` in blocks of
+    """x [..., K] (K % block == 0) -> the int8 activations of the GGUF matmul in blocks of
     `block` (32: llama.cpp's Q8_0 / Q8_1, 256: its Q8_K); see gguf.cpp."""
     return GgufActivations(*native().gguf_quantize(x, block))
 
@@ -190,8 +190,10 @@ def gguf_projection(
     segments: Sequence[tuple[Tensor, GgufLayout, int, int]], bias: Tensor | None, n: int
 ) -> Callable[[Tensor], Tensor]:
     """x [..., K] -> [..., n] for a GGUF weight in row segments (packed, layout, rows, first
-    output column): activations quantized once per block size (`gguf_quantize`), then
-    `gguf_linear` per segment into its columns; bias fp32 [n] or None."""
+    output column): activations quantized once per block size (as `gguf_quantize`), then the
+    GGUF matmul per segment into its columns; bias fp32 [n] or None. The segments are checked
+    here (a clear error for a layout without a kernel or shapes that do not fit), x's width
+    at each call."""
     specs = [
         (packed, lo.bits, lo.sub, lo.subs, lo.off, lo.mins, rows, offset)
         for packed, lo, rows, offset in segments
@@ -291,6 +293,13 @@ def decode_attention(
     return native().decode_attention(
         q, k, v, list(starts), list(tree_starts), tree_mask, block_table, window, softcap
     )
+
+
+def argmax(x: Tensor) -> Tensor:
+    """torch.argmax(x, -1) for x [..., N] (fp32 or bf16, N >= 1): [...] int64, the first largest
+    value's index (a NaN counts as the largest); one pass, where torch's bf16 reduction is
+    ~20x slower over a 150k-token vocabulary."""
+    return native().argmax(x)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -181,6 +181,11 @@ void attention(const T* q, const T* k, const T* v, const AttentionShape& shape,
 
 // ---------------------------------------------------------------- pointwise.cpp
 
+// out[r] = the index of the first largest value of row r of x [rows, N] (N >= 1), a NaN
+// counting as the largest (the first NaN's index): torch.argmax(x, -1).
+template <typename T>
+void argmax(const T* x, int64_t rows, int64_t N, int64_t* out);
+
 // y [rows, D] = w * x / rms(x) row by row, the rms in fp32; w in x's dtype (applied after
 // rounding x / rms(x)) or fp32 under bf16 x (applied before rounding).
 template <typename T, typename W>

@@ -24,9 +24,10 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = int8(x) @ w^T * scales + bias, per-token int8 x");
   m.def("bf16_linear", &bf16_linear, "y = x @ w^T + bias in bf16 with fp32 sums");
-  m.def("gguf_quantize", &gguf_quantize, "int8 activations per block of 32 or 256 for gguf_linear");
+  m.def("gguf_quantize", &gguf_quantize, "int8 activations per block of 32 or 256 for the GGUF matmul");
   m.def("gguf_pack_codes", &gguf_pack_codes, "GGUF codes laid out in the kernel's tiles");
   m.def("decode_attention", &decode_attention, "per-query causal or tree attention over the cache");
+  m.def("argmax", &argmax, "torch.argmax(x, -1) for fp32 or bf16 x, in one pass");
   m.def("rms_norm", &rms_norm, "weight * x / rms(x), rms in fp32, row by row");
   m.def("rope_", &rope_, "RoPE in place on the first heads of each token of x [B, T, W]");
   m.def("isa", &specdecode::isa, "the instruction sets the matmuls run on");
@@ -37,7 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Projection>(m, "Projection", pybind11::module_local())
       .def_static("int8", &Projection::int8, "an int8_linear projection")
       .def_static("bf16", &Projection::bf16, "a bf16_linear projection")
-      .def_static("gguf", &Projection::gguf, "a gguf_linear projection of row segments")
+      .def_static("gguf", &Projection::gguf, "a GGUF projection of row segments")
       .def("__call__", &Projection::operator(), "x [..., K] -> x @ W^T (+ b) [..., N]",
            pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<DecoderLayer>(m, "DecoderLayer", pybind11::module_local())

@@ -15,10 +15,6 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_quantize(
     const at::Tensor& x, int64_t block);
 at::Tensor gguf_pack_codes(const at::Tensor& q, int64_t bits, int64_t sub, int64_t subs);
-void gguf_linear(const at::Tensor& x8, const at::Tensor& dx, const at::Tensor& sx,
-                 const at::Tensor& bsum16, const at::Tensor& bsum32, const at::Tensor& w,
-                 int64_t bits, int64_t sub, int64_t subs, int64_t off, int64_t mins, int64_t N,
-                 const c10::optional<at::Tensor>& bias, at::Tensor& y, int64_t offset);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::vector<int64_t>& starts,
                             const std::vector<int64_t>& tree_starts,
@@ -29,6 +25,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // [blocks, Hkv, block_size, D] through the block table [B, max_blocks] int64.
 void write_kv(at::Tensor& pool, const at::Tensor& x, const at::Tensor& table,
               const std::vector<int64_t>& starts);
+at::Tensor argmax(const at::Tensor& x);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
 
@@ -49,11 +46,14 @@ class Projection {
   at::Tensor operator()(const at::Tensor& x) const;
 
  private:
+  at::Tensor gguf_call(const at::Tensor& x) const;
+
   enum class Format { int8, bf16, gguf };
   Format format_ = Format::bf16;
   at::Tensor packed_, scale_, row_sum_;  // int8 and bf16
   std::vector<GgufSegment> segments_;    // gguf
   std::vector<int64_t> blocks_;          // gguf: the activation block sizes the segments need
+  int64_t K_ = 0;                        // gguf: the inputs
   c10::optional<at::Tensor> bias_;
   int64_t N_ = 0;
 };

@@ -119,49 +119,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_quan
   return {x8, dx, sx, bsum16, bsum32};
 }
 
-// y[:, offset : offset + N] = acts @ W^T (+ bias) for one packed GGUF weight w uint8
-// [Np / 16, K / (S * SUBS), superblock bytes] of layout (bits, sub, subs, off, mins); acts
-// (x8, dx, sx, bsum16, bsum32) from gguf_quantize with block S * SUBS; y [M, ldy] fp32 or bf16,
-// contiguous; bias fp32 [N] or None.
-void gguf_linear(const at::Tensor& x8, const at::Tensor& dx, const at::Tensor& sx,
-                 const at::Tensor& bsum16, const at::Tensor& bsum32, const at::Tensor& w,
-                 int64_t bits, int64_t sub, int64_t subs, int64_t off, int64_t mins, int64_t N,
-                 const c10::optional<at::Tensor>& bias, at::Tensor& y, int64_t offset) {
-  const sd::GgufLayout layout{bits, sub, subs, off, mins};
-  TORCH_CHECK(sd::gguf_supported(layout), "no GGUF kernel for the layout bits=", bits,
-              " sub=", sub, " subs=", subs, " off=", off, " mins=", mins);
-  const int64_t M = x8.size(0), K = x8.size(1), B = layout.superblock_values();
-  TORCH_CHECK(x8.scalar_type() == at::kChar && x8.dim() == 2 && x8.is_contiguous(),
-              "x8 must be a contiguous int8 [M, K] tensor from gguf_quantize");
-  TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.is_contiguous() && dx.size(0) == M &&
-                  dx.size(1) * B == K && bsum16.scalar_type() == at::kShort &&
-                  bsum16.is_contiguous() && bsum16.numel() == M * (K / 16) &&
-                  bsum32.scalar_type() == at::kShort && bsum32.is_contiguous() &&
-                  bsum32.numel() == M * (K / 32) &&
-                  (mins != 2 || (sx.scalar_type() == at::kFloat && sx.is_contiguous() &&
-                                 sx.numel() == dx.numel())),
-              "activations must come from gguf_quantize with block ", B);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() &&
-                  w.size(1) * B == K && w.size(2) == layout.superblock_bytes(),
-              "packed GGUF weight must be a contiguous uint8 [Np/16, K/", B, ", ",
-              layout.superblock_bytes(), "] tensor for K = ", K, ", got ", w.sizes());
-  TORCH_CHECK(N <= w.size(0) * sd::GGUF_ROWS && w.size(0) * sd::GGUF_ROWS - N < sd::GGUF_ROWS,
-              "out_features ", N, " does not fit the packed weight's ",
-              w.size(0) * sd::GGUF_ROWS, " rows");
-  TORCH_CHECK(y.is_contiguous() && y.dim() == 2 && y.size(0) == M && offset >= 0 &&
-                  offset + N <= y.size(1),
-              "y must be a contiguous [M, >= offset + N] tensor");
-  check_bias(bias, N);
-  const sd::GgufActs acts{x8.data_ptr<int8_t>(),      dx.data_ptr<float>(),
-                          mins == 2 ? sx.data_ptr<float>() : nullptr,
-                          bsum16.data_ptr<int16_t>(), bsum32.data_ptr<int16_t>(), K};
-  fp32_or_bf16(y.scalar_type(), "gguf_linear", [&](auto type_tag) {
-    using T = decltype(type_tag);
-    sd::gguf_matmul(acts, M, w.data_ptr<uint8_t>(), w.size(0), layout, bias_data(bias), N,
-                    data<T>(y) + offset, y.size(1));
-  });
-}
-
 // q uint8 [Np, K] (Np % 16 == 0; codes of BITS bits, K % (sub * subs) == 0) -> the codes of
 // every tile's sub-blocks in the kernel's layout, uint8 [Np / 16, K / (sub * subs),
 // subs * 16 * sub * BITS / 8] (the packed weight less its scale tables; gguf_blocks.pack).
@@ -337,6 +294,22 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
     sd::rope(data<T>(x), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens, x.size(2), heads,
              D);
   });
+}
+
+// x [..., N] (fp32 or bf16, N >= 1) -> [...] int64: torch.argmax(x, -1) (the first largest
+// value's index; a NaN counts as the largest).
+at::Tensor argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "specdecode kernels run on the CPU");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "argmax needs x [..., N] with N >= 1, got ",
+              x.sizes());
+  const int64_t N = x.size(-1);
+  const at::Tensor rows = x.reshape({-1, N}).contiguous();  // [M, N]
+  at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
+  fp32_or_bf16(x.scalar_type(), "argmax", [&](auto type_tag) {
+    using T = decltype(type_tag);
+    sd::argmax(data<const T>(rows), rows.size(0), N, out.data_ptr<int64_t>());
+  });
+  return out;
 }
 
 // x [..., D] (fp32 or bf16) and weight [D] in x's dtype, or fp32 under bf16 x -> [..., D].

@@ -10,6 +10,7 @@ config; all generation state lives in the `KVCache`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -324,7 +325,8 @@ class Transformer(nn.Module):
         if self.config.embed_scale != 1.0:  # Gemma: scaled in the embeddings' dtype
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         captured: dict[int, Tensor] = {}
-        for index, block in enumerate(self.layers[:num_layers]):
+        # islice: a ModuleList slice builds a new ModuleList (30 add_module calls on SmolLM2)
+        for index, block in enumerate(itertools.islice(self.layers, num_layers)):
             if index in capture:
                 captured[index] = x
             x = block(x, *tables[block.sliding], cache, meta, view)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specdecode.sampling.argmax import argmax
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import verdicts, verify_chain, verify_chain_greedy
 from specdecode.sampling.tree import verify_tree, verify_tree_greedy
@@ -89,7 +90,7 @@ def decide(
     device = logits.device
     greedy = [b for b, g in enumerate(st.greedy) if g]
     sampled = [b for b, g in enumerate(st.greedy) if not g]
-    best = logits.argmax(-1) if greedy or want_argmax else None  # [B, K + 1]
+    best = argmax(logits) if greedy or want_argmax else None  # [B, K + 1]
     if not sampled:
         return _decide_greedy(best, tokens, lengths, trees)
     if not greedy:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specdecode.sampling.argmax import argmax
 from specdecode.sampling_params import SamplingParams
 
 
@@ -90,12 +91,12 @@ def probs_from_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
     greedy rows only takes the argmax (no softmax: its cost grows with the pass's width x V).
     """
     if st.all_greedy:
-        hot = logits.argmax(-1, keepdim=True)  # warping keeps a greedy row's top token
+        hot = argmax(logits)[..., None]  # warping keeps a greedy row's top token
         return torch.zeros(logits.shape, device=logits.device).scatter_(-1, hot, 1.0)
     warped = warp_logits(logits, st)
     probs = warped.softmax(dim=-1)
     if any(st.greedy):
-        one_hot = torch.zeros_like(probs).scatter_(-1, warped.argmax(-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(-1, argmax(warped)[..., None], 1.0)
         view = (-1,) + (1,) * (probs.dim() - 1)
         probs = torch.where((st.temperature == 0).view(view), one_hot, probs)
     return probs
