@@ -67,6 +67,13 @@ int64_t first_max(const T* x, int64_t N, int64_t from, int64_t best) {
   return best;
 }
 
+// The first NaN's index, else the first largest value's: torch.argmax over one row.
+template <typename T>
+int64_t argmax_scalar(const T* x, int64_t N) {
+  const int64_t nan = first_nan(x, N);
+  return nan >= 0 ? nan : first_max(x, N, 0, -1);
+}
+
 #if defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const BFloat16* p) {  // bf16 -> fp32: a 16-bit shift
@@ -79,10 +86,7 @@ inline __m256 load8(const BFloat16* p) {  // bf16 -> fp32: a 16-bit shift
 // and, among the lanes holding it, the lowest index. A NaN anywhere: the first NaN.
 template <typename T>
 int64_t argmax_row(const T* x, int64_t N) {
-  if (N < 8 || N > INT32_MAX) {  // the lanes keep int32 indices
-    const int64_t nan = first_nan(x, N);
-    return nan >= 0 ? nan : first_max(x, N, 0, -1);
-  }
+  if (N < 8 || N > INT32_MAX) return argmax_scalar(x, N);  // the lanes keep int32 indices
   __m256 top = load8(x);
   __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256i index = at;
@@ -115,8 +119,7 @@ int64_t argmax_row(const T* x, int64_t N) {
 #else
 template <typename T>
 int64_t argmax_row(const T* x, int64_t N) {
-  const int64_t nan = first_nan(x, N);
-  return nan >= 0 ? nan : first_max(x, N, 0, -1);
+  return argmax_scalar(x, N);
 }
 #endif
 
