@@ -4,7 +4,7 @@ Builds the EAGLE-3 head (or Medusa heads) that `specdecode train` would build fo
 whose config.json is given (random weights: the step's cost does not depend on them), feeds
 it random passes of the target's width (states of the head's layers and the final-normed
 state, `--examples` sequences of `--length` tokens, the last `--answer` of them answer
-tokens), and times the trainer's own step (`padded_batch`, `batch_loss`, backward, gradient
+tokens), and times the trainer's own step (`packed_batch`, `batch_loss`, backward, gradient
 clipping, AdamW) on `--device`, after `--warmup` untimed steps. Prints the median and the
 spread of the step and the target tokens per second it reaches. Synthetic inputs: this times
 the head's step only, not the target's passes nor the data.
@@ -31,7 +31,7 @@ from specdecode.train.compute import HEAD_DTYPES, head_compute_dtype, training_d
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.exit_model import TrainableExitHead
 from specdecode.train.init import initial_exit_weights, initial_weights
-from specdecode.train.objective import Teacher, batch_loss, padded_batch
+from specdecode.train.objective import Teacher, batch_loss, packed_batch
 from specdecode.train.target_pass import TargetPass
 
 
@@ -91,7 +91,7 @@ def main() -> None:
     for step in range(args.warmup + args.steps):
         _sync(device)
         start = time.perf_counter()
-        batch = padded_batch(passes, head.feature_layers, final, device)
+        batch = packed_batch(passes, head.feature_layers, final, device)
         loss, _ = batch_loss(head, batch, args.unroll, teacher, compute)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -9,11 +9,14 @@ activations in `--dtype`. The passes are also written to a feature store in a te
 folder and read back, timed: what a later epoch (or run) pays instead of the target.
 
 Prints per part the median ms per step and the target tokens per second the step reaches, with
-the target's passes (a first epoch) and with the store's reads (a later one).
+the target's passes (a first epoch) and with the store's reads (a later one). With
+`--compare-layouts`, the head's step (forward, loss, backward) on each timed batch also runs
+with one sequence a row (the layout before `objective.packed_batch`), interleaved with the
+packed rows (A B B A per batch), and the ratio of their times is printed.
 
 Usage: python benchmarks/train_profile.py [--model qwen2.5-coder-1.5b] [--quantization int8]
        [--batch-size 4] [--max-length 512] [--steps 3] [--draft-vocab-size N]
-       [--head-dtype auto] [--dtype bfloat16]
+       [--head-dtype auto] [--dtype bfloat16] [--compare-layouts]
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ from specdecode.corpus.vocab import draft_vocabulary
 from specdecode.llm import LLM
 from specdecode.train.compute import HEAD_DTYPES, head_compute_dtype
 from specdecode.train.config import TrainConfig
+from specdecode.train.eagle3_model import TrainableEagle3
+from specdecode.train.exit_model import TrainableExitHead
 from specdecode.train.feature_store import FeatureStore
 from specdecode.train.init import target_output
-from specdecode.train.objective import SHAPE_BUCKET, Teacher, batch_loss, padded_batch
-from specdecode.train.target_pass import run_target
+from specdecode.train.objective import Batch, Teacher, batch_loss, packed_batch
+from specdecode.train.target_pass import TargetPass, run_target
 from specdecode.train.trainer import _encoded, _new_head, default_examples
 
 PARTS = ("target passes", "head forward + loss", "backward", "optimizer")
@@ -53,6 +58,9 @@ def main() -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=TrainConfig.draft_vocab_size)
     parser.add_argument("--head-dtype", default="auto", choices=HEAD_DTYPES)
     parser.add_argument("--dtype", default="bfloat16", help="the target's activations")
+    parser.add_argument(
+        "--compare-layouts", action="store_true", help="packed rows vs one sequence a row"
+    )
     args = parser.parse_args()
     config = TrainConfig(
         model=args.model,
@@ -88,7 +96,8 @@ def main() -> None:
     reads: list[float] = []
     cpu = torch.device("cpu")
     tokens: list[int] = []
-    padded: list[int] = []  # the head's columns per step: examples x the bucketed longest
+    timed: list[list[TargetPass]] = []  # the timed steps' passes
+    columns: list[int] = []  # the head's columns per step: rows x the bucketed longest
     batches = itertools.islice(
         (first[i : i + args.batch_size] for i in range(0, len(first), args.batch_size)),
         args.steps + 1,
@@ -97,10 +106,8 @@ def main() -> None:
         stamps = [time.perf_counter()]
         passes = [run_target(llm.model, ids, n, layers) for _, ids, n in batch]
         stamps.append(time.perf_counter())
-        loss, _ = batch_loss(
-            head, padded_batch(passes, head.feature_layers, final, cpu), config.unroll, teacher,
-            compute,
-        )  # fmt: skip
+        packed = packed_batch(passes, head.feature_layers, final, cpu)
+        loss, _ = batch_loss(head, packed, config.unroll, teacher, compute)
         stamps.append(time.perf_counter())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -120,13 +127,14 @@ def main() -> None:
                 times[part].append((end - start) * 1e3)
             reads.append(read_ms)
             tokens.append(sum(len(p.tokens) for p in passes))
-            padded.append(len(passes) * -(-max(len(p.tokens) for p in passes) // SHAPE_BUCKET))
+            timed.append(passes)
+            columns.append(packed.tokens.numel())
     total = [sum(parts) for parts in zip(*times.values(), strict=True)]
     print(
         f"{args.model} ({args.quantization} target passes, {args.dtype} activations), "
         f"head {compute}, "
         f"{args.batch_size} examples/step, {statistics.median(tokens)} tokens/step (median), "
-        f"{sum(tokens) / (sum(padded) * SHAPE_BUCKET):.0%} of the head's padded columns real"
+        f"{sum(tokens) / sum(columns):.0%} of the head's columns real (packed rows)"
     )
     for part, values in times.items():
         print(f"  {part:22s} {statistics.median(values):9.0f} ms")
@@ -143,6 +151,55 @@ def main() -> None:
         f"{statistics.median(tokens) / later_ms * 1e3:.0f} target tokens/s"
     )
     folder.cleanup()
+    if args.compare_layouts:
+        _compare_layouts(timed, head, final, config.unroll, teacher, compute)
+
+
+def _one_per_row(passes: list[TargetPass], layers: tuple[int, ...], final: int) -> Batch:
+    """The passes one a row, right-padded to the longest (the layout before packing)."""
+    alone = [packed_batch([p], layers, final, torch.device("cpu")) for p in passes]
+    length = max(b.tokens.shape[1] for b in alone)
+
+    def rows(name: str) -> torch.Tensor:
+        parts = [getattr(b, name)[0] for b in alone]
+        return torch.stack(
+            [torch.cat([t, t.new_zeros(length - len(t), *t.shape[1:])]) for t in parts]
+        )
+
+    return Batch(*(rows(n) for n in ("tokens", "features", "final", "argmax", "answer", "starts")))
+
+
+def _compare_layouts(
+    timed: list[list[TargetPass]],
+    head: TrainableEagle3 | TrainableExitHead,
+    final: int,
+    unroll: int,
+    teacher: Teacher,
+    compute: torch.dtype,
+) -> None:
+    """Time the head's step on packed rows and on one sequence a row, A B B A per batch."""
+
+    def step(batch: Batch) -> float:
+        start = time.perf_counter()
+        loss, _ = batch_loss(head, batch, unroll, teacher, compute)
+        head.zero_grad(set_to_none=True)
+        loss.backward()
+        return time.perf_counter() - start
+
+    ratios = []
+    for passes in timed:
+        packed = packed_batch(passes, head.feature_layers, final, torch.device("cpu"))
+        alone = _one_per_row(passes, head.feature_layers, final)
+        first, second, third, fourth = step(packed), step(alone), step(alone), step(packed)
+        ratios.append((first + fourth) / (second + third))
+        print(
+            f"  packed {tuple(packed.tokens.shape)} vs one a row {tuple(alone.tokens.shape)}: "
+            f"{(first + fourth) / 2 * 1e3:.0f} vs {(second + third) / 2 * 1e3:.0f} ms"
+        )
+    print(
+        f"  head step, packed / one a row: median {statistics.median(ratios):.2f} "
+        f"({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} batches)"
+    )
 
 
 if __name__ == "__main__":

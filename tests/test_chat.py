@@ -16,8 +16,10 @@ from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
 
 TURN_TIMEOUT_S = 120
-LONG_CONTEXT = 4096  # the pty test's model: room for an answer long enough to interrupt
-LONG_ANSWER = 2000  # tokens: seconds of the tiny model
+LONG_CONTEXT = 8192  # the pty test's model: room for an answer long enough to interrupt
+# tokens: ~8 s of the tiny model with ngram (a busy machine once finished 2,000 before its
+# Ctrl-C arrived); every turn may run this long, so not longer
+LONG_ANSWER = 6000
 
 
 @pytest.fixture(scope="module")

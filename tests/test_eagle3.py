@@ -37,7 +37,7 @@ from specdecode.train.compute import head_compute_dtype
 from specdecode.train.config import TrainConfig
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.init import target_output
-from specdecode.train.objective import Teacher, batch_loss, padded_batch
+from specdecode.train.objective import Teacher, batch_loss, packed_batch
 from specdecode.train.target_pass import run_target
 from specdecode.train.trainer import _new_head, train
 
@@ -329,7 +329,7 @@ def test_the_loss_is_the_same_in_either_compute_dtype(
         for p in ids
     ]  # fmt: skip
     teacher = Teacher(target_output(model_dir, torch.arange(120))[0], torch.arange(120), final)
-    batch = padded_batch(passes, head.feature_layers, final, torch.device("cpu"))
+    batch = packed_batch(passes, head.feature_layers, final, torch.device("cpu"))
     reference, _ = batch_loss(head, batch, 3, teacher, torch.float32)
     loss, _ = batch_loss(head, batch, 3, teacher, compute)
     loss.backward()

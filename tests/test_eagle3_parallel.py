@@ -28,7 +28,14 @@ from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.init import initial_weights
-from specdecode.train.objective import Teacher, batch_loss, later_columns, padded_batch
+from specdecode.train.objective import (
+    Batch,
+    Teacher,
+    batch_loss,
+    later_columns,
+    packed_batch,
+    read_columns,
+)
 from specdecode.train.target_pass import run_target
 from specdecode.train.trainer import train
 
@@ -213,29 +220,51 @@ def test_greedy_equals_plain_on_a_gpu(tiny_model_dir: Path, head_dir: Path) -> N
         assert sum(o.metrics.spec.num_draft_tokens for o in outs) > 0
 
 
-@pytest.mark.parametrize("parallel", [0, P])
-def test_later_steps_run_for_the_answer_columns_alone_with_the_same_outputs(
-    tiny_model_dir: Path, tmp_path: Path, parallel: int
-) -> None:
-    """The trainer runs TTT steps > 0 only for the columns its loss reads (`Batch.columns`):
-    their outputs equal those of the full unroll at those columns, for sequential and
-    parallel heads, and the batch loss is the same either way."""
+def _passes(target, cfg: Eagle3HeadConfig, shapes, seed: int) -> list:
+    """Target passes over random tokens: (length, prompt length) per pass."""
+    gen = torch.Generator().manual_seed(seed)
+    final = target.config.num_layers
+    return [
+        run_target(
+            target,
+            torch.randint(0, 300, (length,), generator=gen).tolist(),
+            prompt,
+            (*cfg.aux_layers, final),
+        )
+        for length, prompt in shapes
+    ]
+
+
+def _trainable(tiny_model_dir: Path, tmp_path: Path, parallel: int):
     head_dir = build_tiny_eagle3_head(tiny_model_dir, tmp_path / "h", parallel_tokens=parallel)
     target = load_model(tiny_model_dir, dtype="float32")
     cfg = Eagle3HeadConfig.from_folder(head_dir)
     trainable = TrainableEagle3(cfg, read_head_weights(head_dir, cfg), target.embed_tokens.weight)
-    gen = torch.Generator().manual_seed(2)
-    passes = []
+    return target, cfg, trainable
+
+
+@pytest.mark.parametrize("parallel", [0, P])
+def test_later_steps_run_for_the_answer_columns_alone_with_the_same_outputs(
+    tiny_model_dir: Path, tmp_path: Path, parallel: int
+) -> None:
+    """The trainer runs TTT steps > 0 only for the columns its loss reads
+    (`objective.later_columns`): their outputs equal those of the full unroll at those
+    columns, for sequential and parallel heads, and the batch loss is the same either way."""
+    target, cfg, trainable = _trainable(tiny_model_dir, tmp_path, parallel)
     final = target.config.num_layers
-    for length, prompt in ((100, 70), (80, 60), (120, 75)):  # T 128, answers <= 64
-        tokens = torch.randint(0, 300, (length,), generator=gen).tolist()
-        passes.append(run_target(target, tokens, prompt, (*cfg.aux_layers, final)))
-    batch = padded_batch(passes, cfg.aux_layers, final, torch.device("cpu"))
-    columns, first = later_columns(batch.answer, 3 + trainable.shift)
-    assert first.tolist() == [69 - 4, 59 - 4, 74 - 4] and columns.shape == (3, 64)
+    passes = _passes(target, cfg, ((100, 70), (80, 60), (120, 75)), 2)  # T 128, no two fit
+    batch = packed_batch(passes, cfg.aux_layers, final, torch.device("cpu"))
+    assert batch.tokens.shape == (3, 128) and not batch.starts.any()
+    needed = read_columns(batch, 2) | read_columns(batch, 3) | read_columns(batch, 4)
+    columns, slot = later_columns(needed)
+    # rows by length: 120 (prompt 75), 100 (70), 80 (60); steps 1..3 (ahead 2..4) read
+    # columns prompt - 1 - 4 .. length - 2 - 2
+    assert needed.sum(1).tolist() == [116 - 70 + 1, 96 - 65 + 1, 76 - 55 + 1]
+    assert columns.shape == (3, 64) and columns[0, 0] == 70 and columns[0, 46:].eq(116).all()
+    assert slot[0, 70] == 0 and slot[0, 69] == -1 and slot[2, 76] == 21
     with torch.no_grad():
         full = trainable(batch.features, batch.tokens, 4)
-        gathered = trainable(batch.features, batch.tokens, 4, columns)
+        gathered = trainable(batch.features, batch.tokens, 4, batch.starts, columns)
     torch.testing.assert_close(gathered[0], full[0])
     rows = torch.arange(3)[:, None]
     for j in range(1, 4):
@@ -243,11 +272,90 @@ def test_later_steps_run_for_the_answer_columns_alone_with_the_same_outputs(
         torch.testing.assert_close(gathered[j], full[j][rows, columns], atol=1e-5, rtol=1e-5)
     # the loss over the gathered columns equals the loss of a head that gathers nothing
     draft_ids = torch.arange(cfg.draft_vocab_size)
+    gen = torch.Generator().manual_seed(3)
     teacher_rows = torch.randn(cfg.draft_vocab_size, cfg.hidden_size, generator=gen)
     teacher = Teacher(teacher_rows, draft_ids, final)
     loss, _ = batch_loss(trainable, batch, 4, teacher, torch.float32)
     reference, _ = batch_loss(_Full(trainable), batch, 4, teacher, torch.float32)
     assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
+
+
+def test_later_columns_lays_out_each_rows_needed_columns() -> None:
+    needed = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1]]).bool()
+    columns, slot = later_columns(needed)
+    assert columns.tolist() == [[1, 2, 4, 4, 4, 4], [0] * 6, [5] * 6]
+    assert slot.tolist() == [[-1, 0, 1, -1, 2, -1], [-1] * 6, [-1] * 5 + [0]]
+
+
+def test_packed_batch_puts_shorter_sequences_together(tiny_model_dir: Path) -> None:
+    target = load_model(tiny_model_dir, dtype="float32")
+    cfg = Eagle3HeadConfig.for_target(target.config, 120, "tiny", 0)
+    passes = _passes(target, cfg, ((60, 40), (100, 70), (20, 10)), 4)
+    batch = packed_batch(passes, cfg.aux_layers, target.config.num_layers, torch.device("cpu"))
+    assert batch.tokens.shape == (2, 128)  # [100, 20] and [60]
+    assert batch.tokens[0, :100].tolist() == passes[1].tokens.tolist()
+    assert batch.tokens[0, 100:120].tolist() == passes[2].tokens.tolist()
+    assert batch.tokens[1, :60].tolist() == passes[0].tokens.tolist()
+    assert batch.starts[0].tolist() == [0] * 100 + [100] * 28  # padding: the last sequence's
+    assert not batch.starts[1].any()
+    answers = [i for i, a in enumerate(batch.answer[0].tolist()) if a]
+    assert answers == [*range(69, 99), *range(109, 119)]
+    torch.testing.assert_close(batch.features[0, 100:120], passes[2].at(cfg.aux_layers))
+    # output j = 1 (ahead 2) of column 98 would read position 100: the next sequence's
+    assert batch.answer[0, 100 + 9] and read_columns(batch, 2)[0, 107]
+    assert not read_columns(batch, 11)[0, 98]
+
+
+def _one_per_row(batches: list[Batch]) -> Batch:
+    """Single-pass batches stacked as rows of one (right-padded, one sequence a row)."""
+    length = max(b.tokens.shape[1] for b in batches)
+
+    def stack(name: str) -> torch.Tensor:
+        parts = [getattr(b, name)[0] for b in batches]
+        padded = [torch.cat([p, p.new_zeros(length - len(p), *p.shape[1:])]) for p in parts]
+        return torch.stack(padded)
+
+    return Batch(*(stack(n) for n in ("tokens", "features", "final", "argmax", "answer", "starts")))
+
+
+@pytest.mark.parametrize("parallel", [0, P])
+def test_packed_sequences_train_as_if_each_had_its_own_row(
+    tiny_model_dir: Path, tmp_path: Path, parallel: int
+) -> None:
+    """Sequences packed into one row see only themselves at their own positions: the loss,
+    the agreement counts, the gradients and each sequence's outputs equal those of the same
+    sequences one per row."""
+    target, cfg, trainable = _trainable(tiny_model_dir, tmp_path, parallel)
+    final = target.config.num_layers
+    passes = _passes(target, cfg, ((110, 70), (50, 30), (60, 45), (14, 6)), 5)
+    cpu = torch.device("cpu")
+    packed = packed_batch(passes, cfg.aux_layers, final, cpu)
+    assert packed.tokens.shape == (2, 128)  # [110, 14] and [60, 50]
+    alone = _one_per_row([packed_batch([p], cfg.aux_layers, final, cpu) for p in passes])
+    gen = torch.Generator().manual_seed(6)
+    teacher_rows = torch.randn(cfg.draft_vocab_size, cfg.hidden_size, generator=gen)
+    teacher = Teacher(teacher_rows, torch.arange(cfg.draft_vocab_size), final)
+    grads = []
+    for batch in (packed, alone):
+        trainable.zero_grad(set_to_none=True)
+        loss, counts = batch_loss(trainable, batch, 4, teacher, torch.float32)
+        loss.backward()
+        grads.append((loss.item(), counts, [p.grad.clone() for p in trainable.parameters()]))
+    (loss, counts, grad), (loss_alone, counts_alone, grad_alone) = grads
+    assert loss == pytest.approx(loss_alone, rel=1e-5)
+    assert counts == counts_alone and counts[1][0] == sum(
+        n - q for n, q in ((110, 70), (50, 30), (60, 45), (14, 6))
+    )
+    for g, h in zip(grad, grad_alone, strict=True):
+        torch.testing.assert_close(g, h, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        out = trainable(packed.features, packed.tokens, 4, packed.starts)
+        out_alone = trainable(alone.features, alone.tokens, 4, alone.starts)
+    # pass 3 (14 tokens) sits in row 0 at columns 110..123; alone it is row 3, columns 0..13
+    for j in range(4):
+        torch.testing.assert_close(
+            out[j][0, 110 : 110 + 14 - j - 2], out_alone[j][3, : 14 - j - 2], atol=1e-5, rtol=1e-5
+        )
 
 
 class _Full(torch.nn.Module):
@@ -262,9 +370,10 @@ class _Full(torch.nn.Module):
         features: torch.Tensor,
         tokens: torch.Tensor,
         steps: int,
+        starts: torch.Tensor | None = None,
         columns: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        return self.head(features, tokens, steps)
+        return self.head(features, tokens, steps, starts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.logits(hidden)

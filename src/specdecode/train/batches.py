@@ -1,12 +1,12 @@
 """The order of a later epoch: shuffled, with examples of similar length in one batch.
 
-A batch is padded to its longest sequence (`objective.padded_batch`), and every padded column
-costs the head as much as a real one. Epochs after the first read the feature store, which
-knows every example's length, so they group by length: the stored examples are shuffled
-(seeded by the run's seed and the epoch), cut into windows of `WINDOW` batches, each window
-sorted by length and cut into batches, and the batches shuffled again, so that lengths do
-not become a curriculum. The order is a pure function of its inputs: a resumed run finds it
-again and goes on at the same position.
+A batch's rows are as long as its longest sequence (`objective.packed_batch` packs shorter
+ones together), and every padded column costs the head as much as a real one. Epochs after
+the first read the feature store, which knows every example's length, so they group by
+length: the stored examples are shuffled (seeded by the run's seed and the epoch), cut into
+windows of `WINDOW` batches, each window sorted by length and cut into batches, and the
+batches shuffled again, so that lengths do not become a curriculum. The order is a pure
+function of its inputs: a resumed run finds it again and goes on at the same position.
 """
 
 from __future__ import annotations

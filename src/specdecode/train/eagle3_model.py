@@ -71,29 +71,46 @@ class TrainableEagle3(HeadParameters):
         return F.linear(x, self.p(weight), self.params.get(bias, None))
 
     def forward(
-        self, features: Tensor, tokens: Tensor, steps: int, columns: Tensor | None = None
+        self,
+        features: Tensor,
+        tokens: Tensor,
+        steps: int,
+        starts: Tensor | None = None,
+        columns: Tensor | None = None,
     ) -> list[Tensor]:
-        """Pre-norm outputs of `steps` unrolled steps over a batch of sequences (`logits`
-        turns the rows that matter into logits: the output head is the largest matmul).
+        """Pre-norm outputs of `steps` unrolled steps over a batch of rows (`logits` turns the
+        rows that matter into logits: the output head is the largest matmul).
 
         features: [B, T, F] the target's concatenated states (F = len(aux layers) * h).
-        tokens: [B, T] the sequences' token ids (target ids).
+        tokens: [B, T] the rows' token ids (target ids).
+        starts: [B, T] the column where each column's sequence begins (`objective.Batch`: a
+            row holds sequences one after another, each at positions 0.. and seeing only
+            itself); None: one sequence a row.
         columns: [B, A] the columns steps 1.. run for (None: all T): only the outputs a loss
             reads need them, and a column's later steps read nothing of other columns' but
             step 0's keys and values, which always cover all T.
         Returns step 0's outputs [B, T, h] and each later step's [B, A, h] (A = T without
-        `columns`); column t's output of step j predicts token t + j + 2.
+        `columns`); column t's output of step j predicts token t + j + 2 (past its sequence's
+        end a column reads the next sequence's tokens: no loss reads those outputs).
         """
         batch, length, _ = features.shape
+        device = features.device
+        here = torch.arange(length, device=device)  # [T]
+        if starts is None:
+            starts = torch.zeros(batch, length, dtype=torch.long, device=device)
         if columns is None:
-            columns = torch.arange(length, device=features.device).expand(batch, length)
+            columns = here.expand(batch, length)
+        rows = torch.arange(batch, device=device)[:, None]  # [B, 1]
+        # step 0's entries see their own sequence's up to themselves (None: plain causal)
+        causal = None
+        if bool(starts.any()):
+            causal = (here <= here[:, None]) & (here >= starts[..., None])  # [B, T, T]
         hidden = self._linear(features.to(self.p("fc.weight").dtype), "fc.weight")  # [B,T,h]
         keys: list[Tensor] = []
         values: list[Tensor] = []
         outputs: list[Tensor] = []
-        rows = torch.arange(batch, device=features.device)[:, None]  # [B, 1]
         for step in range(steps):
-            cols = torch.arange(length, device=features.device)[None] if step == 0 else columns
+            cols = here.expand(batch, length) if step == 0 else columns
             if step and self.config.parallel_tokens:  # mask entries of level `step`
                 token_embeds = self.p("mask_embed")[step - 1].expand(*cols.shape, -1)
                 hidden = self.p("mask_hidden")[step - 1].expand(*cols.shape, -1).to(hidden.dtype)
@@ -104,7 +121,10 @@ class TrainableEagle3(HeadParameters):
                 ]
                 if step == 1:
                     hidden = hidden[rows, columns]  # step 0's outputs at the columns
-            x = self._layer(token_embeds, hidden, cols + step, keys, values)
+            first = starts[rows, cols]  # [B, N] where each entry's sequence begins
+            # a later step's query at column c sees step 0's keys of its sequence up to c
+            seen = causal if step == 0 else (here <= cols[..., None]) & (here >= first[..., None])
+            x = self._layer(token_embeds, hidden, cols - first + step, keys, values, seen)
             hidden = x  # pre-norm: the next step's feature
             outputs.append(x)
         return outputs
@@ -116,11 +136,12 @@ class TrainableEagle3(HeadParameters):
         positions: Tensor,
         keys: list[Tensor],
         values: list[Tensor],
+        seen: Tensor | None,
     ) -> Tensor:
         """The decoder layer over one step's entries (token embeddings and features [B, N, h]
-        at `positions` [1 or B, N]), its keys and values appended to `keys` / `values`; the
-        first step's entries attend causally among themselves, a later step's to step 0's up
-        to their own column and to their own column's later steps (`_ttt_attention`)."""
+        at `positions` [B, N]), its keys and values appended to `keys` / `values`; the entries
+        see step 0's entries where `seen` ([B, N, T] bool; None: step 0, plain causal) says,
+        and a later step's entries also their own column's later steps (`_ttt_attention`)."""
         lay = self.config.layer
         eps = lay.rms_norm_eps
         batch, count, _ = hidden.shape
@@ -135,15 +156,14 @@ class TrainableEagle3(HeadParameters):
         q = q.view(batch, count, heads, dim).transpose(1, 2)  # [B, H, N, D]
         k = k.view(batch, count, kv_heads, dim).transpose(1, 2)  # [B, Hkv, N, D]
         v = v.view(batch, count, kv_heads, dim).transpose(1, 2)
-        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [1|B, N, D/2]
-        angles = torch.cat([angles, angles], dim=-1)[:, None]  # [1|B, 1, N, D]
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, N, D/2]
+        angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, N, D]
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         group = heads // kv_heads
         keys.append(k.repeat_interleave(group, dim=1))  # [B, H, N, D]
         values.append(v.repeat_interleave(group, dim=1))
-        # a later step's query at column c sees step 0's keys 0..c: its position minus the step
-        attn = self._ttt_attention(q, keys, values, positions - (len(keys) - 1))  # [B, H, N, D]
+        attn = self._ttt_attention(q, keys, values, seen)  # [B, H, N, D]
         attn = attn.transpose(1, 2).reshape(batch, count, heads * dim)
         x = residual + self._linear(attn, f"{LAYER}self_attn.o_proj.weight")
         y = rms_norm(x, self.p(f"{LAYER}post_attention_layernorm.weight"), eps)
@@ -158,17 +178,19 @@ class TrainableEagle3(HeadParameters):
 
     @staticmethod
     def _ttt_attention(
-        q: Tensor, keys: list[Tensor], values: list[Tensor], columns: Tensor
+        q: Tensor, keys: list[Tensor], values: list[Tensor], seen: Tensor | None
     ) -> Tensor:
-        """Step j = len(keys) - 1's attention. Step 0: causal over its own entries. Step j > 0,
-        its queries at `columns` ([1 or B, N]): step 0's entries 0..column, plus its own
-        column's entries of steps 1..j. q: [B, H, N, D]; keys, values: step 0's [B, H, T, D],
-        then per later step [B, H, N, D]."""
+        """Step j = len(keys) - 1's attention. Step 0: over its own entries where `seen`
+        ([B, T, T] bool) says, or causal (None). Step j > 0: step 0's entries where `seen`
+        ([B, N, T]) says, plus its own column's entries of steps 1..j. q: [B, H, N, D]; keys,
+        values: step 0's [B, H, T, D], then per later step [B, H, N, D]."""
         if len(keys) == 1:
-            return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True)
+            if seen is None:
+                return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True)
+            return F.scaled_dot_product_attention(q, keys[0], values[0], seen[:, None])
+        assert seen is not None, "a later step's entries see step 0's by `seen`"
         scale = 1.0 / math.sqrt(q.shape[-1])
         length = keys[0].shape[2]
-        seen = torch.arange(length, device=q.device) <= columns[..., None]  # [1|B, N, T]
         scores = (q @ keys[0].transpose(-1, -2)).float() * scale  # [B, H, N, T]
         scores = scores.masked_fill(~seen[:, None], float("-inf"))
         diag = torch.stack([(q * k).sum(-1).float() * scale for k in keys[1:]], -1)  # [B,H,N,j]

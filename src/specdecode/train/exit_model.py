@@ -39,11 +39,16 @@ class TrainableExitHead(HeadParameters):
         return (self.config.feature_layer,)
 
     def forward(
-        self, features: Tensor, tokens: Tensor, steps: int, columns: Tensor | None = None
+        self,
+        features: Tensor,
+        tokens: Tensor,
+        steps: int,
+        starts: Tensor | None = None,
+        columns: Tensor | None = None,
     ) -> list[Tensor]:
         """Per head k: y_k = x + SiLU(W_k x + b_k) over x = the (normed) target states
-        (features [B, T, h]; tokens, steps and columns are not read: the heads see no drafted
-        token, and each is one cheap block over every column).
+        (features [B, T, h]; tokens, steps, starts and columns are not read: the heads see no
+        drafted token and no other column, and each is one cheap block over every column).
         Returns [B, T, h] per head; head j's column t predicts token t + j + shift + 1."""
         x = features.to(self.p("lm_head.weight").dtype)
         if self.config.normed_input:

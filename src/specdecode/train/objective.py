@@ -38,10 +38,16 @@ class TrainableHead(Protocol):
     gathers: bool  # outputs j > 0 are at `columns` only ([B, A, h]), else at every column
 
     def __call__(
-        self, features: Tensor, tokens: Tensor, steps: int, columns: Tensor | None = None
+        self,
+        features: Tensor,
+        tokens: Tensor,
+        steps: int,
+        starts: Tensor | None = None,
+        columns: Tensor | None = None,
     ) -> list[Tensor]:
-        """Outputs over target states [B, T, F] and tokens [B, T]: [B, T, h] each, or for
-        j > 0 of a head that `gathers`, [B, A, h] at `columns` ([B, A])."""
+        """Outputs over target states [B, T, F] and tokens [B, T] (packed sequences: `starts`
+        [B, T], `Batch.starts`; None: one sequence a row): [B, T, h] each, or for j > 0 of a
+        head that `gathers`, [B, A, h] at `columns` ([B, A])."""
         ...
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -81,11 +87,12 @@ class Teacher:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """Passes padded to one length on the training device.
+    """Passes packed into rows of one length on the training device (`packed_batch`).
 
     tokens [B, T] int64, features [B, T, F] (the head's layers), final [B, T, h] (the target's
     final-normed states), argmax [B, T] int64, answer [B, T] bool: the positions whose next
-    token is an answer token (the loss's positions).
+    token is an answer token (the loss's positions), starts [B, T] int64: the column where
+    each column's sequence begins (a row's padding belongs to its last sequence).
     """
 
     tokens: Tensor
@@ -93,50 +100,85 @@ class Batch:
     final: Tensor
     argmax: Tensor
     answer: Tensor
+    starts: Tensor
 
 
-def padded_batch(
+def packed_batch(
     passes: Sequence[TargetPass], layers: tuple[int, ...], final: int, device: torch.device
 ) -> Batch:
-    """The passes as one `Batch` (lengths rounded up to SHAPE_BUCKET) on `device`; features
-    are the states of `layers`."""
+    """The passes as one `Batch` on `device`; features are the states of `layers`. Rows are
+    as long as the longest pass rounded up to SHAPE_BUCKET, and each pass goes, longest
+    first, into the first row with room for it (one pass a row when no two fit).
+
+    Example: passes of 100, 60 and 20 tokens give T 128 and rows [100, 20] and [60].
+    """
     length = -(-max(len(p.tokens) for p in passes) // SHAPE_BUCKET) * SHAPE_BUCKET
-    batch = len(passes)
+    rows: list[list[TargetPass]] = []
+    filled: list[int] = []  # tokens per row
+    for p in sorted(passes, key=lambda p: -len(p.tokens)):  # stable: equal lengths keep order
+        n = len(p.tokens)
+        b = next((b for b, used in enumerate(filled) if used + n <= length), len(rows))
+        if b == len(rows):
+            rows.append([])
+            filled.append(0)
+        rows[b].append(p)
+        filled[b] += n
     first = passes[0]
     width = first.states.shape[-1] // len(first.layers)
     dtype = first.states.dtype
-    tokens = torch.zeros(batch, length, dtype=torch.long)
-    features = torch.zeros(batch, length, width * len(layers), dtype=dtype)
-    finals = torch.zeros(batch, length, width, dtype=dtype)
-    argmax = torch.zeros(batch, length, dtype=torch.long)
-    answer = torch.zeros(batch, length, dtype=torch.bool)
-    for b, p in enumerate(passes):
-        n = len(p.tokens)
-        tokens[b, :n], argmax[b, :n] = p.tokens, p.argmax
-        features[b, :n], finals[b, :n] = p.at(layers), p.at((final,))
-        answer[b, p.prompt_length - 1 : n - 1] = True  # the last position has no next token
-    parts = (tokens, features, finals, argmax, answer)
+    shape = (len(rows), length)
+    tokens = torch.zeros(shape, dtype=torch.long)
+    features = torch.zeros(*shape, width * len(layers), dtype=dtype)
+    finals = torch.zeros(*shape, width, dtype=dtype)
+    argmax = torch.zeros(shape, dtype=torch.long)
+    answer = torch.zeros(shape, dtype=torch.bool)
+    starts = torch.zeros(shape, dtype=torch.long)
+    for b, row in enumerate(rows):
+        at = 0
+        for p in row:
+            end = at + len(p.tokens)
+            tokens[b, at:end], argmax[b, at:end] = p.tokens, p.argmax
+            features[b, at:end], finals[b, at:end] = p.at(layers), p.at((final,))
+            answer[b, at + p.prompt_length - 1 : end - 1] = True  # the last has no next token
+            starts[b, at:] = at
+            at = end
+    parts = (tokens, features, finals, argmax, answer, starts)
     return Batch(*(t.to(device, non_blocking=True) for t in parts))
 
 
-def later_columns(answer: Tensor, reach: int) -> tuple[Tensor, Tensor]:
-    """The columns a loss reads of outputs after the first: for row b, first[b], first[b] + 1,
-    ... up to its last answer position, where first[b] is `reach` columns before its first
-    (an output j of column t predicts token t + j + shift + 1, so it reads prompt columns
-    down to reach = the largest j + shift). answer: [B, T] bool (`Batch.answer`). Returns
-    columns [B, A] int64 (a shorter row repeats its last; A is the longest row's count
-    rounded up to SHAPE_BUCKET, at most T) and first [B] int64.
+def read_columns(batch: Batch, ahead: int) -> Tensor:
+    """[B, T] bool: the columns t whose output predicting token t + ahead + 1 a loss reads:
+    position t + ahead is an answer position of t's own sequence."""
+    length = batch.answer.shape[1]
+    read = torch.zeros_like(batch.answer)
+    if ahead < length:
+        same = batch.starts[:, ahead:] == batch.starts[:, : length - ahead]
+        read[:, : length - ahead] = batch.answer[:, ahead:] & same
+    return read
 
-    Example: answer [[0, 0, 1, 1, 1, 0]] (T 6) and reach 1 give first [1] and columns
-    [[1, 2, 3, 4, 4, 4]].
+
+def later_columns(needed: Tensor) -> tuple[Tensor, Tensor]:
+    """The columns to run outputs after the first for: per row the `needed` ([B, T] bool)
+    columns in order, then the row's last one repeated (column 0 for a row with none), A of
+    them: the most any row needs rounded up to SHAPE_BUCKET (at most T, at least 1). Returns
+    columns [B, A] int64 and slot [B, T] int64: where each needed column is in its row of
+    `columns` (-1 elsewhere).
+
+    Example: needed [[0, 1, 1, 0, 1, 0]] gives columns [[1, 2, 4, 4, 4, 4]] (A 6 = T) and
+    slot [[-1, 0, 1, -1, 2, -1]].
     """
-    length = answer.shape[1]
-    last = length - 1 - answer.flip(1).int().argmax(1)  # [B]
-    first = (answer.int().argmax(1) - reach).clamp(min=0)  # [B]
-    counts = last - first + 1  # [B]
-    width = min(-(-int(counts.max()) // SHAPE_BUCKET) * SHAPE_BUCKET, length)
-    steps = torch.arange(width, device=answer.device)[None]  # [1, A]
-    return first[:, None] + torch.minimum(steps, (counts - 1)[:, None]), first
+    batch, length = needed.shape
+    counts = needed.sum(1)  # [B]
+    width = max(min(-(-int(counts.max()) // SHAPE_BUCKET) * SHAPE_BUCKET, length), 1)
+    order = torch.argsort((~needed).int(), dim=1, stable=True)[:, :width]  # needed ones first
+    last = order.gather(1, (counts - 1).clamp(min=0)[:, None])  # [B, 1]
+    last = torch.where(counts[:, None] > 0, last, 0)
+    steps = torch.arange(width, device=needed.device)[None]  # [1, A]
+    columns = torch.where(steps < counts[:, None], order, last)
+    slot = torch.full((batch, length), -1, dtype=torch.long, device=needed.device)
+    rows, at = needed.nonzero(as_tuple=True)
+    slot[rows, at] = (needed.cumsum(1) - 1)[rows, at]
+    return columns, slot
 
 
 def batch_loss(
@@ -154,13 +196,16 @@ def batch_loss(
     total = torch.zeros((), device=device)
     agree, counted = [], []
     autocast = torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32)
-    columns, first = later_columns(batch.answer, steps - 1 + head.shift)
+    later = torch.zeros_like(batch.answer)  # the columns outputs j > 0 are read at
+    for j in range(1, steps):
+        later |= read_columns(batch, j + head.shift)
+    columns, slot = later_columns(later)
     with autocast:
-        outputs = head(batch.features, batch.tokens, steps, columns)
-    target_p, slot = _teacher_probs(batch, teacher, autocast)
+        outputs = head(batch.features, batch.tokens, steps, batch.starts, columns)
+    target_p, teacher_row = _teacher_probs(batch, teacher, autocast)
     for j, hidden in enumerate(outputs):
         ahead = j + head.shift  # column t predicts token t + ahead + 1: teacher row t + ahead
-        rows, cols_at = batch.answer[:, ahead:].nonzero(as_tuple=True)  # [n] each
+        rows, cols_at = read_columns(batch, ahead).nonzero(as_tuple=True)  # [n] each
         n = len(rows)
         if n == 0:
             break
@@ -168,11 +213,11 @@ def batch_loss(
         padded = -(-n // ROW_BUCKET) * ROW_BUCKET
         rows = torch.cat([rows, rows[:1].expand(padded - n)])
         cols_at = torch.cat([cols_at, cols_at[:1].expand(padded - n)])
-        at = cols_at - first[rows] if j and head.gathers else cols_at  # output columns
+        at = slot[rows, cols_at] if j and head.gathers else cols_at  # output columns
         with autocast:
             logits = head.logits(hidden[rows, at])  # [padded, Vd]
         logp = F.log_softmax(logits.float(), dim=-1)[:n]  # [n, Vd]
-        ce = -(target_p[slot[rows[:n], cols_at[:n] + ahead]] * logp).sum(-1)  # [n]
+        ce = -(target_p[teacher_row[rows[:n], cols_at[:n] + ahead]] * logp).sum(-1)  # [n]
         total = total + STEP_DECAY**j * ce.mean()
         top = teacher.draft_ids[logp.argmax(-1)]
         agree.append(int((top == batch.argmax[rows[:n], cols_at[:n] + ahead]).sum()))
@@ -208,7 +253,7 @@ def evaluate(
     counted: list[int] = []
     losses = []
     for p in held:
-        batch = padded_batch([p], head.feature_layers, teacher.final, teacher.rows.device)
+        batch = packed_batch([p], head.feature_layers, teacher.final, teacher.rows.device)
         loss, (a, c) = batch_loss(head, batch, steps, teacher, compute)
         losses.append(float(loss))
         for j in range(len(a)):

@@ -69,7 +69,7 @@ from specdecode.train.objective import (
     Teacher,
     batch_loss,
     evaluate,
-    padded_batch,
+    packed_batch,
 )
 from specdecode.train.target_pass import TargetPass
 
@@ -179,7 +179,7 @@ def train(
             source.store.flush()
             state.epoch, state.position = state.epoch + 1, 0
             continue
-        batch = padded_batch(passes, head.feature_layers, final, device)
+        batch = packed_batch(passes, head.feature_layers, final, device)
         loss = _optimizer_step(head, optimizer, batch, state.step, config, teacher, compute)
         state.step += 1
         state.tokens += sum(len(p.tokens) for p in passes)
