@@ -8,8 +8,8 @@ them (responses "target": self-distillation) or keep the dataset's answers ("dat
 forcing), run the target once over each sequence (`run_targets`: the states the head reads
 and its final-normed state; on a GPU a batch's sequences run as rows of a few passes) unless
 the feature store already holds it (`train.feature_store`; every pass run is kept there), and
-fit the head's outputs (EAGLE-3's `unroll` TTT steps,
-Medusa's heads, the exit) to the target's distribution over the draft vocabulary
+fit the head's outputs (EAGLE-3's `unroll` TTT steps, Medusa's heads, the exit) to the
+target's distribution over the draft vocabulary, the batch's sequences packed into rows
 (`train.objective`). With `epochs` > 1 the run trains again on the first `budget_examples`
 examples, read from the store in a shuffled order that batches similar lengths together
 (`train.batches`). The target's passes and the head run on
