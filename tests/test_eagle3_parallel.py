@@ -301,8 +301,9 @@ def test_packed_batch_puts_shorter_sequences_together(tiny_model_dir: Path) -> N
     answers = [i for i, a in enumerate(batch.answer[0].tolist()) if a]
     assert answers == [*range(69, 99), *range(109, 119)]
     torch.testing.assert_close(batch.features[0, 100:120], passes[2].at(cfg.aux_layers))
-    # output j = 1 (ahead 2) of column 98 would read position 100: the next sequence's
-    assert batch.answer[0, 100 + 9] and read_columns(batch, 2)[0, 107]
+    # 109 is an answer position of the second sequence: its own column 107 reads it at
+    # ahead 2, the first sequence's column 98 never does (ahead 11)
+    assert batch.answer[0, 109] and read_columns(batch, 2)[0, 107]
     assert not read_columns(batch, 11)[0, 98]
 
 
