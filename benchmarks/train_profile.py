@@ -155,20 +155,6 @@ def main() -> None:
         _compare_layouts(timed, head, final, config.unroll, teacher, compute)
 
 
-def _one_per_row(passes: list[TargetPass], layers: tuple[int, ...], final: int) -> Batch:
-    """The passes one a row, right-padded to the longest (the layout before packing)."""
-    alone = [packed_batch([p], layers, final, torch.device("cpu")) for p in passes]
-    length = max(b.tokens.shape[1] for b in alone)
-
-    def rows(name: str) -> torch.Tensor:
-        parts = [getattr(b, name)[0] for b in alone]
-        return torch.stack(
-            [torch.cat([t, t.new_zeros(length - len(t), *t.shape[1:])]) for t in parts]
-        )
-
-    return Batch(*(rows(n) for n in ("tokens", "features", "final", "argmax", "answer", "starts")))
-
-
 def _compare_layouts(
     timed: list[list[TargetPass]],
     head: TrainableEagle3 | TrainableExitHead,
@@ -189,7 +175,7 @@ def _compare_layouts(
     ratios = []
     for passes in timed:
         packed = packed_batch(passes, head.feature_layers, final, torch.device("cpu"))
-        alone = _one_per_row(passes, head.feature_layers, final)
+        alone = packed_batch(passes, head.feature_layers, final, torch.device("cpu"), pack=False)
         first, second, third, fourth = step(packed), step(alone), step(alone), step(packed)
         ratios.append((first + fourth) / (second + third))
         print(

@@ -29,7 +29,6 @@ from specdecode.sampling_params import SamplingParams
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.init import initial_weights
 from specdecode.train.objective import (
-    Batch,
     Teacher,
     batch_loss,
     later_columns,
@@ -307,18 +306,6 @@ def test_packed_batch_puts_shorter_sequences_together(tiny_model_dir: Path) -> N
     assert not read_columns(batch, 11)[0, 98]
 
 
-def _one_per_row(batches: list[Batch]) -> Batch:
-    """Single-pass batches stacked as rows of one (right-padded, one sequence a row)."""
-    length = max(b.tokens.shape[1] for b in batches)
-
-    def stack(name: str) -> torch.Tensor:
-        parts = [getattr(b, name)[0] for b in batches]
-        padded = [torch.cat([p, p.new_zeros(length - len(p), *p.shape[1:])]) for p in parts]
-        return torch.stack(padded)
-
-    return Batch(*(stack(n) for n in ("tokens", "features", "final", "argmax", "answer", "starts")))
-
-
 @pytest.mark.parametrize("parallel", [0, P])
 def test_packed_sequences_train_as_if_each_had_its_own_row(
     tiny_model_dir: Path, tmp_path: Path, parallel: int
@@ -332,7 +319,8 @@ def test_packed_sequences_train_as_if_each_had_its_own_row(
     cpu = torch.device("cpu")
     packed = packed_batch(passes, cfg.aux_layers, final, cpu)
     assert packed.tokens.shape == (2, 128)  # [110, 14] and [60, 50]
-    alone = _one_per_row([packed_batch([p], cfg.aux_layers, final, cpu) for p in passes])
+    alone = packed_batch(passes, cfg.aux_layers, final, cpu, pack=False)
+    assert alone.tokens.shape == (4, 128) and not alone.starts.any()
     gen = torch.Generator().manual_seed(6)
     teacher_rows = torch.randn(cfg.draft_vocab_size, cfg.hidden_size, generator=gen)
     teacher = Teacher(teacher_rows, torch.arange(cfg.draft_vocab_size), final)

@@ -104,20 +104,26 @@ class Batch:
 
 
 def packed_batch(
-    passes: Sequence[TargetPass], layers: tuple[int, ...], final: int, device: torch.device
+    passes: Sequence[TargetPass],
+    layers: tuple[int, ...],
+    final: int,
+    device: torch.device,
+    pack: bool = True,
 ) -> Batch:
     """The passes as one `Batch` on `device`; features are the states of `layers`. Rows are
     as long as the longest pass rounded up to SHAPE_BUCKET, and each pass goes, longest
-    first, into the first row with room for it (one pass a row when no two fit).
+    first, into the first row with room for it (one pass a row when no two fit). pack=False:
+    one pass a row, in order (the layout before packing, which tests and benchmarks compare).
 
     Example: passes of 100, 60 and 20 tokens give T 128 and rows [100, 20] and [60].
     """
     length = -(-max(len(p.tokens) for p in passes) // SHAPE_BUCKET) * SHAPE_BUCKET
     rows: list[list[TargetPass]] = []
     filled: list[int] = []  # tokens per row
-    for p in sorted(passes, key=lambda p: -len(p.tokens)):  # stable: equal lengths keep order
+    for p in sorted(passes, key=lambda p: -len(p.tokens)) if pack else passes:  # stable sort
         n = len(p.tokens)
-        b = next((b for b, used in enumerate(filled) if used + n <= length), len(rows))
+        room = (b for b, used in enumerate(filled) if used + n <= length)
+        b = next(room, len(rows)) if pack else len(rows)
         if b == len(rows):
             rows.append([])
             filled.append(0)
