@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-READY = "ready"
+READY, RESULT = "ab_checkouts ready", "ab_checkouts result"  # a worker's lines to the driver
 
 
 def _config_dict(spec: str) -> dict[str, Any] | None:
@@ -78,11 +78,23 @@ def _worker(job: dict[str, Any]) -> None:
             tokens += len(ids)
             digest.update(json.dumps(list(ids)).encode())
         elapsed = time.perf_counter() - start
-        print(json.dumps({"tps": tokens / elapsed, "digest": digest.hexdigest()}), flush=True)
+        result = {"tps": tokens / elapsed, "digest": digest.hexdigest()}
+        print(RESULT, json.dumps(result), flush=True)
+
+
+def _read(proc: subprocess.Popen[str], marker: str) -> str | None:
+    """The rest of the worker's next line that starts with `marker` (other lines, a library's
+    prints, are skipped); None if the worker ended first."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(marker + " "):
+            return line[len(marker) + 1 :].rstrip("\n")
+    return None
 
 
 def _start(tree: Path, job: dict[str, Any]) -> subprocess.Popen[str]:
-    """A worker importing specdecode from tree/src; returns once it has loaded everything."""
+    """A worker importing specdecode from tree/src (its kernels built in place); returns once
+    it has loaded and run everything."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     proc = subprocess.Popen(
         [sys.executable, __file__, "--worker", json.dumps(job)],
@@ -90,25 +102,27 @@ def _start(tree: Path, job: dict[str, Any]) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         text=True,
         env=env,
-        cwd=tree,
     )
-    assert proc.stdout is not None
-    ready = proc.stdout.readline().rstrip("\n").split(" ", 1)
-    if not ready or ready[0] != READY:
+    where = _read(proc, READY)
+    if where is None:
         proc.kill()
         raise SystemExit(f"the worker for {tree} did not start (see its stderr above)")
-    if not Path(ready[1]).is_relative_to(tree / "src"):
+    if not Path(where).is_relative_to(tree / "src"):
         proc.kill()
-        raise SystemExit(f"the worker for {tree} imported specdecode from {ready[1]}")
+        raise SystemExit(f"the worker for {tree} imported specdecode from {where}")
     return proc
 
 
 def _ask(proc: subprocess.Popen[str], method: int) -> dict[str, Any]:
+    """Time method number `method` in the worker: {"tps", "digest"}."""
     stdin: IO[str] | None = proc.stdin
-    assert stdin is not None and proc.stdout is not None
+    assert stdin is not None
     stdin.write(f"{method}\n")
     stdin.flush()
-    return json.loads(proc.stdout.readline())
+    result = _read(proc, RESULT)
+    if result is None:
+        raise SystemExit("a worker ended (see its stderr above)")
+    return json.loads(result)
 
 
 def main() -> None:
