@@ -120,10 +120,12 @@ def packed_batch(
     length = -(-max(len(p.tokens) for p in passes) // SHAPE_BUCKET) * SHAPE_BUCKET
     rows: list[list[TargetPass]] = []
     filled: list[int] = []  # tokens per row
-    for p in sorted(passes, key=lambda p: -len(p.tokens)) if pack else passes:  # stable sort
+    # longest first (a stable sort: equal lengths keep their order), or as given
+    order = sorted(passes, key=lambda p: -len(p.tokens)) if pack else passes
+    for p in order:
         n = len(p.tokens)
-        room = (b for b, used in enumerate(filled) if used + n <= length)
-        b = next(room, len(rows)) if pack else len(rows)
+        room = (b for b, used in enumerate(filled) if pack and used + n <= length)
+        b = next(room, len(rows))
         if b == len(rows):
             rows.append([])
             filled.append(0)
