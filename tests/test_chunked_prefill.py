@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import build_tiny_eagle3_head
 
 from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.cache.block_pool import BLOCK_TOKENS
@@ -144,6 +145,26 @@ def test_prompts_that_share_a_block_run_one_after_another(tiny_model_dir: Path) 
     outs = llm.generate(prompts, [params] * 3)
     assert outs[1].metrics.num_cached_tokens == 2 * BLOCK_TOKENS
     assert passes == [(2 * BLOCK_TOKENS + 2,), (1, 20)]
+
+
+def test_prompts_that_share_a_block_share_a_pass_when_no_hit_can_load(
+    tiny_model_dir: Path,
+) -> None:
+    """A drafter that reads the target's states at every prompt token (an EAGLE-3 head's
+    catch-up) never starts a prompt from the prefix cache, so prompts sharing a first block
+    have nothing to wait for: they prefill in one pass, each giving plain decoding's output."""
+    head = build_tiny_eagle3_head(tiny_model_dir, tiny_model_dir / "eagle3-head-prefill")
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
+    passes = _prefill_passes(llm)
+    shared = [(i * 5) % 250 for i in range(2 * BLOCK_TOKENS)]
+    prompts = [{"prompt_token_ids": [*shared, 40, 41]}, {"prompt_token_ids": [*shared, 50]}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, [params] * 2)
+    assert passes == [(2 * BLOCK_TOKENS + 2, 2 * BLOCK_TOKENS + 1)]
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 0]
+    plain = LLM(model=str(tiny_model_dir), dtype="float32")
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params)]
 
 
 @pytest.mark.real_model

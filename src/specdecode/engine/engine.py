@@ -264,9 +264,15 @@ class Engine:
         if not self._exact_prefill:
             return False
         head = req.prefill_ids[:BLOCK_TOKENS]
-        if len(head) < BLOCK_TOKENS or self.prefix_cache is None:
-            return True  # no full block: nothing to share
+        if len(head) < BLOCK_TOKENS or not self._prefix_hits:
+            return True  # no full block, or no hit ever loaded: nothing to share
         return all(other.prefill_ids[:BLOCK_TOKENS] != head for other, _ in batch)
+
+    @property
+    def _prefix_hits(self) -> bool:
+        """Whether a prompt may start from the prefix cache: a cache is kept and the drafter
+        does not need the target's states at every prompt token (a head's catch-up does)."""
+        return self.prefix_cache is not None and not self.drafter.needs.hidden_layers
 
     @property
     def _exact_prefill(self) -> bool:
@@ -286,7 +292,7 @@ class Engine:
         self.num_preemptions += len(taken)
         if not taken or self.cache is None:
             return
-        if self.prefix_cache is not None:  # newest first: the batch's last rows
+        if self._prefix_hits:  # newest first: the batch's last rows
             for row, req in zip(range(running - 1, -1, -1), taken, strict=False):
                 self.prefix_cache.store(req.token_ids, self.cache, row)
         self.cache.keep_rows(range(running - len(taken)))
@@ -336,7 +342,7 @@ class Engine:
         prompt = req.prefill_ids
         if req.num_computed_tokens == 0:
             hit = 0
-            if self.prefix_cache is not None and not self.drafter.needs.hidden_layers:
+            if self._prefix_hits:
                 view = self.cache.row(row)
                 hit = self.prefix_cache.load(prompt, view)
                 self.cache.set_length(row, view.lengths[0])
@@ -372,7 +378,7 @@ class Engine:
         ready = []  # batch indices of the requests that draw their first token now
         for index, (req, chunk) in enumerate(batch):
             req.num_computed_tokens += chunk
-            if self.prefix_cache is not None:
+            if self._prefix_hits:
                 self.prefix_cache.store(req.prefill_ids, view, index)
             if req.num_computed_tokens == len(req.prefill_ids) and not req.output_ids:
                 ready.append(index)
@@ -421,7 +427,7 @@ class Engine:
             return
         for row, req in enumerate(running):
             if req.finished:
-                if self.prefix_cache is not None and self.cache is not None:
+                if self._prefix_hits and self.cache is not None:
                     self.prefix_cache.store(req.token_ids, self.cache, row)
                 self._release(req.request_id)
         if self.cache is not None:
