@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import zipfile
 from pathlib import Path
 
@@ -273,3 +274,38 @@ def test_gguf_file_is_converted_once(cache: Path, tmp_path: Path) -> None:
     os.utime(gguf, ns=(0, 10**9))  # a changed file gets a fresh conversion
     assert resolve_model(str(gguf), convert=counting_convert) != folder
     assert len(calls) == 2
+
+
+def test_two_converters_of_one_file_build_it_once(cache: Path, tmp_path: Path) -> None:
+    """Two processes that resolve the same GGUF file at once (replicas starting together): the
+    second waits for the first's conversion and uses it, instead of deleting its staging folder
+    and converting again."""
+    started, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def slow_convert(gguf_path: Path, out_dir: Path, progress: bool) -> None:
+        calls.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(10)
+        fake_convert(gguf_path, out_dir, progress)
+
+    gguf = tmp_path / "shared.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(12))
+    folders: dict[str, Path] = {}
+
+    def resolve() -> None:
+        name = threading.current_thread().name
+        folders[name] = resolve_model(str(gguf), convert=slow_convert, progress=False)
+
+    first = threading.Thread(target=resolve, name="first")
+    first.start()
+    assert started.wait(10)  # the first is converting
+    second = threading.Thread(target=resolve, name="second")
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # it waits for the first, touching nothing
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert calls == ["first"]
+    assert folders["first"] == folders["second"] and (folders["first"] / MARKER).is_file()

@@ -4,9 +4,11 @@ exact (certify, and a biased inner check that the same test catches)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 from spec_cases import GREEDY, PROMPTS, PassCounter
 from test_certify import always_accept
 
@@ -56,22 +58,35 @@ def test_staged_configs_are_checked(tiny_model_dir: Path) -> None:
         _llm(tiny_model_dir, staged="ngram", tree_width=2)
 
 
+@pytest.fixture(scope="module")
+def flatter_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target with its final norm scaled by 0.4: the same top tokens with flatter
+    probabilities, so q overlaps p and the target accepts a draft token often, not always."""
+    out = tmp_path_factory.mktemp("flatter_draft")
+    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
+    weights = load_file(out / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 0.4
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
 @pytest.mark.one_architecture
 @pytest.mark.parametrize("biased", [False, True])
 def test_certify_passes_and_a_biased_inner_check_fails(
-    tiny_model_dir: Path, other_draft_dir: Path, monkeypatch: pytest.MonkeyPatch, biased: bool
+    tiny_model_dir: Path, flatter_draft_dir: Path, monkeypatch: pytest.MonkeyPatch, biased: bool
 ) -> None:
     """A draft model that keeps every guess (as if q accepted it) drafts tokens whose
-    distribution is not the q it reports: the target's output goes wrong."""
+    distribution is not the q it reports: the target's output goes wrong. The draft model's
+    q overlaps the target's p, so the exact run accepts and rejects draft tokens alike."""
     if biased:
         monkeypatch.setattr(staged, "verify_chain", always_accept)
-    config = {"model": str(other_draft_dir), "num_speculative_tokens": 3, "staged": "suffix"}
+    config = {"model": str(flatter_draft_dir), "num_speculative_tokens": 3, "staged": "suffix"}
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
     prompt = (5, 17, 42, 5, 17, 42, 5, 17)
     params = CertifyConfig(prompt, num_tokens=4, top_k=4, num_samples=4000, seed=3)
     result = certify(llm, params)
     print(result.as_dict())
-    assert result.num_draft_tokens > 1000 and result.acceptance_rate < 0.95
+    assert result.num_draft_tokens > 1000 and 0.05 < result.acceptance_rate < 0.95
     assert result.passed is not biased
 
 

