@@ -12,7 +12,8 @@ Cache layout (root: `cache_root()`):
 
 A folder counts as complete only when it holds the `.complete` marker. Every folder is built in a
 hidden staging sibling, marked, and only then renamed into place, so an interrupted or failed pull
-leaves nothing that looks pulled.
+leaves nothing that looks pulled. Processes that pull or convert at once build one at a time (a
+lock on the parent folder), and one that waited uses what the other built.
 """
 
 from __future__ import annotations
