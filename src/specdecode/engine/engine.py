@@ -258,9 +258,10 @@ class Engine:
 
     def _joins(self, req: Request, batch: list[tuple[Request, int]]) -> bool:
         """Whether `req` may be prefilled in one pass with the requests of `batch`: under
-        per-token attention (`_exact_prefill`), and only when its first block of prompt
-        tokens differs from each of theirs, so no earlier prompt of the pass could have given
-        it a prefix cache hit (those share a first block: they run one after another)."""
+        per-token attention (`_exact_prefill`), and, where a prompt may start from the prefix
+        cache (`_prefix_hits`), only when its first block of prompt tokens differs from each
+        of theirs, so no earlier prompt of the pass could have given it a hit (those share a
+        first block: they run one after another)."""
         if not self._exact_prefill:
             return False
         head = req.prefill_ids[:BLOCK_TOKENS]
