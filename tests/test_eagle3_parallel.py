@@ -124,7 +124,8 @@ def test_the_trainable_head_scores_what_one_drafter_pass_drafts(
         steps = [trainable.logits(h) for h in trainable(states, tokens, P)]
     n = 12  # committed entries 0..11: entry t reads (token t + 1, state t)
     ids = [*tokens[0, 1 : n + 1].tolist(), *[mask_token(j) for j in range(1, P)]]
-    hidden = torch.cat([head.fuse(states[0, :n]), head.mask_hidden])
+    fused = head.fuse(states[0, :n])  # [n, h]
+    hidden = torch.cat([fused, head.mask_features(fused[-1], P - 1)])
     meta = AttentionMetadata.prefill([n + P - 1], "cpu")
     index = torch.arange(n - 1, n + P - 1)[None]
     logits, _ = head(torch.tensor([ids]), hidden[None], meta, head.new_cache(1, 32), index)
@@ -173,8 +174,25 @@ def test_heads_and_methods_must_match_and_k_fit_the_levels(
         _parallel(tiny_model_dir, head_dir, num_speculative_tokens=P + 1)
     with pytest.raises(UserError, match="too deep"):
         _parallel(tiny_model_dir, head_dir, num_speculative_tokens=9, tree_width=2, tree_depth=5)
-    assert json.loads((head_dir / "config.json").read_text())["parallel_draft_tokens"] == P
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["parallel_draft_tokens"] == P and config["parallel_mask_inputs"] == "anchored"
     assert Eagle3HeadConfig.from_folder(head_dir).parallel_tokens == P
+
+
+@pytest.mark.parametrize("mask_inputs", [None, "learned"])
+def test_a_parallel_head_whose_mask_entries_read_other_inputs_is_refused(
+    head_dir: Path, tmp_path: Path, mask_inputs: str | None
+) -> None:
+    """A parallel head saved before its mask entries were anchored at the newest state (no
+    "parallel_mask_inputs"), or naming a scheme this version does not draft with, is refused
+    with what to do, not drafted from with other inputs than it was trained on."""
+    config = json.loads((head_dir / "config.json").read_text())
+    config.pop("parallel_mask_inputs")
+    if mask_inputs is not None:
+        config["parallel_mask_inputs"] = mask_inputs
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"parallel_mask_inputs.*'anchored'.*train the head again"):
+        Eagle3HeadConfig.from_folder(tmp_path)
 
 
 def test_training_a_parallel_head_raises_its_acceptance(

@@ -239,7 +239,7 @@ class Eagle3Drafter(DrafterBase):
         levels = [mask_token(j) for j in range(1, masks + 1)]
         tokens = torch.tensor([[*ids[row.fed + 1 :], *levels]], device=device)  # [1, n + masks]
         if masks:
-            fused = torch.cat([fused, head.mask_hidden[:masks]])  # [n + masks, h]
+            fused = torch.cat([fused, head.mask_features(fused[-1], masks)])  # [n + masks, h]
         mode = AttentionMode.PREFILL if row.fed == 0 else AttentionMode.DECODE
         meta = AttentionMetadata.contiguous(mode, [row.fed], [n + masks], device)
         index = torch.arange(n - 1, n + masks, device=device)[None]  # [1, 1 + masks]

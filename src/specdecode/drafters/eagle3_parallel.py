@@ -12,11 +12,12 @@ before the next draft, which feeds the target's states of the tokens the step ke
 
 Worked example, K = 3, committed t0..t5, entries 0..3 fed before, the last target pass kept s4:
 
-    propose: one pass over (t5, s4) at position 4, (M1, m1) at 5, (M2, m2) at 6 -> d1, d2, d3
-             (Mj, mj: level j's mask embedding and feature).
+    propose: one pass over (t5, s4) at position 4, (M1, s4 + m1) at 5, (M2, s4 + m2) at 6
+             -> d1, d2, d3 (Mj, mj: level j's mask embedding and feature offset; s4 stands
+             for its fused feature).
     verdict: accepted d1, recovered r; the target pass kept s5, s6.
     propose: drop entries 5, 6 (cache back to entries 0..4); one pass over (d1, s5), (r, s6),
-             (M1, m1), (M2, m2) at 5..8 -> d1', d2', d3'.
+             (M1, s6 + m1), (M2, s6 + m2) at 5..8 -> d1', d2', d3'.
 
 A step's drafting is one head pass however long the draft (the sequential head makes K).
 """

@@ -170,12 +170,18 @@ class Eagle3Head(nn.Module):
         feature ([..., h])."""
         return self.fc(features.to(self.dtype))
 
+    def mask_features(self, newest: Tensor, levels: int) -> Tensor:
+        """A parallel head's mask entries 1..levels after an entry whose fused feature is
+        `newest` ([h]): their features, `newest` plus each level's learned offset ([levels, h])."""
+        assert self.mask_hidden is not None, "only a parallel head has mask entries"
+        return newest + self.mask_hidden[:levels]
+
     @torch.inference_mode()
     def forward(
         self,
         tokens: Tensor,  # [B, T] int64 target ids (entry t: token t + 1); < 0: mask_token(j)
         hidden: Tensor,  # [B, T, h]: fused target states, the head's own pre-norm outputs,
-        # or (mask entries) mask_hidden
+        # or (mask entries) `mask_features`
         meta: AttentionMetadata,
         cache: KVCache,
         logits_index: Tensor | None = None,  # [B, N] which of the T entries get logits

@@ -11,7 +11,8 @@ The file follows vLLM's `speculators` format (what vLLM and SGLang load):
 
 The original EAGLE-3 layout (a flat Llama config with `draft_vocab_size`) is read too. Our own
 writer adds the target's layer count, hidden size and vocabulary under `verifier`, so a head is
-refused on a target it was not trained for.
+refused on a target it was not trained for. A parallel head adds `parallel_draft_tokens` (P)
+and `parallel_mask_inputs` (how its mask entries read their inputs: "anchored").
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 from specdecode.errors import UserError
 from specdecode.heads.files import check_draft_vocab_size
 from specdecode.model.config import ModelConfig, read_config_json
+
+MASK_INPUTS = "anchored"  # a parallel head's mask entries: newest entry's feature + offsets
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -42,8 +45,10 @@ class Eagle3HeadConfig:
     norm_before_residual: the residual is the normed feature (one speculators variant).
     parallel_tokens: 0 for a head that drafts token by token; P > 0 for a parallel head
         (P-EAGLE / PARD style): after the entry of the newest target state, P - 1 mask entries
-        (per level a learned token embedding and feature, `mask_embed` / `mask_hidden`
-        [P - 1, h]) at the next positions draft tokens 2..P in the same pass.
+        at the next positions draft tokens 2..P in the same pass. Mask entry j reads level j's
+        learned token embedding (`mask_embed` [P - 1, h]) and, as its feature, the newest
+        entry's fused feature plus level j's learned offset (`mask_hidden` [P - 1, h]);
+        config.json says so as "parallel_mask_inputs": "anchored".
     verifier: the target's name; verifier_layers / verifier_hidden / verifier_vocab: its layer
         count, hidden size and vocabulary (None when the file does not say).
     """
@@ -65,6 +70,21 @@ class Eagle3HeadConfig:
             raise UserError(f"aux layer ids must be >= 0, got {list(self.aux_layers)}")
         if not isinstance(self.parallel_tokens, int) or self.parallel_tokens < 0:
             raise UserError(f"parallel_draft_tokens must be >= 0, got {self.parallel_tokens!r}")
+
+    @staticmethod
+    def check_mask_inputs(cfg: dict[str, Any]) -> None:
+        """Refuse a parallel head's parsed config.json (`parallel_draft_tokens` > 0) whose mask
+        entries read other inputs than this version gives them (MASK_INPUTS)."""
+        if not cfg.get("parallel_draft_tokens"):
+            return
+        found = cfg.get("parallel_mask_inputs")
+        if found != MASK_INPUTS:
+            was = f"is {found!r}" if found is not None else "is missing (an older head)"
+            raise UserError(
+                f'this parallel head\'s "parallel_mask_inputs" {was}; this version drafts with '
+                f"{MASK_INPUTS!r} mask entries (feature = the newest entry's + a learned "
+                "offset): train the head again with `specdecode train --method eagle3_parallel`"
+            )
 
     @property
     def hidden_size(self) -> int:
@@ -158,6 +178,7 @@ class Eagle3HeadConfig:
         }
         if self.parallel_tokens:
             cfg["parallel_draft_tokens"] = self.parallel_tokens
+            cfg["parallel_mask_inputs"] = MASK_INPUTS
         if extra:
             cfg["specdecode"] = extra
         return json.dumps(cfg, indent=2) + "\n"
@@ -180,6 +201,7 @@ class Eagle3HeadConfig:
         kind = cfg.get("speculators_model_type", "eagle3")
         if kind != "eagle3":
             raise UserError(f"not an EAGLE-3 head: speculators_model_type is {kind!r}")
+        cls.check_mask_inputs(cfg)
         layer_dict = dict(cfg.get("transformer_layer_config") or cfg)
         layer_dict.setdefault("model_type", "llama")
         layer = replace(ModelConfig.from_hf_dict(layer_dict), num_layers=1)

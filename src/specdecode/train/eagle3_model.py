@@ -9,10 +9,10 @@ exactly what the drafter's cache holds when it drafts its (j + 1)-th token after
 entry t. So step j's loss trains the head on its own drafted features, as at inference.
 
 A parallel head (`parallel_tokens` > 0) drafts all its tokens in one pass: its step j > 0
-entries read level j's learned mask embedding and mask feature (row j - 1 of `mask_embed`,
-`mask_hidden`) in place of token t + j + 1 and step j - 1's output, with the same positions
-and the same mask, which is what the drafter's one pass holds: the newest entry, then its mask
-entries.
+entries read level j's learned mask embedding (row j - 1 of `mask_embed`) in place of token
+t + j + 1, and column t's fused feature plus level j's learned offset (row j - 1 of
+`mask_hidden`) in place of step j - 1's output, with the same positions and the same mask,
+which is what the drafter's one pass holds: the newest entry, then its mask entries.
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ class TrainableEagle3(HeadParameters):
         causal = None
         if bool(starts.any()):
             causal = (here <= here[:, None]) & (here >= starts[..., None])  # [B, T, T]
-        hidden = self._linear(features.to(self.p("fc.weight").dtype), "fc.weight")  # [B,T,h]
+        fused = self._linear(features.to(self.p("fc.weight").dtype), "fc.weight")  # [B,T,h]
+        hidden = fused
         keys: list[Tensor] = []
         values: list[Tensor] = []
         outputs: list[Tensor] = []
@@ -113,7 +114,8 @@ class TrainableEagle3(HeadParameters):
             cols = here.expand(batch, length) if step == 0 else columns
             if step and self.config.parallel_tokens:  # mask entries of level `step`
                 token_embeds = self.p("mask_embed")[step - 1].expand(*cols.shape, -1)
-                hidden = self.p("mask_hidden")[step - 1].expand(*cols.shape, -1).to(hidden.dtype)
+                offset = self.p("mask_hidden")[step - 1].to(fused.dtype)  # [h]
+                hidden = fused[rows, cols] + offset  # [B, A, h]: anchored at column t's feature
             else:
                 ahead = cols + step + 1  # column t reads token t + step + 1 (0 past the end)
                 token_embeds = self.embed[
