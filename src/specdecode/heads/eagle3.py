@@ -79,7 +79,7 @@ def head_tensor_shapes(cfg: Eagle3HeadConfig) -> dict[str, tuple[int, ...]]:
         "lm_head.weight": (cfg.draft_vocab_size, h),
         "d2t": (cfg.draft_vocab_size,),
     }
-    if cfg.parallel_tokens:  # one mask token embedding and feature per drafted level 1..P-1
+    if cfg.parallel_tokens:  # per drafted level 1..P-1 a mask token embedding and feature offset
         levels = max(cfg.parallel_tokens - 1, 1)
         shapes |= {"mask_embed": (levels, h), "mask_hidden": (levels, h)}
     if lay.qkv_bias:
@@ -128,7 +128,7 @@ class Eagle3Head(nn.Module):
         )
         # draft row -> target id
         self.register_buffer("draft_to_target", d2t_to_draft_ids(weights["d2t"]))
-        # a parallel head's mask entries: per level 1..P-1 a token embedding and a feature
+        # a parallel head's mask entries: per level 1..P-1 a token embedding and a feature offset
         self.mask_embed: Tensor | None = weights.get("mask_embed")
         self.mask_hidden: Tensor | None = weights.get("mask_hidden")
         device = weights["norm.weight"].device
