@@ -75,7 +75,8 @@ def exported(folder: Path, bits: int, cli: str | None = None) -> Path:
     hidden sibling, moved in place only once complete (`build_atomically`). `cli`: the
     exporter (default `optimum_cli()`), asked for only when the export is missing."""
     out = folder / f"openvino-int{bits}"
-    if (out / "openvino_model.xml").is_file():
+    is_exported = (out / "openvino_model.xml").is_file
+    if is_exported():
         return out
     cli = cli or optimum_cli()
     print(f"exporting {folder} to OpenVINO int{bits} with {cli} ...", file=sys.stderr)
@@ -95,9 +96,7 @@ def exported(folder: Path, bits: int, cli: str | None = None) -> Path:
                 f"optimum-cli could not export {folder} (exit {done.returncode}): {tail}"
             )
 
-    build_atomically(
-        out, build, f"optimum-cli export, int{bits}", (out / "openvino_model.xml").is_file
-    )
+    build_atomically(out, build, f"optimum-cli export, int{bits}", ready=is_exported)
     return out
 
 

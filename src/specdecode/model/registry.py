@@ -267,7 +267,8 @@ def _converted_gguf(path: Path, progress: bool, convert: Converter | None) -> Pa
     stat = path.stat()
     key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
     folder = cache_root() / "gguf" / f"{path.stem}-{key[:16]}"
-    if (folder / MARKER).is_file():
+    converted = (folder / MARKER).is_file
+    if converted():
         return folder
     converter = convert or _default_converter()
 
@@ -275,7 +276,7 @@ def _converted_gguf(path: Path, progress: bool, convert: Converter | None) -> Pa
         converter(path, staging, progress)
         (staging / "model.gguf").symlink_to(path)  # its own blocks, for quantization="gguf"
 
-    return build_atomically(folder, build, str(path), ready=(folder / MARKER).is_file)
+    return build_atomically(folder, build, str(path), ready=converted)
 
 
 def _default_converter() -> Converter:
