@@ -18,6 +18,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #if defined(__F16C__)
@@ -27,11 +28,14 @@
 namespace sd = specdecode;
 
 // The cores run their parallel loops here in chunks of `grain` items, one after another (so a
-// chunk's edges fall inside the data).
+// chunk's edges fall inside the data), each on a new thread, as the extension's pool threads
+// run them: a thread that never asked for AMX's tile state (the permission is the process's)
+// and never configured its tiles before.
 void specdecode::parallel_for(int64_t begin, int64_t end, int64_t grain,
                               const std::function<void(int64_t, int64_t)>& body) {
   const int64_t step = std::max<int64_t>(1, grain);
-  for (int64_t lo = begin; lo < end; lo += step) body(lo, std::min(end, lo + step));
+  for (int64_t lo = begin; lo < end; lo += step)
+    std::thread([&body, lo, hi = std::min(end, lo + step)] { body(lo, hi); }).join();
 }
 
 // The pool size the cores see (attention splits its work by it); a test may change it.

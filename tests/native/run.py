@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "src/specdecode/kernels"
 CORES = ["matmul", "gguf", "attention", "pointwise"]
 # as setup.py compiles the kernels (-ffp-contract=off: the references round as the kernels do)
-FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-Wall"]
+FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-pthread"]
 # per target architecture: the compiler, and how to run what it built (None: directly)
 TOOLCHAINS = {
     "x86_64": ("g++", None),
@@ -34,6 +34,18 @@ def _variants():
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+# AMX's features: the kernels use its tiles only where the OS grants them at run time (the
+# vector code of the same build serves otherwise), so a build that needs AMX runs on a CPU that
+# has every other feature it needs, its tile code left out.
+AMX = frozenset({"amx_tile", "amx_int8", "amx_bf16"})
+
+
+def _runs(variants, variant, features: frozenset[str]) -> bool:
+    """Whether this CPU runs the variant's driver: it has the features the variant needs,
+    AMX's aside (see AMX)."""
+    return variants.runs_here(variant, features | (variant.needs & AMX))
 
 
 def build(variant, arch: str, out: Path) -> Path:
@@ -64,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
     variants = _variants()
     chosen = variants.for_machine(args.arch)
+    features = variants.cpu_features() if args.arch == platform.machine() else frozenset()
     if args.arch == platform.machine():  # only what this CPU executes
-        features = variants.cpu_features()
-        chosen = tuple(v for v in chosen if variants.runs_here(v, features))
+        chosen = tuple(v for v in chosen if _runs(variants, v, features))
     if args.variants:
         names = set(args.variants.split(","))
         unknown = names - {v.name for v in chosen}
@@ -93,6 +105,17 @@ def main(argv: list[str] | None = None) -> int:
         built = time.monotonic() - started
         result = subprocess.run([*(runner or []), str(program)], capture_output=True, text=True)
         lines = result.stdout.splitlines()
+        if variant.needs & AMX and not variant.needs - features:  # AMX here: it must be used
+            kernels = next((line for line in lines if line.startswith("kernels:")), "")
+            if "amx" not in kernels:
+                print(
+                    f"FAIL this CPU has AMX but the {variant.name} build does not use it: "
+                    f"{kernels or 'no kernels line'}"
+                )
+                result.returncode = result.returncode or 1
+        elif variant.needs & AMX:
+            lacking = ", ".join(sorted(AMX - features))
+            print(f"   (its AMX tile code not run: this CPU lacks {lacking})")
         for line in lines:
             if not line.startswith("ok "):
                 print(line)

@@ -38,6 +38,7 @@
 #include "tiles.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -397,10 +398,11 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};  // bytes per row of each tile register
   uint8_t rows[16] = {};
 };
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
 
 // Tiles 0-3: the accumulators of the 4 row groups (M tokens x 16 lanes of 4 bytes); tile 4: A,
 // M tokens x 64 bytes of K; tiles 5 and 6: B, 16 k-groups x 64 bytes (taken in turns).
-void configure_tiles(int64_t M) {
+constexpr TileConfig tile_config(int64_t M) {
   TileConfig config;
   for (int i = 0; i < 5; ++i) {
     config.rows[i] = uint8_t(M);
@@ -410,8 +412,23 @@ void configure_tiles(int64_t M) {
     config.rows[i] = 16;
     config.colsb[i] = AMX_K_BYTES;
   }
-  _tile_loadconfig(&config);
+  return config;
 }
+
+// The configurations for 1 .. AMX_TOKENS tokens, in static memory. They are never built on the
+// stack: `ldtilecfg` reads 64 bytes, but GCC's `_tile_loadconfig` (up to GCC 13 at least) tells
+// the compiler its operand is one pointer (8 bytes), so the stores of a stack copy may be
+// dropped as dead. gcc -O2 dropped every row and column count (only the palette stayed), so
+// the first `tilezero` met unconfigured tiles and faulted (SIGILL); -O3 happened to keep them.
+// A static table's 64 bytes are all in memory, whatever the compiler assumes the asm reads.
+constexpr auto TILE_CONFIGS = [] {
+  std::array<TileConfig, AMX_TOKENS + 1> configs{};
+  for (int64_t M = 1; M <= AMX_TOKENS; ++M) configs[M] = tile_config(M);
+  return configs;
+}();
+
+// Loads the tile shapes for M tokens (1 <= M <= AMX_TOKENS).
+void configure_tiles(int64_t M) { _tile_loadconfig(&TILE_CONFIGS[M]); }
 
 // Linux hands out the tile registers' state only to a process that asks (once per process).
 bool amx_granted() {
@@ -631,7 +648,12 @@ std::string isa() {
   bf16 = "neon";
 #endif
   if (use_amx(AMX_K_BYTES)) int8 = bf16 = "amx";
-  return "int8: " + int8 + ", bf16: " + bf16;
+  std::string why_not;  // AMX compiled in and wanted, but the OS did not grant the tile state
+#if defined(SPECDECODE_AMX)
+  if (amx_wanted && !amx_granted())
+    why_not = " (no AMX: the OS did not grant the tile state, arch_prctl(ARCH_REQ_XCOMP_PERM))";
+#endif
+  return "int8: " + int8 + ", bf16: " + bf16 + why_not;
 }
 
 }  // namespace specdecode

@@ -70,6 +70,35 @@ def _attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def _rowwise_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    rows: tuple[tuple[int, int], ...],
+    softcap: float | None = None,
+) -> Tensor:
+    """`_attention` of each row by itself, over its own new tokens and slots only, as its pass
+    alone runs it: a row's bits then never depend on the other rows or the padded width.
+    torch's SDPA does not promise that (its vector loops' tails, and which elements take the
+    vector or the scalar exp, move with the width it is given). Padding queries get zeros.
+
+    q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, T, S] bool or None; rows: per row,
+    (new tokens, slots read) = (num_new[b], starts[b] + num_new[b]). Returns [B, H, T, D].
+    Example: rows ((3, 3), (1, 5)): row 0 attends 3 queries over slots 0..2 under its causal
+    mask; row 1 one query over slots 0..4 with no mask (it sees them all), as alone.
+    """
+    out = torch.zeros_like(q)
+    for r, (new, span) in enumerate(rows):
+        if new == 0:
+            continue
+        row_mask = None if mask is None or new == 1 else mask[r : r + 1, :, :new, :span]
+        out[r : r + 1, :, :new] = _attention(
+            q[r : r + 1, :, :new], k[r : r + 1, :, :span], v[r : r + 1, :, :span], row_mask, softcap
+        )
+    return out
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Apply RoPE to x ([B, H, T, D]) with cos/sin ([B, 1, T, D] in x's dtype)."""
     half = x.shape[-1] // 2
@@ -86,11 +115,15 @@ class PassView:
     mask: [B, 1, T, S] bool for batched attention, or None (per_query, or nothing to mask).
     window_mask: the same for the sliding-window layers (their window applied too; `mask`
         itself where the pass spans no more than the window).
+    rows: per row, (new tokens, slots read), where each row attends by itself
+        (`_rowwise_attention`: PREFILL passes of several rows on row-exact layers, so that a
+        prompt's bits are those of its pass alone); None where the rows attend in one call.
     """
 
     per_query: bool
     mask: Tensor | None
     window_mask: Tensor | None = None
+    rows: tuple[tuple[int, int], ...] | None = None
 
 
 def pass_view(
@@ -108,8 +141,11 @@ def pass_view(
     window_mask = mask
     if window is not None and not per_query and meta.span > window:
         window_mask = _window_mask(meta, mask, window)
+    rows = None
+    if attn.per_query and not per_query and meta.batch_size > 1:  # row-exact layers, PREFILL
+        rows = tuple(zip(meta.num_new, meta.ends, strict=True))
     cos, sin = attn.rope_tables(rotary, meta.positions, dtype)
-    return PassView(per_query, mask, window_mask), cos, sin
+    return PassView(per_query, mask, window_mask, rows), cos, sin
 
 
 def _window_mask(meta: AttentionMetadata, mask: Tensor | None, window: int) -> Tensor:
@@ -209,7 +245,10 @@ class Attention(nn.Module):
         else:
             keys, values = cache.read(layer, k, v)  # [B, Hkv, S, D]
             mask = view.mask if self.window is None else view.window_mask
-            out = _attention(q, keys, values, mask, self.softcap)  # [B, H, T, D]
+            if view.rows is None:
+                out = _attention(q, keys, values, mask, self.softcap)  # [B, H, T, D]
+            else:
+                out = _rowwise_attention(q, keys, values, mask, view.rows, self.softcap)
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
 
     def rope_tables(
