@@ -17,7 +17,11 @@ from setuptools.errors import CCompilerError, CompileError
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 KERNELS = Path("src/specdecode/kernels")
-SOURCES = ["ops", "tensors", "layer", "matmul", "gguf", "attention", "pointwise"]
+# compiled per variant: the cores (with the variant's instruction sets) and the module itself
+SOURCES = ["ops", "matmul", "gguf", "attention", "pointwise"]
+# compiled once, with no instruction-set flags, and linked into every variant: the torch
+# bindings (no vector code; two thirds of a variant's compile time when compiled in each)
+BINDINGS = ["bindings", "tensors", "layer"]
 # -ffp-contract=off: the fp32 epilogues round exactly as the Python reference does;
 # -mtune=native: instruction scheduling for the machine that installs (the one that usually
 # runs them), never an instruction the variant's -march does not allow; -g0: no debug
@@ -47,19 +51,47 @@ def _ninja_on_path() -> None:
 
 class BuildVariants(BuildExtension):
     """torch's BuildExtension with each variant's objects in a folder of their own (every
-    variant compiles the same sources). A variant that does not compile (a compiler too old
-    for its flags, no compiler at all) is left out with a warning: the package loads the best
+    variant compiles the same sources) and the bindings' objects compiled once, in a folder of
+    theirs, for every variant to link. A variant that does not compile (a compiler too old for
+    its flags, no compiler at all) is left out with a warning: the package loads the best
     variant that was built, and says so where none was."""
+
+    _bindings: list[str] | None = None
 
     def build_extension(self, ext) -> None:
         base = self.build_temp
-        self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
         try:
+            objects = self._binding_objects(ext, os.path.join(base, "bindings"))
+            ext.extra_objects = [*objects, *(o for o in ext.extra_objects if o not in objects)]
+            self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
             super().build_extension(ext)
         except (RuntimeError, OSError, CompileError, CCompilerError) as err:  # ninja: RuntimeError
             self.warn(f"specdecode: {ext.name} was not built ({err}); it is left out")
         finally:
             self.build_temp = base
+
+    def _binding_objects(self, ext, folder: str) -> list[str]:
+        """The bindings' objects, compiled at the first variant with its include folders and
+        torch's flags but none of the variant's own."""
+        if self._bindings is None:
+            own = {*_variant_flags(ext.extra_compile_args)}
+            flags = [flag for flag in ext.extra_compile_args if flag not in own]
+            self._bindings = self.compiler.compile(
+                [str(KERNELS / f"{name}.cpp") for name in BINDINGS],
+                output_dir=folder,
+                include_dirs=ext.include_dirs,
+                extra_postargs=flags,
+            )
+        return self._bindings
+
+
+def _variant_flags(flags: list[str]) -> list[str]:
+    """The flags of `flags` that belong to one variant: its instruction sets, its name, the
+    digest of its sources, its module's name."""
+    variants = _variants_module()
+    isa = {flag for v in variants.VARIANTS for flag in v.flags}
+    own = ("-DSPECDECODE_VARIANT=", "-DSPECDECODE_SOURCE_HASH=", "-DTORCH_EXTENSION_NAME=")
+    return [flag for flag in flags if flag in isa or flag.startswith(own)]
 
 
 def extensions() -> list[CppExtension]:
