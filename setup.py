@@ -18,7 +18,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 KERNELS = Path("src/specdecode/kernels")
 # compiled per variant: the cores (with the variant's instruction sets) and the module itself
-SOURCES = ["ops", "matmul", "gguf", "attention", "pointwise"]
+SOURCES = ["ops", "matmul", "gguf", "attention", "pointwise", "peak"]
 # compiled once, with no instruction-set flags, and linked into every variant: the torch
 # bindings (no vector code; two thirds of a variant's compile time when compiled in each)
 BINDINGS = ["bindings", "tensors", "layer"]

@@ -9,6 +9,9 @@ bit for bit in int8 and gguf, and configs we cannot run yet are refused with wha
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -293,6 +296,49 @@ def test_speculation_gives_plain_output(
             assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
         (alone,) = spec.generate(prompts[2], params)
         assert alone.token_ids == want[2].token_ids
+
+
+def test_a_padded_prefill_gives_each_row_its_pass_alone(arch_dir: Path) -> None:
+    """PREFILL on row-exact layers (bf16): a prompt, or a chunk after its cached prefix, run as
+    a right-padded row of a multi-row pass gets bit for bit its pass alone, whatever the
+    padded width: rows of 22 and 5 new tokens, 10 after 6 cached, and 1 after 30 (past a
+    window of 16, where the row's window mask must still apply). torch's SDPA over the padded
+    width moves its rounding (these rows differed with ATen's AVX-512 and AVX2 kernels)."""
+    model = load_model(arch_dir, dtype="bfloat16")
+    assert model.layers[0].self_attn.per_query  # bf16 projections are row-exact
+    starts, new = [0, 0, 6, 30], [22, 5, 10, 1]
+    ids = _tokens(12, 4 * 52).view(4, 52)
+    cache = model.new_cache(4, 64)
+    prefix = AttentionMetadata.contiguous(AttentionMode.PREFILL, [0] * 4, starts, "cpu")
+    model(ids[:, :30], prefix, cache)  # the cached prefixes (rows with none are idle)
+    chunk = torch.stack([ids[r, s : s + 22] for r, s in enumerate(starts)])  # [4, 22]
+    meta = AttentionMetadata.contiguous(AttentionMode.PREFILL, starts, new, "cpu")
+    together, hidden = model(chunk, meta, cache, hidden_layers=(1, 2))
+    for r, (start, n) in enumerate(zip(starts, new, strict=True)):
+        alone = model.new_cache(1, 64)
+        if start:
+            model(ids[r : r + 1, :start], AttentionMetadata.prefill([start], "cpu"), alone)
+        meta = AttentionMetadata.contiguous(AttentionMode.PREFILL, [start], [n], "cpu")
+        logits, states = model(ids[r : r + 1, start : start + n], meta, alone, hidden_layers=(1, 2))
+        assert torch.equal(together[r, :n], logits[0]), r
+        assert torch.equal(hidden[r, :n], states[0]), r
+
+
+def test_a_padded_prefill_is_row_exact_on_torchs_avx2_path() -> None:
+    """torch picks its CPU kernels by the CPU (AVX-512 on Xeons and Zen 4, AVX2 on Zen 3);
+    ATEN_CPU_CAPABILITY forces another at its import, so a machine with AVX-512 also checks
+    the path the AVX2 machines take (on those, the test above already runs it)."""
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT"):
+        pytest.skip("torch already runs its AVX2 (or scalar) kernels here: the test above")
+    test = f"{Path(__file__)}::test_a_padded_prefill_gives_each_row_its_pass_alone"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
 
 
 def test_llama3_scaling_keeps_slows_and_blends_the_three_bands() -> None:

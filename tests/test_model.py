@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -218,56 +215,6 @@ def test_decode_mode_gives_a_mixed_batch_what_each_row_gets_alone(tiny_model_dir
             for t in range(4)
         ]
         assert torch.equal(mixed[row], torch.cat(steps, 1)[0]), row
-
-
-@pytest.mark.parametrize("starts", [(0, 0, 0, 0), (0, 6, 0, 3)])
-def test_prefill_gives_each_row_of_a_padded_batch_its_pass_alone(
-    tiny_model_dir: Path, starts: tuple[int, ...]
-) -> None:
-    """PREFILL on row-exact layers: a prompt (or a chunk after its cached prefix) run as a
-    right-padded row of a multi-row pass gets, bit for bit in bf16, its pass alone, whatever
-    the padded width (torch's SDPA over the padded width moves its rounding: these rows
-    differed with ATen's AVX-512 and AVX2 kernels)."""
-    model = load_model(tiny_model_dir, dtype="bfloat16")
-    assert model.layers[0].self_attn.per_query  # bf16 projections are row-exact
-    new = [22, 5, 16, 10]
-    ids = torch.randint(0, 300, (4, 28), generator=torch.Generator().manual_seed(12))
-    cache = model.new_cache(4, 40)
-    if any(starts):  # the cached prefixes, one pass (prefill rows with no new tokens are idle)
-        model(
-            ids[:, :6],
-            AttentionMetadata.contiguous(AttentionMode.PREFILL, [0] * 4, starts, "cpu"),
-            cache,
-        )
-    chunk = torch.stack([ids[r, s : s + 22] for r, s in enumerate(starts)])  # [4, 22]
-    meta = AttentionMetadata.contiguous(AttentionMode.PREFILL, list(starts), new, "cpu")
-    together, hidden = model(chunk, meta, cache, hidden_layers=(1, 2))
-    for r, (start, n) in enumerate(zip(starts, new, strict=True)):
-        alone = model.new_cache(1, 40)
-        if start:
-            model(ids[r : r + 1, :start], _meta([0], start), alone)
-        meta = AttentionMetadata.contiguous(AttentionMode.PREFILL, [start], [n], "cpu")
-        logits, states = model(ids[r : r + 1, start : start + n], meta, alone, hidden_layers=(1, 2))
-        assert torch.equal(together[r, :n], logits[0]), r
-        assert torch.equal(hidden[r, :n], states[0]), r
-
-
-def test_prefill_rows_are_exact_on_torchs_avx2_path() -> None:
-    """torch picks its CPU kernels by the CPU (AVX-512 on Xeons and Zen 4, AVX2 on Zen 3);
-    ATEN_CPU_CAPABILITY forces another at its import, so a machine with AVX-512 also checks
-    the path the AVX2 machines take (on those, the test above already runs it)."""
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT"):
-        pytest.skip("torch already runs its AVX2 (or scalar) kernels here: the test above")
-    test = f"{Path(__file__)}::test_prefill_gives_each_row_of_a_padded_batch_its_pass_alone"
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-3000:]
 
 
 def test_compact_keeps_a_path_as_if_it_had_been_fed_alone(models) -> None:

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.bench.roofline import bytes_per_token, measure_bandwidth, roofline, roofline_text
+from specdecode import kernels
+from specdecode.bench.costs import achieved_gmacs, pass_table_text
+from specdecode.bench.roofline import (
+    bytes_per_token,
+    madds_per_token,
+    measure_bandwidth,
+    roofline,
+    roofline_text,
+)
 from specdecode.model.loading import load_model
 
 
@@ -49,3 +57,35 @@ def test_roofline_share_of_floor(tiny_model_dir: Path) -> None:
     assert roof["format"] == "float32"
     assert "of the floor speed" in roofline_text(roof)
     assert measure_bandwidth(nbytes=1 << 22, runs=2) > 0
+
+
+def test_madds_per_token_count_every_projection_once(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir, dtype="float32")
+    cfg = model.config
+    hidden, inter, dim = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * dim
+    per_layer = (qkv + cfg.num_heads * dim) * hidden + 3 * inter * hidden
+    assert madds_per_token(model) == cfg.num_layers * per_layer + cfg.vocab_size * hidden
+
+
+def test_the_pass_table_gives_the_rate_and_the_share_of_the_peak() -> None:
+    costs = {
+        "context": 8,
+        "kernels": "k",
+        "target_ms": [10.0, 12.0, 15.0],
+        "madds_per_token": 2_000_000_000,
+        "int8_peak_gmacs": 1000.0,
+    }
+    assert achieved_gmacs(costs) == pytest.approx([200.0, 2 * 2 / 0.012, 3 * 2 / 0.015])
+    table = pass_table_text(costs)
+    assert "int8 peak 1000 G multiply-adds/s" in table
+    assert "| 3 | 15.0 | 1.50 | 400 | 40% |" in table
+    old = {k: v for k, v in costs.items() if k not in ("madds_per_token", "int8_peak_gmacs")}
+    assert achieved_gmacs(old) == [] and "| 3 | 15.0 | 1.50 |" in pass_table_text(old)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the CPU kernels are not built")
+def test_the_int8_peak_is_measured() -> None:
+    assert kernels.int8_peak(iterations=20_000, repeats=2) > 0
+    with pytest.raises(ValueError, match="iterations"):
+        kernels.int8_peak(iterations=0)

@@ -645,6 +645,8 @@ int main() {
     check_argmax<float>(N);
     check_argmax<sd::BFloat16>(N);
   }
+  const double peak = sd::int8_peak(100000);
+  report(peak > 0 && std::isfinite(peak), "int8_peak: " + std::to_string(peak) + " G/s");
   std::printf("%s (%d checks failed)\n", failures ? "FAILED" : "passed", failures);
   return failures ? 1 : 0;
 }

@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "src/specdecode/kernels"
-CORES = ["matmul", "gguf", "attention", "pointwise"]
+CORES = ["matmul", "gguf", "attention", "pointwise", "peak"]
 # as setup.py compiles the kernels (-ffp-contract=off: the references round as the kernels do)
 FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-pthread"]
 # per target architecture: the compiler, and how to run what it built (None: directly)

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from specdecode import kernels
+from specdecode.bench.roofline import madds_per_token
 from specdecode.engine.costs import expected_tokens, pass_seconds
 from specdecode.metrics import SpecCounters
 from specdecode.model.transformer import Transformer
@@ -61,11 +62,15 @@ def bench_costs(
     """Pass costs for the cost model, in ms: the target over T = 1..max(max_k + 1,
     PASS_TABLE_WIDTH) new tokens ("target_ms"[T - 1]), each named draft model over one token
     ("draft_ms"[name]), and what the matmuls ran on ("kernels": the kernel variant and
-    `kernels.isa`)."""
+    `kernels.isa`); for the roofline, the target's projection multiply-adds per token
+    ("madds_per_token") and, on the CPU kernels, their int8 peak measured in this run
+    ("int8_peak_gmacs", G a second: `kernels.int8_peak`; None elsewhere)."""
     widths = range(1, max(max_k + 1, PASS_TABLE_WIDTH) + 1)
     target_s = forward_seconds(target, context, widths, repeats)
     on_cpu = target.device.type == "cpu" and kernels.available()
     return {
+        "madds_per_token": madds_per_token(target),
+        "int8_peak_gmacs": kernels.int8_peak() if on_cpu else None,
         "context": context,
         "target_ms": [target_s[t] * 1e3 for t in sorted(target_s)],
         "draft_ms": {
@@ -84,19 +89,40 @@ def pass_ratios(costs: Mapping[str, Any]) -> list[float]:
     return [ms / one for ms in costs["target_ms"]]
 
 
+def achieved_gmacs(costs: Mapping[str, Any]) -> list[float]:
+    """Per pass width T = 1, 2, ...: the projections' multiply-adds of a pass over T tokens
+    divided by the whole pass's time, in G a second (a lower bound on the matmuls' own rate:
+    the pass also spends time in attention, norms and glue). Empty for costs that did not
+    record the count (reports written before it)."""
+    madds = costs.get("madds_per_token")
+    if not madds:
+        return []
+    return [t * madds / (ms / 1e3) / 1e9 for t, ms in enumerate(costs["target_ms"], 1)]
+
+
 def pass_table_text(costs: Mapping[str, Any]) -> str:
-    """The target's pass costs as a markdown table: T, ms, t(T) / t(1)."""
-    lines = [
-        f"target pass over T new tokens at {costs['context']} cached tokens "
-        f"(matmuls: {costs['kernels']})",
-        "",
-        "| T | ms | t(T) / t(1) |",
-        "|---|---|---|",
-    ]
+    """The target's pass costs as a markdown table: T, ms, t(T) / t(1), and where recorded
+    the projections' G multiply-adds a second (`achieved_gmacs`) and their share of the int8
+    peak measured in the same run."""
+    rates, peak = achieved_gmacs(costs), costs.get("int8_peak_gmacs")
+    head = f"target pass over T new tokens at {costs['context']} cached tokens " + (
+        f"(matmuls: {costs['kernels']})"
+    )
+    if peak:
+        head += f"; int8 peak {peak:.0f} G multiply-adds/s (measured now)"
+    lines = [head, "", "| T | ms | t(T) / t(1) |", "|---|---|---|"]
+    if rates:
+        lines[2] += " G multiply-adds/s |" + (" of int8 peak |" if peak else "")
+        lines[3] += "---|" + ("---|" if peak else "")
     for width, (ms, ratio) in enumerate(
         zip(costs["target_ms"], pass_ratios(costs), strict=True), 1
     ):
-        lines.append(f"| {width} | {ms:.1f} | {ratio:.2f} |")
+        line = f"| {width} | {ms:.1f} | {ratio:.2f} |"
+        if rates:
+            line += f" {rates[width - 1]:.0f} |" + (
+                f" {rates[width - 1] / peak:.0%} |" if peak else ""
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 

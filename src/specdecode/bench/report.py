@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from specdecode import energy
-from specdecode.bench.costs import pass_ratios
+from specdecode.bench.costs import achieved_gmacs, pass_ratios
 from specdecode.bench.methods import KINDS
 from specdecode.bench.roofline import roofline_text
 from specdecode.bench.stats import ALL
@@ -117,9 +117,19 @@ def pass_cost_lines(report: dict[str, Any]) -> list[str]:
         lines.append(
             f"- {name} (matmuls: {costs.get('kernels', 'not recorded')}), at "
             f"{costs['context']} cached tokens: target over T = 1, 2, ... tokens, ms "
-            f"(t(T) / t(1)): {target}; draft model, one token, ms: {drafts}."
+            f"(t(T) / t(1)): {target}; draft model, one token, ms: {drafts}." + _peak_text(costs)
         )
     return lines
+
+
+def _peak_text(costs: dict[str, Any]) -> str:
+    """ " Projections' multiply-adds ... of the int8 peak ...", where the costs record them."""
+    rates, peak = achieved_gmacs(costs), costs.get("int8_peak_gmacs")
+    if not rates:
+        return ""
+    shares = ", ".join(f"{rate:.0f}" + (f" ({rate / peak:.0%})" if peak else "") for rate in rates)
+    of_peak = f" (share of the int8 peak, {peak:.0f} G/s, measured in the same run)" if peak else ""
+    return f" Projections' G multiply-adds a second at T = 1, 2, ...{of_peak}: {shares}."
 
 
 def roofline_lines(report: dict[str, Any]) -> list[str]:

@@ -51,6 +51,16 @@ def bytes_per_token(model: Transformer, context: int = 0) -> dict[str, int]:
     return {"weights": weights, "kv_cache": kv, "total": weights + kv}
 
 
+def madds_per_token(model: Transformer) -> int:
+    """Multiply-adds one token costs in the model's projections (every linear layer, the
+    output head included): the sum of in_features * out_features. A pass over T tokens does T
+    times as many; attention's are left out (they grow with the context, not with the weights).
+    """
+    return sum(
+        m.in_features * m.out_features for m in model.modules() if hasattr(m, "weight_bytes")
+    )
+
+
 @torch.inference_mode()
 def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, runs: int = 5) -> float:
     """Read bandwidth in GB/s (1e9 B/s): the best of `runs` sums over `nbytes` of fp32, after

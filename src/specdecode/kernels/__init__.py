@@ -270,6 +270,16 @@ def isa() -> str:
     return native().isa()
 
 
+def int8_peak(iterations: int = 4_000_000, repeats: int = 3) -> float:
+    """G int8 multiply-adds a second (1e9) that the loaded variant's int8 vector instruction
+    reaches from registers on every thread of torch's pool (`core.h: int8_peak`): the best of
+    `repeats` runs of `iterations` rounds a thread. The compute roof of the int8 and GGUF
+    matmuls; AMX's tiles are not measured (the GGUF matmuls do not use them)."""
+    if iterations < 1 or repeats < 1:
+        raise ValueError(f"iterations and repeats must be >= 1, got {iterations}, {repeats}")
+    return max(native().int8_peak(iterations) for _ in range(repeats))
+
+
 def decode_attention(
     q: Tensor,
     k: Tensor,

@@ -23,6 +23,8 @@ void define_kernels(pybind11::module_& m) {
   m.def("rms_norm", &rms_norm, "weight * x / rms(x), rms in fp32, row by row");
   m.def("rope_", &rope_, "RoPE in place on the first heads of each token of x [B, T, W]");
   m.def("isa", &specdecode::isa, "the instruction sets the matmuls run on");
+  m.def("int8_peak", &specdecode::int8_peak, "G int8 multiply-adds a second from registers",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("set_amx", &specdecode::set_amx, "select or leave the AMX matmul path; returns whether it is used");
   // module_local: every variant's module binds these classes; each keeps its own
   pybind11::class_<Projection>(m, "Projection", pybind11::module_local())

@@ -197,4 +197,13 @@ template <typename T>
 void rope(T* x, const float* cos, const float* sin, int64_t tokens, int64_t W, int64_t heads,
           int64_t D);
 
+// ---------------------------------------------------------------- peak.cpp
+
+// The int8 multiply-adds a second (1e9) that this variant's int8 vector instruction reaches
+// from registers on every pool thread at once: `iterations` rounds of PEAK_CHAINS independent
+// instructions a thread (AVX-512 VNNI vpdpbusd, 64 products; AVX-VNNI vpdpbusd, 32; AVX2
+// vpmaddubsw, 32; NEON sdot, 16; portable: one scalar multiply-add). The roofline's compute
+// ceiling for the int8 and GGUF matmuls, which spend their products in that instruction.
+double int8_peak(int64_t iterations);
+
 }  // namespace specdecode

@@ -86,13 +86,16 @@ def _rowwise_attention(
     q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, T, S] bool or None; rows: per row,
     (new tokens, slots read) = (num_new[b], starts[b] + num_new[b]). Returns [B, H, T, D].
     Example: rows ((3, 3), (1, 5)): row 0 attends 3 queries over slots 0..2 under its causal
-    mask; row 1 one query over slots 0..4 with no mask (it sees them all), as alone.
+    mask; row 1 one query over slots 0..4 with no mask (it sees them all, unless a sliding
+    window hides some), as alone.
     """
     out = torch.zeros_like(q)
     for r, (new, span) in enumerate(rows):
         if new == 0:
             continue
-        row_mask = None if mask is None or new == 1 else mask[r : r + 1, :, :new, :span]
+        row_mask = None if mask is None else mask[r : r + 1, :, :new, :span]
+        if row_mask is not None and bool(row_mask.all()):
+            row_mask = None  # as alone: no mask where the row's queries see every slot
         out[r : r + 1, :, :new] = _attention(
             q[r : r + 1, :, :new], k[r : r + 1, :, :span], v[r : r + 1, :, :span], row_mask, softcap
         )

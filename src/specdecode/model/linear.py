@@ -35,6 +35,14 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes a pass reads: the weight and the bias."""
         return sum(t.nbytes for t in self.parameters())
