@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -607,6 +607,7 @@ def test_bench_end_to_end_on_a_tiny_model(
     costs = report["costs"]["none"]  # target passes over 1..16 tokens (the table), one draft
     assert len(costs["target_ms"]) == PASS_TABLE_WIDTH and list(costs["draft_ms"]) == [model]
     assert costs["kernels"].startswith(f"{kernels.variant()} kernels, int8: ")
+    assert costs["madds_per_token"] > 0 and costs["int8_peak_gmacs"] is None  # fp32: no int8
     predicted = {n: m["predicted_speedup"] for n, m in summary["methods"].items()}
     assert predicted["plain"] is None and predicted["hf"] is None
     for name in ("ngram:k=3", draft):  # one prediction per run of the method
@@ -627,6 +628,7 @@ def test_bench_end_to_end_on_a_tiny_model(
     assert summary["methods"]["hf"]["cells"][ALL]["joules_per_token"]["n"] == 4 * 2
     assert "J/token (est.)" in text and "CPU seconds x" in text
     assert "- roofline (float32): " in text
+    assert "Projections' G multiply-adds a second at T = 1, 2, ...: " in text
     assert (
         "; decode in the runs, median ms/token after the first (share of the floor speed): plain "
         in text
@@ -818,6 +820,10 @@ def test_plan_with_given_acceptance_and_a_free_drafter(tiny_model_dir: Path) -> 
     config = PlanConfig(str(tiny_model_dir), ngram, 0.5, context=8, max_k=2, dtype="float32")
     plan = run_plan(config)
     assert plan["draft_ms"] == 0.0 and plan["acceptance"] == 0.5
+    assert "| T | ms | t(T) / t(1) | G multiply-adds/s |" in plan_text(plan)  # fp32: no peak
+    gguf = run_plan(replace(config, quantization="q8_0"))
+    assert gguf["costs"]["int8_peak_gmacs"] > 0
+    assert "| G multiply-adds/s | of int8 peak |" in plan_text(gguf)
     row = plan["rows"][1]
     assert row["predicted_speedup"] == pytest.approx(
         1.75 * plan["target_ms"][1] / plan["target_ms"][3]

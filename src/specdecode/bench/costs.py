@@ -27,7 +27,13 @@ from specdecode import kernels
 from specdecode.bench.roofline import madds_per_token
 from specdecode.engine.costs import expected_tokens, pass_seconds
 from specdecode.metrics import SpecCounters
+from specdecode.model.gguf_linear import REQUANTIZED
 from specdecode.model.transformer import Transformer
+
+# The weight formats whose projections multiply int8 activations by integer weights on our
+# kernels: their int8 peak is the compute roof (int4 runs torch's kernel, bf16 and fp32 no
+# integer products).
+INT8_PRODUCTS = frozenset({"int8", "gguf", *REQUANTIZED})
 
 # Pass costs are measured for T = 1 .. at least this many new tokens: the pass table that shows
 # how a verification pass grows with its width (t(T) / t(1)), whatever K is planned.
@@ -63,14 +69,17 @@ def bench_costs(
     PASS_TABLE_WIDTH) new tokens ("target_ms"[T - 1]), each named draft model over one token
     ("draft_ms"[name]), and what the matmuls ran on ("kernels": the kernel variant and
     `kernels.isa`); for the roofline, the target's projection multiply-adds per token
-    ("madds_per_token") and, on the CPU kernels, their int8 peak measured in this run
-    ("int8_peak_gmacs", G a second: `kernels.int8_peak`; None elsewhere)."""
+    ("madds_per_token") and, for formats of INT8_PRODUCTS on the CPU kernels, their int8 peak
+    measured in this run ("int8_peak_gmacs", G a second: `kernels.int8_peak`; None
+    elsewhere)."""
     widths = range(1, max(max_k + 1, PASS_TABLE_WIDTH) + 1)
     target_s = forward_seconds(target, context, widths, repeats)
     on_cpu = target.device.type == "cpu" and kernels.available()
     return {
         "madds_per_token": madds_per_token(target),
-        "int8_peak_gmacs": kernels.int8_peak() if on_cpu else None,
+        "int8_peak_gmacs": (
+            kernels.int8_peak() if on_cpu and target.quantization in INT8_PRODUCTS else None
+        ),
         "context": context,
         "target_ms": [target_s[t] * 1e3 for t in sorted(target_s)],
         "draft_ms": {
