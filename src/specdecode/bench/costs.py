@@ -114,7 +114,8 @@ def pass_table_text(costs: Mapping[str, Any]) -> str:
     the projections' G multiply-adds a second (`achieved_gmacs`) and their share of the int8
     peak measured in the same run."""
     rates, peak = achieved_gmacs(costs), costs.get("int8_peak_gmacs")
-    head = f"target pass over T new tokens at {costs['context']} cached tokens " + (
+    head = (
+        f"target pass over T new tokens at {costs['context']} cached tokens "
         f"(matmuls: {costs['kernels']})"
     )
     if peak:

@@ -123,7 +123,8 @@ def pass_cost_lines(report: dict[str, Any]) -> list[str]:
 
 
 def _peak_text(costs: dict[str, Any]) -> str:
-    """ " Projections' multiply-adds ... of the int8 peak ...", where the costs record them."""
+    """The report's sentence on the projections' multiply-adds a second per pass width and
+    their share of the int8 peak, where the costs record them ("" where they do not)."""
     rates, peak = achieved_gmacs(costs), costs.get("int8_peak_gmacs")
     if not rates:
         return ""
