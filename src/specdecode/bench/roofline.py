@@ -37,7 +37,7 @@ def bytes_per_token(model: Transformer, context: int = 0) -> dict[str, int]:
     reads: dict[int, int] = {}  # data_ptr -> bytes read (a tensor shared by modules: once)
     projections = 0
     for module in model.modules():
-        if hasattr(module, "weight_bytes"):  # a projection, in whatever format it is stored
+        if _is_projection(module):
             projections += module.weight_bytes
             continue
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
@@ -56,9 +56,13 @@ def madds_per_token(model: Transformer) -> int:
     output head included): the sum of in_features * out_features. A pass over T tokens does T
     times as many; attention's are left out (they grow with the context, not with the weights).
     """
-    return sum(
-        m.in_features * m.out_features for m in model.modules() if hasattr(m, "weight_bytes")
-    )
+    return sum(m.in_features * m.out_features for m in model.modules() if _is_projection(m))
+
+
+def _is_projection(module: nn.Module) -> bool:
+    """Whether `module` is a projection (a linear layer), in whatever format it is stored:
+    every one reports its `weight_bytes`, `in_features` and `out_features`."""
+    return hasattr(module, "weight_bytes")
 
 
 @torch.inference_mode()
