@@ -15,7 +15,8 @@ install: $(VENV)/.installed
 # The install builds the C++ kernels once per instruction-set level (setup.py; ~5 min on 2
 # cores): nothing compiles at run time. A kernel source newer than the install rebuilds them.
 KERNEL_SOURCES := setup.py src/specdecode/kernels/variants.py \
-    $(wildcard src/specdecode/kernels/*.cpp src/specdecode/kernels/*.h)
+    $(wildcard src/specdecode/kernels/*.cpp src/specdecode/kernels/*.h \
+    src/specdecode/kernels/arch/*/*.h)
 $(VENV)/.installed: pyproject.toml $(KERNEL_SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

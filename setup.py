@@ -86,11 +86,11 @@ class BuildVariants(BuildExtension):
 
 
 def _variant_flags(flags: list[str]) -> list[str]:
-    """The flags of `flags` that belong to one variant: its instruction sets, its name, the
-    digest of its sources, its module's name."""
+    """The flags of `flags` that belong to one variant: its instruction sets, its arch folder,
+    its name, the digest of its sources, its module's name."""
     variants = _variants_module()
     isa = {flag for v in variants.VARIANTS for flag in v.flags}
-    own = ("-DSPECDECODE_VARIANT=", "-DSPECDECODE_SOURCE_HASH=", "-DTORCH_EXTENSION_NAME=")
+    own = ("-DSPECDECODE_VARIANT=", "-DSPECDECODE_SOURCE_HASH=", "-DTORCH_EXTENSION_NAME=", "-I")
     return [flag for flag in flags if flag in isa or flag.startswith(own)]
 
 
@@ -105,6 +105,8 @@ def extensions() -> list[CppExtension]:
             extra_compile_args=[
                 *COMMON,
                 *variant.flags,
+                # its arch folder's micro-kernels, by absolute path (ninja runs in build/)
+                variant.include(KERNELS.resolve()),
                 # bare words (ops.cpp makes them strings): no quotes to survive a shell
                 f"-DSPECDECODE_VARIANT={variant.name}",
                 f"-DSPECDECODE_SOURCE_HASH={digest}",

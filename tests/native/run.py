@@ -58,6 +58,7 @@ def build(variant, arch: str, out: Path) -> Path:
         compiler,
         *FLAGS,
         *variant.flags,
+        variant.include(KERNELS),
         *static,
         "-o",
         str(program),

@@ -109,13 +109,13 @@ constexpr int64_t GGUF_ROWS = 16;  // output rows per packed GGUF tile
 // SUBS of them per superblock, code offset OFF, and MINS (0: none, 1: a min table, 2: a min).
 struct GgufLayout {
   int64_t bits, sub, subs, off, mins;
-  int64_t sub_bytes() const { return GGUF_ROWS * sub * bits / 8; }
-  int64_t header_bytes() const {
+  constexpr int64_t sub_bytes() const { return GGUF_ROWS * sub * bits / 8; }
+  constexpr int64_t header_bytes() const {
     return (mins ? 2 : 1) * GGUF_ROWS * 2 + (subs > 1 ? subs * GGUF_ROWS : 0) +
            (mins == 1 ? subs * GGUF_ROWS : 0);
   }
-  int64_t superblock_bytes() const { return header_bytes() + subs * sub_bytes(); }
-  int64_t superblock_values() const { return sub * subs; }
+  constexpr int64_t superblock_bytes() const { return header_bytes() + subs * sub_bytes(); }
+  constexpr int64_t superblock_values() const { return sub * subs; }
 };
 
 // Whether gguf_matmul has a kernel for the layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,

@@ -22,13 +22,20 @@ BUILD_ENV = "SPECDECODE_CPU_VARIANTS"  # at install: the variants to build (defa
 @dataclass(frozen=True)
 class Variant:
     """One build of the kernels: its name (SPECDECODE_CPU's value, the module's suffix), the
-    architecture it is built on, its compiler flags, and the CPU features (as Linux's
-    /proc/cpuinfo names them) a CPU needs to run it."""
+    architecture it is built on, its compiler flags, the CPU features (as Linux's
+    /proc/cpuinfo names them) a CPU needs to run it, and the folder of arch/ that holds its
+    instruction sets' micro-kernels (on the include path of its build only)."""
 
     name: str
     arch: str  # platform.machine() of the machines it is built for ("" = every machine)
     flags: tuple[str, ...]
     needs: frozenset[str]
+    folder: str  # arch/<folder>
+
+    def include(self, kernels: Path) -> str:
+        """The compiler flag that puts its arch folder (under the kernels' folder) on the
+        include path."""
+        return f"-I{kernels / 'arch' / self.folder}"
 
     @property
     def module(self) -> str:
@@ -49,13 +56,16 @@ VARIANTS: tuple[Variant, ...] = (
         "x86_64",
         (*_AVX512_FLAGS, "-mamx-tile", "-mamx-int8", "-mamx-bf16"),
         _AVX512 | {"amx_tile", "amx_int8", "amx_bf16"},
+        "avx512",  # its tile code is matmul.cpp's; the vector micro-kernels are AVX-512's
     ),
-    Variant("avx512", "x86_64", _AVX512_FLAGS, _AVX512),
-    Variant("avxvnni", "x86_64", ("-march=x86-64-v3", "-mavxvnni"), _V3 | {"avx_vnni"}),
-    Variant("avx2", "x86_64", ("-march=x86-64-v3",), _V3),
+    Variant("avx512", "x86_64", _AVX512_FLAGS, _AVX512, "avx512"),
+    Variant("avxvnni", "x86_64", ("-march=x86-64-v3", "-mavxvnni"), _V3 | {"avx_vnni"}, "avxvnni"),
+    Variant("avx2", "x86_64", ("-march=x86-64-v3",), _V3, "avx2"),
     # ARM64 with the dot-product instructions (Graviton 2+, Ampere, Apple M1+, Cortex-A76+)
-    Variant("neon", "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimd", "asimddp"})),
-    Variant("portable", "", (), frozenset()),
+    Variant(
+        "neon", "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimd", "asimddp"}), "neon"
+    ),
+    Variant("portable", "", (), frozenset(), "portable"),
 )
 NAMES = tuple(v.name for v in VARIANTS)
 
@@ -89,12 +99,18 @@ def missing(variant: Variant, features: frozenset[str]) -> list[str]:
     return sorted(variant.needs - features)
 
 
+def sources(folder: Path) -> list[Path]:
+    """The kernels' sources in `folder` and its arch folders (*.cpp and *.h), in a fixed order."""
+    return sorted(folder.rglob("*.cpp")) + sorted(folder.rglob("*.h"))
+
+
 def source_hash(folder: Path) -> str:
-    """A digest of the kernels' sources in `folder` (*.cpp and *.h): a build records the
+    """A digest of the kernels' sources in `folder` (see `sources`): a build records the
     digest of its sources, and a build of other sources is refused at load."""
     digest = hashlib.sha256()
-    for path in sorted(folder.glob("*.cpp")) + sorted(folder.glob("*.h")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sources(folder):
+        name = path.relative_to(folder).as_posix()
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 

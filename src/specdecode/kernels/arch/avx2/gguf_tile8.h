@@ -1,0 +1,217 @@
+// The GGUF tile (gguf_shared.h) on 8 lanes (AVX2, AVX-VNNI): half a tile (8 rows) at a
+// time, by vpmaddubsw runs (AVX2) or vpdpbusd (VNNI); the arch folders avx2 and avxvnni each
+// instantiate it.
+#pragma once
+
+#include "../../gguf_shared.h"
+
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace specdecode {
+namespace {
+
+// AVX2 works on half a tile at a time: rows 8 h .. 8 h + 7, one per 32-bit lane.
+
+// Keeps v in a register here: GCC would otherwise reassociate a run's exact integer sums,
+// computing every product first and spilling them to the stack (2-3x slower).
+inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
+
+// quad_codes8's tables for BITS-bit fields (5, 6): per 16-bit word f of each 128-bit lane, the
+// shuffle that puts field f's one or two bytes in it (lo: the lane's first lane pair, hi: its
+// second), and the multiplier that moves the field's bits to the word's top.
+template <int BITS>
+struct FieldTables {
+  alignas(32) uint8_t lo[32];
+  alignas(32) uint8_t hi[32];
+  alignas(32) uint16_t mul[16];
+};
+
+template <int BITS>
+constexpr FieldTables<BITS> field_tables() {
+  FieldTables<BITS> tables{};
+  for (int lane = 0; lane < 2; ++lane)
+    for (int pair = 0; pair < 2; ++pair) {
+      // where the pair's BITS bytes start in the lane's 16 loaded bytes (see quad_codes8)
+      const int start = (lane == 0 ? 0 : 16 - 2 * BITS) + pair * BITS;
+      uint8_t* shuffle = pair == 0 ? tables.lo : tables.hi;
+      for (int f = 0; f < 8; ++f) {
+        const int byte = start + f * BITS / 8, shift = f * BITS % 8;
+        shuffle[lane * 16 + 2 * f] = uint8_t(byte);
+        shuffle[lane * 16 + 2 * f + 1] = shift + BITS > 8 ? uint8_t(byte + 1) : uint8_t(0x80);
+        tables.mul[lane * 8 + f] = uint16_t(1u << (16 - BITS - shift));
+      }
+    }
+  return tables;
+}
+
+// The u8 codes of quad c (values 4 c .. 4 c + 3) of rows 8 h .. 8 h + 7 of one tile's
+// sub-block at `codes`, one row per 32-bit lane.
+template <int BITS, int S>
+inline __m256i quad_codes8(const uint8_t* codes, int c, int h) {
+  if constexpr (BITS == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * 64 + h * 32));
+  } else if constexpr (BITS == 4) {
+    const __m256i nibbles =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (c / 2) * 64 + h * 32));
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    return (c % 2 == 0) ? _mm256_and_si256(nibbles, low4)
+                        : _mm256_and_si256(_mm256_srli_epi16(nibbles, 4), low4);
+  } else {
+    // lane pairs 4 h .. 4 h + 3: 4 * BITS bytes; 128-bit lane 0 loads pairs 4 h, 4 h + 1 from
+    // their start, lane 1 pairs 4 h + 2, 4 h + 3 as the last 16 of the 4 * BITS bytes (both
+    // loads stay inside the quad)
+    static constexpr FieldTables<BITS> tables = field_tables<BITS>();
+    const uint8_t* first = codes + c * 8 * BITS + h * 4 * BITS;
+    const __m256i raw =
+        _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(first + 4 * BITS - 16),
+                            reinterpret_cast<const __m128i*>(first));
+    const __m256i mul = _mm256_load_si256(reinterpret_cast<const __m256i*>(tables.mul));
+    auto fields = [&](const uint8_t* shuffle) {  // 16-bit words: a field each, moved down
+      const __m256i words =
+          _mm256_shuffle_epi8(raw, _mm256_load_si256(reinterpret_cast<const __m256i*>(shuffle)));
+      return _mm256_srli_epi16(_mm256_mullo_epi16(words, mul), 16 - BITS);
+    };
+    return _mm256_packus_epi16(fields(tables.lo), fields(tables.hi));
+  }
+}
+
+// Lane l of pair table p (int8 [SUBS / 2][16][2]) for rows 8 h .. 8 h + 7 as two int16:
+// (t[2p][l], t[2p + 1][l]).
+inline __m256i pair_vector8(const int8_t* table, int p, int h) {
+  return _mm256_cvtepi8_epi16(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(table + p * 2 * LANES + h * 8 * 2)));
+}
+
+// table_sums for rows 8 h .. 8 h + 7.
+template <int SUBS, int T>
+inline void table_sums8(const int8_t* table, const int16_t* bsum, int64_t ld, int h,
+                        __m256i out[T]) {
+  UNROLL for (int t = 0; t < T; ++t) out[t] = _mm256_setzero_si256();
+  UNROLL for (int p = 0; p < SUBS / 2; ++p) {
+    const __m256i pair = pair_vector8(table, p, h);
+    UNROLL for (int t = 0; t < T; ++t) {
+      int32_t two;  // bsum[t][2p], bsum[t][2p + 1] as two int16
+      std::memcpy(&two, bsum + t * ld + 2 * p, sizeof(two));
+      out[t] = _mm256_add_epi32(out[t], _mm256_madd_epi16(pair, _mm256_set1_epi32(two)));
+    }
+  }
+}
+
+// gguf_tile (gguf_shared.h) on 8 lanes, with vpdpbusd (VNNI) or without.
+template <bool VNNI, int BITS, int S, int SUBS, int OFF, int MINS, int T>
+void gguf_tile8(const uint8_t* blk, int64_t nsb, const GgufActs& a, const uint8_t* next,
+                float acc[T][LANES]) {
+  using G = TileGeometry<BITS, S, SUBS, OFF, MINS>;
+  const G geo(a);
+  // The AVX-512 path's steps, half a tile (8 rows) at a time, with the same fp32 operations in
+  // the same order (so the same bits). Without AVX-VNNI, vpmaddubsw (u8 x s8, pairs summed in
+  // int16, saturating) stands in for vpdpbusd: the int16 pair sums of RUN quads stay below
+  // 2^15 for codes of BITS <= 6 (|x8| <= 127), and 8-bit codes are summed as signed values
+  // (code - OFF, |w| times x8 with w's sign), which subtracts OFF * bsum on the way.
+  // With AVX-VNNI, vpdpbusd itself on 8 lanes (no int16 runs, codes as they are).
+  constexpr bool SIGNED_Q8 = BITS == 8 && !VNNI;  // summed as code - OFF (see above)
+  static_assert(BITS != 8 || (OFF == 128 && SUBS == 1), "8-bit codes: Q8_0 only");
+  constexpr int RUN = VNNI ? S / 4 : BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1;
+  static_assert((S / 4) % RUN == 0, "whole runs of quads per sub-block");
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
+  for (int half = 0; half < 2; ++half) {
+    __m256 sum[T];
+    UNROLL for (int t = 0; t < T; ++t) sum[t] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsb; ++s) {
+      const uint8_t* h = blk + s * G::sb_bytes;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(h + G::sc_at);
+      const int8_t* mn = reinterpret_cast<const int8_t*>(h + G::mn_at);
+      __m256i main[T];
+      UNROLL for (int t = 0; t < T; ++t) main[t] = _mm256_setzero_si256();
+      _Pragma("GCC unroll 1") for (int j = 0; j < SUBS; ++j) {
+        if (next != nullptr && half == 0) prefetch_part(next + s * G::sb_bytes, G::sb_bytes, j, SUBS);
+        const int64_t k0 = (s * SUBS + j) * S;
+        const uint8_t* codes = h + G::header + j * G::sub_bytes;
+        __m256i scale = _mm256_setzero_si256();  // sc_j of each row as int32 (SUBS > 1)
+        if constexpr (SUBS > 1) {
+          const __m256i pair = pair_vector8(sc, j / 2, half);
+          scale = j % 2 == 0 ? _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16)
+                             : _mm256_srai_epi32(pair, 16);
+        }
+        // Without VNNI each run's int16 pair sums go into main at once, times sc_j: vpmaddwd
+        // with sc_j in both int16 halves of a row's lane (1 without a table); the same int32
+        // sum as sc_j times the sub-block's sum.
+        [[maybe_unused]] const __m256i weight =
+            SUBS > 1 ? _mm256_blend_epi16(_mm256_slli_epi32(scale, 16), scale, 0x55) : ones;
+        __m256i isum[T];  // with VNNI: the sub-block's int32 sums
+        UNROLL for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+        UNROLL for (int c0 = 0; c0 < S / 4; c0 += RUN) {
+          __m256i pairs[T];  // int16 pair sums of the run's quads (without VNNI)
+          UNROLL for (int t = 0; t < T; ++t) pairs[t] = _mm256_setzero_si256();
+          UNROLL for (int c = c0; c < c0 + RUN; ++c) {
+            const __m256i q = quad_codes8<BITS, S>(codes, c, half);
+            const __m256i signed_q = _mm256_xor_si256(q, flip);  // BITS 8: code - 128
+            [[maybe_unused]] const __m256i magnitude = _mm256_abs_epi8(signed_q);  // no VNNI
+            UNROLL for (int t = 0; t < T; ++t) {
+              const __m256i x = _mm256_set1_epi32(
+                  *reinterpret_cast<const unaligned_i32*>(a.x8 + t * a.K + k0 + 4 * c));
+              if constexpr (VNNI) {
+                isum[t] = _mm256_dpbusd_avx_epi32(isum[t], q, x);
+              } else {
+                const __m256i products =
+                    BITS == 8 ? _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, signed_q))
+                              : _mm256_maddubs_epi16(q, x);
+                pairs[t] = _mm256_add_epi16(pairs[t], products);
+                keep_in_register(pairs[t]);
+              }
+            }
+          }
+          if constexpr (!VNNI) {
+            UNROLL for (int t = 0; t < T; ++t)
+              main[t] = _mm256_add_epi32(main[t], _mm256_madd_epi16(pairs[t], weight));
+          }
+        }
+        if constexpr (VNNI) {
+          UNROLL for (int t = 0; t < T; ++t) {
+            __m256i total = isum[t];
+            if constexpr (SUBS > 1) total = _mm256_mullo_epi32(total, scale);
+            main[t] = _mm256_add_epi32(main[t], total);
+          }
+        }
+      }
+      if constexpr (OFF != 0 && !SIGNED_Q8) {  // main -= OFF * sum_j sc_j bsum_j
+        __m256i off[T];
+        if constexpr (SUBS > 1) {
+          table_sums8<SUBS, T>(sc, geo.bsum + s * SUBS, geo.ld_bsum, half, off);
+        } else {
+          UNROLL for (int t = 0; t < T; ++t)
+            off[t] = _mm256_set1_epi32(int32_t(geo.bsum[t * geo.ld_bsum + s]));
+        }
+        UNROLL for (int t = 0; t < T; ++t)
+          main[t] = _mm256_sub_epi32(main[t], _mm256_slli_epi32(off[t], G::SHIFT));
+      }
+      const __m256 D =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + half * 16)));
+      UNROLL for (int t = 0; t < T; ++t) {
+        const __m256 dx = _mm256_set1_ps(a.dx[t * geo.ld_dx + s]);
+        sum[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(main[t]), _mm256_mul_ps(D, dx), sum[t]);
+      }
+      if constexpr (MINS != 0) {
+        const __m256 M = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * LANES + half * 16)));
+        if constexpr (MINS == 1) {  // sum -= (M dx) * sum_j mn_j bsum_j
+          __m256i mins[T];
+          table_sums8<SUBS, T>(mn, geo.bsum + s * SUBS, geo.ld_bsum, half, mins);
+          UNROLL for (int t = 0; t < T; ++t) {
+            const __m256 mdx = _mm256_mul_ps(M, _mm256_set1_ps(a.dx[t * geo.ld_dx + s]));
+            sum[t] = _mm256_fnmadd_ps(mdx, _mm256_cvtepi32_ps(mins[t]), sum[t]);
+          }
+        } else {  // sum -= M * sx
+          UNROLL for (int t = 0; t < T; ++t)
+            sum[t] = _mm256_fnmadd_ps(M, _mm256_set1_ps(a.sx[t * geo.ld_dx + s]), sum[t]);
+        }
+      }
+    }
+    UNROLL for (int t = 0; t < T; ++t) _mm256_storeu_ps(acc[t] + half * 8, sum[t]);
+  }
+}
+
+}  // namespace
+}  // namespace specdecode
