@@ -18,7 +18,7 @@
 // summed in int32 exactly as llama.cpp sums it:
 //   main = sum_j sc_j * (sum_k q_k x8_k - OFF * bsum_j),  mins = sum_j mn_j * bsum_j
 // and added in fp32:  y += (D dx) * main  - (M dx) * mins  (MINS 1)  or  - M * sx  (MINS 2).
-// A tile is 16 rows (one per 32-bit lane) by up to GGUF_TOKENS tokens; each lane accumulates
+// A tile is 16 rows (one per 32-bit lane) by up to GGUF_TOKENS<BITS> tokens; each lane accumulates
 // one (row, token) pair, in the same order whatever the number of tokens in the pass, so a
 // token's output never depends on the others (row-exact). Each instruction set's tile is in its
 // arch folder (arch/<folder>/gguf_tile.h, gguf_shared.h says what it defines); this file holds
@@ -85,7 +85,7 @@ void quantize_act_row(const scalar_t* x, int64_t K, int64_t B, int8_t* x8, float
 }
 
 // Runs gguf_tile<BITS, S, SUBS, OFF, MINS> over every tile of 16 rows and group of up to
-// GGUF_TOKENS tokens (tiles split across threads) and stores into y.
+// GGUF_TOKENS<BITS> tokens (tiles split across threads) and stores into y.
 template <int BITS, int S, int SUBS, int OFF, int MINS, typename out_t>
 void gguf_tiles(const uint8_t* w, int64_t tiles, int64_t nsb, const GgufActs& acts, int64_t M,
                 int64_t N, const float* b, out_t* y, int64_t ldy) {
@@ -101,7 +101,7 @@ void gguf_tiles(const uint8_t* w, int64_t tiles, int64_t nsb, const GgufActs& ac
     gguf_tile<BITS, S, SUBS, OFF, MINS, T>(w + tile * tile_bytes, nsb, a, next, acc);
     store_rows(&acc[0][0], T, tile * LANES, N, b, y + m0 * ldy, ldy);
   };
-  for_each_tile<GGUF_TOKENS>(tiles, M, tile_bytes, run);
+  for_each_tile<GGUF_TOKENS<BITS>>(tiles, M, tile_bytes, run);
 }
 
 // Calls run(Int<BITS>, Int<S>, Int<SUBS>, Int<OFF>, Int<MINS>) for a supported layout; returns

@@ -3,7 +3,7 @@
 // the prefetch of the next tile.
 //
 // Each arch folder's gguf_tile.h defines, for its instruction sets:
-//   GGUF_TOKENS: the most tokens a tile computes at once;
+//   GGUF_TOKENS<BITS>: the most tokens a tile of BITS-bit codes computes at once;
 //   gguf_tile<BITS, S, SUBS, OFF, MINS, T>(blk, nsb, a, next, acc): acc[t][l] = the sum over
 //   the nsb superblocks of one packed tile (16 rows) at blk of row l's by token t's
 //   contributions; `a` holds the tile's T tokens' activations: rows of x8 (stride K), dx and sx

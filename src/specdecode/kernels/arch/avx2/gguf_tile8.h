@@ -99,117 +99,142 @@ inline void table_sums8(const int8_t* table, const int16_t* bsum, int64_t ld, in
   }
 }
 
-// gguf_tile (gguf_shared.h) on 8 lanes, with vpdpbusd (VNNI) or without.
-template <bool VNNI, int BITS, int S, int SUBS, int OFF, int MINS, int T>
+// gguf_tile (gguf_shared.h) on 8 lanes, with vpdpbusd (VNNI) or without, H halves of the tile
+// (8 rows each) at a time: with H = 2 each broadcast of a token's 4 activation bytes serves 16
+// rows (two vpmaddubsw), which on AVX2 costs a shuffle as well as a load; H = 1 keeps the
+// registers for more tokens.
+template <bool VNNI, int H, int BITS, int S, int SUBS, int OFF, int MINS, int T>
 void gguf_tile8(const uint8_t* blk, int64_t nsb, const GgufActs& a, const uint8_t* next,
                 float acc[T][LANES]) {
+  static_assert(H == 1 || H == 2, "one half or both");
   using G = TileGeometry<BITS, S, SUBS, OFF, MINS>;
   const G geo(a);
-  // The AVX-512 path's steps, half a tile (8 rows) at a time, with the same fp32 operations in
-  // the same order (so the same bits). Without AVX-VNNI, vpmaddubsw (u8 x s8, pairs summed in
-  // int16, saturating) stands in for vpdpbusd: the int16 pair sums of RUN quads stay below
-  // 2^15 for codes of BITS <= 6 (|x8| <= 127), and 8-bit codes are summed as signed values
-  // (code - OFF, |w| times x8 with w's sign), which subtracts OFF * bsum on the way.
+  // The AVX-512 path's steps, on 8 rows a vector, with the same fp32 operations in the same
+  // order (so the same bits). Without AVX-VNNI, vpmaddubsw (u8 x s8, pairs summed in int16,
+  // saturating) stands in for vpdpbusd: the int16 pair sums of RUN quads stay below 2^15 for
+  // codes of BITS <= 6 (|x8| <= 127), and 8-bit codes are summed as signed values (code - OFF,
+  // |w| times x8 with w's sign), which subtracts OFF * bsum on the way.
   // With AVX-VNNI, vpdpbusd itself on 8 lanes (no int16 runs, codes as they are).
   constexpr bool SIGNED_Q8 = BITS == 8 && !VNNI;  // summed as code - OFF (see above)
   static_assert(BITS != 8 || (OFF == 128 && SUBS == 1), "8-bit codes: Q8_0 only");
   constexpr int RUN = VNNI ? S / 4 : BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1;
   static_assert((S / 4) % RUN == 0, "whole runs of quads per sub-block");
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
-  for (int half = 0; half < 2; ++half) {
-    __m256 sum[T];
-    UNROLL for (int t = 0; t < T; ++t) sum[t] = _mm256_setzero_ps();
+  for (int h0 = 0; h0 < 2; h0 += H) {  // halves h0 .. h0 + H - 1
+    __m256 sum[H][T];
+    UNROLL for (int u = 0; u < H; ++u)
+      UNROLL for (int t = 0; t < T; ++t) sum[u][t] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; ++s) {
       const uint8_t* h = blk + s * G::sb_bytes;
       const int8_t* sc = reinterpret_cast<const int8_t*>(h + G::sc_at);
       const int8_t* mn = reinterpret_cast<const int8_t*>(h + G::mn_at);
-      __m256i main[T];
-      UNROLL for (int t = 0; t < T; ++t) main[t] = _mm256_setzero_si256();
+      __m256i main[H][T];
+      UNROLL for (int u = 0; u < H; ++u)
+        UNROLL for (int t = 0; t < T; ++t) main[u][t] = _mm256_setzero_si256();
       _Pragma("GCC unroll 1") for (int j = 0; j < SUBS; ++j) {
-        if (next != nullptr && half == 0) prefetch_part(next + s * G::sb_bytes, G::sb_bytes, j, SUBS);
+        if (next != nullptr && h0 == 0) prefetch_part(next + s * G::sb_bytes, G::sb_bytes, j, SUBS);
         const int64_t k0 = (s * SUBS + j) * S;
         const uint8_t* codes = h + G::header + j * G::sub_bytes;
-        __m256i scale = _mm256_setzero_si256();  // sc_j of each row as int32 (SUBS > 1)
-        if constexpr (SUBS > 1) {
-          const __m256i pair = pair_vector8(sc, j / 2, half);
-          scale = j % 2 == 0 ? _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16)
-                             : _mm256_srai_epi32(pair, 16);
+        __m256i scale[H], weight[H];  // sc_j of each row as int32 (SUBS > 1); see below
+        UNROLL for (int u = 0; u < H; ++u) {
+          scale[u] = _mm256_setzero_si256();
+          if constexpr (SUBS > 1) {
+            const __m256i pair = pair_vector8(sc, j / 2, h0 + u);
+            scale[u] = j % 2 == 0 ? _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16)
+                                  : _mm256_srai_epi32(pair, 16);
+          }
+          // Without VNNI each run's int16 pair sums go into main at once, times sc_j: vpmaddwd
+          // with sc_j in both int16 halves of a row's lane (1 without a table); the same int32
+          // sum as sc_j times the sub-block's sum.
+          weight[u] = SUBS > 1 ? _mm256_blend_epi16(_mm256_slli_epi32(scale[u], 16), scale[u], 0x55)
+                               : ones;
         }
-        // Without VNNI each run's int16 pair sums go into main at once, times sc_j: vpmaddwd
-        // with sc_j in both int16 halves of a row's lane (1 without a table); the same int32
-        // sum as sc_j times the sub-block's sum.
-        [[maybe_unused]] const __m256i weight =
-            SUBS > 1 ? _mm256_blend_epi16(_mm256_slli_epi32(scale, 16), scale, 0x55) : ones;
-        __m256i isum[T];  // with VNNI: the sub-block's int32 sums
-        UNROLL for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+        __m256i isum[H][T];  // with VNNI: the sub-block's int32 sums
+        UNROLL for (int u = 0; u < H; ++u)
+          UNROLL for (int t = 0; t < T; ++t) isum[u][t] = _mm256_setzero_si256();
         UNROLL for (int c0 = 0; c0 < S / 4; c0 += RUN) {
-          __m256i pairs[T];  // int16 pair sums of the run's quads (without VNNI)
-          UNROLL for (int t = 0; t < T; ++t) pairs[t] = _mm256_setzero_si256();
+          __m256i pairs[H][T];  // int16 pair sums of the run's quads (without VNNI)
+          UNROLL for (int u = 0; u < H; ++u)
+            UNROLL for (int t = 0; t < T; ++t) pairs[u][t] = _mm256_setzero_si256();
           UNROLL for (int c = c0; c < c0 + RUN; ++c) {
-            const __m256i q = quad_codes8<BITS, S>(codes, c, half);
-            const __m256i signed_q = _mm256_xor_si256(q, flip);  // BITS 8: code - 128
-            [[maybe_unused]] const __m256i magnitude = _mm256_abs_epi8(signed_q);  // no VNNI
+            __m256i q[H], signed_q[H], magnitude[H];
+            UNROLL for (int u = 0; u < H; ++u) {
+              q[u] = quad_codes8<BITS, S>(codes, c, h0 + u);
+              signed_q[u] = _mm256_xor_si256(q[u], flip);  // BITS 8: code - 128
+              magnitude[u] = _mm256_abs_epi8(signed_q[u]);  // BITS 8 without VNNI
+            }
             UNROLL for (int t = 0; t < T; ++t) {
               const __m256i x = _mm256_set1_epi32(
                   *reinterpret_cast<const unaligned_i32*>(a.x8 + t * a.K + k0 + 4 * c));
-              if constexpr (VNNI) {
-                isum[t] = _mm256_dpbusd_avx_epi32(isum[t], q, x);
-              } else {
-                const __m256i products =
-                    BITS == 8 ? _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, signed_q))
-                              : _mm256_maddubs_epi16(q, x);
-                pairs[t] = _mm256_add_epi16(pairs[t], products);
-                keep_in_register(pairs[t]);
+              UNROLL for (int u = 0; u < H; ++u) {
+                if constexpr (VNNI) {
+                  isum[u][t] = _mm256_dpbusd_avx_epi32(isum[u][t], q[u], x);
+                } else {
+                  const __m256i products =
+                      BITS == 8
+                          ? _mm256_maddubs_epi16(magnitude[u], _mm256_sign_epi8(x, signed_q[u]))
+                          : _mm256_maddubs_epi16(q[u], x);
+                  pairs[u][t] = _mm256_add_epi16(pairs[u][t], products);
+                  keep_in_register(pairs[u][t]);
+                }
               }
             }
           }
           if constexpr (!VNNI) {
-            UNROLL for (int t = 0; t < T; ++t)
-              main[t] = _mm256_add_epi32(main[t], _mm256_madd_epi16(pairs[t], weight));
+            UNROLL for (int u = 0; u < H; ++u)
+              UNROLL for (int t = 0; t < T; ++t)
+                main[u][t] =
+                    _mm256_add_epi32(main[u][t], _mm256_madd_epi16(pairs[u][t], weight[u]));
           }
         }
         if constexpr (VNNI) {
-          UNROLL for (int t = 0; t < T; ++t) {
-            __m256i total = isum[t];
-            if constexpr (SUBS > 1) total = _mm256_mullo_epi32(total, scale);
-            main[t] = _mm256_add_epi32(main[t], total);
-          }
+          UNROLL for (int u = 0; u < H; ++u)
+            UNROLL for (int t = 0; t < T; ++t) {
+              __m256i total = isum[u][t];
+              if constexpr (SUBS > 1) total = _mm256_mullo_epi32(total, scale[u]);
+              main[u][t] = _mm256_add_epi32(main[u][t], total);
+            }
         }
       }
-      if constexpr (OFF != 0 && !SIGNED_Q8) {  // main -= OFF * sum_j sc_j bsum_j
-        __m256i off[T];
-        if constexpr (SUBS > 1) {
-          table_sums8<SUBS, T>(sc, geo.bsum + s * SUBS, geo.ld_bsum, half, off);
-        } else {
-          UNROLL for (int t = 0; t < T; ++t)
-            off[t] = _mm256_set1_epi32(int32_t(geo.bsum[t * geo.ld_bsum + s]));
-        }
-        UNROLL for (int t = 0; t < T; ++t)
-          main[t] = _mm256_sub_epi32(main[t], _mm256_slli_epi32(off[t], G::SHIFT));
-      }
-      const __m256 D =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + half * 16)));
-      UNROLL for (int t = 0; t < T; ++t) {
-        const __m256 dx = _mm256_set1_ps(a.dx[t * geo.ld_dx + s]);
-        sum[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(main[t]), _mm256_mul_ps(D, dx), sum[t]);
-      }
-      if constexpr (MINS != 0) {
-        const __m256 M = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * LANES + half * 16)));
-        if constexpr (MINS == 1) {  // sum -= (M dx) * sum_j mn_j bsum_j
-          __m256i mins[T];
-          table_sums8<SUBS, T>(mn, geo.bsum + s * SUBS, geo.ld_bsum, half, mins);
-          UNROLL for (int t = 0; t < T; ++t) {
-            const __m256 mdx = _mm256_mul_ps(M, _mm256_set1_ps(a.dx[t * geo.ld_dx + s]));
-            sum[t] = _mm256_fnmadd_ps(mdx, _mm256_cvtepi32_ps(mins[t]), sum[t]);
+      UNROLL for (int u = 0; u < H; ++u) {
+        const int half = h0 + u;
+        if constexpr (OFF != 0 && !SIGNED_Q8) {  // main -= OFF * sum_j sc_j bsum_j
+          __m256i off[T];
+          if constexpr (SUBS > 1) {
+            table_sums8<SUBS, T>(sc, geo.bsum + s * SUBS, geo.ld_bsum, half, off);
+          } else {
+            UNROLL for (int t = 0; t < T; ++t)
+              off[t] = _mm256_set1_epi32(int32_t(geo.bsum[t * geo.ld_bsum + s]));
           }
-        } else {  // sum -= M * sx
           UNROLL for (int t = 0; t < T; ++t)
-            sum[t] = _mm256_fnmadd_ps(M, _mm256_set1_ps(a.sx[t * geo.ld_dx + s]), sum[t]);
+            main[u][t] = _mm256_sub_epi32(main[u][t], _mm256_slli_epi32(off[t], G::SHIFT));
+        }
+        const __m256 D =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + half * 16)));
+        UNROLL for (int t = 0; t < T; ++t) {
+          const __m256 dx = _mm256_set1_ps(a.dx[t * geo.ld_dx + s]);
+          sum[u][t] =
+              _mm256_fmadd_ps(_mm256_cvtepi32_ps(main[u][t]), _mm256_mul_ps(D, dx), sum[u][t]);
+        }
+        if constexpr (MINS != 0) {
+          const __m256 M = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * LANES + half * 16)));
+          if constexpr (MINS == 1) {  // sum -= (M dx) * sum_j mn_j bsum_j
+            __m256i mins[T];
+            table_sums8<SUBS, T>(mn, geo.bsum + s * SUBS, geo.ld_bsum, half, mins);
+            UNROLL for (int t = 0; t < T; ++t) {
+              const __m256 mdx = _mm256_mul_ps(M, _mm256_set1_ps(a.dx[t * geo.ld_dx + s]));
+              sum[u][t] = _mm256_fnmadd_ps(mdx, _mm256_cvtepi32_ps(mins[t]), sum[u][t]);
+            }
+          } else {  // sum -= M * sx
+            UNROLL for (int t = 0; t < T; ++t)
+              sum[u][t] = _mm256_fnmadd_ps(M, _mm256_set1_ps(a.sx[t * geo.ld_dx + s]), sum[u][t]);
+          }
         }
       }
     }
-    UNROLL for (int t = 0; t < T; ++t) _mm256_storeu_ps(acc[t] + half * 8, sum[t]);
+    UNROLL for (int u = 0; u < H; ++u)
+      UNROLL for (int t = 0; t < T; ++t) _mm256_storeu_ps(acc[t] + (h0 + u) * 8, sum[u][t]);
   }
 }
 

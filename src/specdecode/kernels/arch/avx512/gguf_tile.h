@@ -13,6 +13,7 @@ namespace specdecode {
 namespace {
 
 // tokens per tile, at most: with 32 vector registers, 8 tokens' int32 and fp32 sums fit
+template <int BITS>
 constexpr int GGUF_TOKENS = 8;
 
 // The u8 codes of quad c (values 4 c .. 4 c + 3 of each of the 16 rows) of one tile's

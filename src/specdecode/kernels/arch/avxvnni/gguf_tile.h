@@ -7,12 +7,13 @@ namespace specdecode {
 namespace {
 
 // tokens per tile, at most: 4. With 16 vector registers more tokens' int32 sums do not fit.
+template <int BITS>
 constexpr int GGUF_TOKENS = 4;
 
 template <int BITS, int S, int SUBS, int OFF, int MINS, int T>
 void gguf_tile(const uint8_t* blk, int64_t nsb, const GgufActs& a, const uint8_t* next,
                float acc[T][LANES]) {
-  gguf_tile8<true, BITS, S, SUBS, OFF, MINS, T>(blk, nsb, a, next, acc);
+  gguf_tile8<true, 1, BITS, S, SUBS, OFF, MINS, T>(blk, nsb, a, next, acc);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@ namespace specdecode {
 namespace {
 
 // tokens per tile, at most: with 32 vector registers, 8 tokens' int32 and fp32 sums fit
+template <int BITS>
 constexpr int GGUF_TOKENS = 8;
 
 // NEON works on a quarter of a tile at a time: rows 4 r .. 4 r + 3, one per 32-bit lane.
@@ -137,9 +138,11 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const GgufActs& a, const uint8_t
         if constexpr (SUBS > 1) {
           table_sums4<SUBS, T>(sc, geo.bsum + s * SUBS, geo.ld_bsum, r, off);
         } else {
-          UNROLL for (int t = 0; t < T; ++t) off[t] = vdupq_n_s32(int32_t(geo.bsum[t * geo.ld_bsum + s]));
+          UNROLL for (int t = 0; t < T; ++t)
+            off[t] = vdupq_n_s32(int32_t(geo.bsum[t * geo.ld_bsum + s]));
         }
-        UNROLL for (int t = 0; t < T; ++t) main[t] = vsubq_s32(main[t], vshlq_n_s32(off[t], G::SHIFT));
+        UNROLL for (int t = 0; t < T; ++t)
+          main[t] = vsubq_s32(main[t], vshlq_n_s32(off[t], G::SHIFT));
       }
       const uint16_t* hf = half_floats + s * G::sb_bytes / 2;  // D [16], then M [16]
       const float32x4_t D = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(hf + r * 4)));

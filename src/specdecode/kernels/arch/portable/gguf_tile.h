@@ -12,6 +12,7 @@ namespace specdecode {
 namespace {
 
 // tokens per tile, at most (the vector paths' 8: the same groups)
+template <int BITS>
 constexpr int GGUF_TOKENS = 8;
 
 // Code of value k (0 <= k < S) of lane l of one tile's sub-block at `codes` (the layout in
