@@ -35,6 +35,8 @@
 // load) selects the vector path everywhere.
 
 #include "core.h"
+#include "matmul_dot.h"  // this variant's: its arch folder (setup.py)
+#include "matmul_shared.h"
 #include "tiles.h"
 
 #include <algorithm>
@@ -45,7 +47,6 @@
 #include <cstring>
 #include <string>
 #include <vector>
-
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__linux__)
 #define SPECDECODE_AMX 1
@@ -65,150 +66,7 @@ static_assert(ROWS == MATMUL_ROWS, "a packed block is one tile's rows");
 // Each lane accumulates one (row, token) pair: the kernel needs no horizontal sums, and the
 // order in which a lane sums its products is the same for every tile shape.
 
-#if defined(__AVX2__)
-// The 256-bit paths (AVX2, AVX-VNNI) cannot hold a whole tile's sums in their 16 registers
-// once a tile has 2 or more tokens, so they run GROUPS_AT_ONCE<T> of its row groups at a time
-// (two 8-lane sum vectors per group and token, at most 8 in all). Were those groups to run
-// over all of K before the next ones, each would read a part of every 256-byte k step, a
-// strided stream that came from memory at about half the bandwidth of a sequential one
-// (measured on AVX2: 7-9 against 14-18 GB/s at 1 token). So the groups take turns over chunks
-// of CHUNK_STEPS k steps (a k step is ROWS x 4 bytes of either format: 16 KB, inside L1),
-// their sums kept in acc between chunks, and the first groups' pass asks for each whole k step
-// AHEAD_STEPS steps ahead (a prefetch past the block's end is harmless); a lane still sums its
-// products in k order (the same bits).
-template <int T>
-constexpr int GROUPS_AT_ONCE = T == 1 ? GROUPS : T == 2 ? 2 : 1;
-constexpr int64_t CHUNK_STEPS = 64;
-constexpr int64_t AHEAD_STEPS = 8;
-
-inline void prefetch_step(const void* step) {  // the k step AHEAD_STEPS on (ROWS * 4 bytes)
-  const char* p = static_cast<const char*>(step) + AHEAD_STEPS * ROWS * 4;
-  UNROLL for (int line = 0; line < 4; ++line) __builtin_prefetch(p + line * 64);
-}
-inline __m256i load8(const void* p) {
-  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
-}
-inline void store8(int32_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
-#endif
-
 // ---------------------------------------------------------------- int8
-
-// What dot_u8s8 adds to each sum per unit of the row's weight sum: the codes carry +128, and
-// every path but plain AVX2's and NEON's sums them as they are (those sum the signed values,
-// see below).
-#if (!defined(__AVX512VNNI__) && !defined(__AVXVNNI__) && defined(__AVX2__)) || \
-    defined(SPECDECODE_NEON)
-constexpr int32_t CODE_ZERO = 0;
-#else
-constexpr int32_t CODE_ZERO = 128;
-#endif
-
-// acc[g][t] lane l = sum_k (a[t][k] - 128 + CODE_ZERO) * b[row g * 16 + l][k]: a u8 codes
-// [T, lda] (lda % 4 == 0).
-template <int T>
-void dot_u8s8(const uint8_t* a, int64_t lda, const int8_t* b, int64_t Kp,
-              int32_t acc[GROUPS][T][LANES]) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  __m512i sum[GROUPS][T];
-  UNROLL for (int g = 0; g < GROUPS; ++g)
-    UNROLL for (int t = 0; t < T; ++t) sum[g][t] = _mm512_setzero_si512();
-  for (int64_t k = 0; k < Kp; k += I8_PACK, b += ROWS * I8_PACK) {
-    __m512i av[T];  // 4 codes of token t, repeated in every lane
-    UNROLL for (int t = 0; t < T; ++t) {
-      int32_t four;
-      std::memcpy(&four, a + t * lda + k, sizeof(four));
-      av[t] = _mm512_set1_epi32(four);
-    }
-    UNROLL for (int g = 0; g < GROUPS; ++g) {
-      const __m512i bv = _mm512_loadu_si512(b + g * LANES * I8_PACK);
-      UNROLL for (int t = 0; t < T; ++t) sum[g][t] = _mm512_dpbusd_epi32(sum[g][t], av[t], bv);
-    }
-  }
-  UNROLL for (int g = 0; g < GROUPS; ++g)
-    UNROLL for (int t = 0; t < T; ++t) _mm512_storeu_si512(acc[g][t], sum[g][t]);
-#elif defined(__AVX2__)
-  // With AVX-VNNI, the AVX-512 path's vpdpbusd on 8 lanes. Without it, vpmaddubsw multiplies u8 by
-  // s8 but saturates its pair sums at int16, which the codes (up to 255) could reach; the
-  // signed values (codes - 128, |q| <= 127) cannot: |w| times q with w's sign, pairs summed
-  // (vpmaddubsw), then pairs of pairs (vpmaddwd by ones).
-  // GROUPS_AT_ONCE<T> row groups at a time (two 8-lane halves each), so that their T tokens'
-  // sums stay in registers, over chunks of CHUNK_STEPS k steps (see CHUNK_STEPS).
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // without AVX-VNNI
-  const __m256i flip = _mm256_set1_epi8(char(0x80));
-  constexpr int G = GROUPS_AT_ONCE<T>;
-  for (int64_t k0 = 0; k0 < Kp; k0 += CHUNK_STEPS * I8_PACK) {
-    const int64_t k1 = std::min(Kp, k0 + CHUNK_STEPS * I8_PACK);
-    for (int g0 = 0; g0 < GROUPS; g0 += G) {
-      __m256i sum[G][2][T];
-      UNROLL for (int g = 0; g < G; ++g)
-        UNROLL for (int h = 0; h < 2; ++h)
-          UNROLL for (int t = 0; t < T; ++t)
-            sum[g][h][t] = k0 == 0 ? _mm256_setzero_si256() : load8(acc[g0 + g][t] + h * 8);
-      const int8_t* bk = b + k0 * ROWS;
-      for (int64_t k = k0; k < k1; k += I8_PACK, bk += ROWS * I8_PACK) {
-        if (G < GROUPS && g0 == 0) prefetch_step(bk);
-        __m256i av[T];  // 4 codes (AVX-VNNI) or signed values of token t, in every lane
-        UNROLL for (int t = 0; t < T; ++t) {
-          int32_t four;
-          std::memcpy(&four, a + t * lda + k, sizeof(four));
-          av[t] = _mm256_set1_epi32(four);
-          if constexpr (CODE_ZERO == 0) av[t] = _mm256_xor_si256(av[t], flip);
-        }
-        UNROLL for (int g = 0; g < G; ++g)
-          UNROLL for (int h = 0; h < 2; ++h) {
-            const __m256i bv = load8(bk + (g0 + g) * LANES * I8_PACK + h * 32);
-#if defined(__AVXVNNI__)
-            UNROLL for (int t = 0; t < T; ++t)
-              sum[g][h][t] = _mm256_dpbusd_avx_epi32(sum[g][h][t], av[t], bv);
-#else
-            const __m256i magnitude = _mm256_abs_epi8(bv);
-            UNROLL for (int t = 0; t < T; ++t) {
-              const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(av[t], bv));
-              sum[g][h][t] = _mm256_add_epi32(sum[g][h][t], _mm256_madd_epi16(pairs, ones));
-            }
-#endif
-          }
-      }
-      UNROLL for (int g = 0; g < G; ++g)
-        UNROLL for (int h = 0; h < 2; ++h)
-          UNROLL for (int t = 0; t < T; ++t) store8(acc[g0 + g][t] + h * 8, sum[g][h][t]);
-    }
-  }
-#elif defined(SPECDECODE_NEON)
-  // sdot (s8 x s8, 4 products into each int32 lane) on the signed values (codes - 128), a row
-  // group (four 4-lane quarters) at a time so that T tokens' sums stay in registers.
-  for (int g = 0; g < GROUPS; ++g) {
-    int32x4_t sum[4][T];
-    UNROLL for (int r = 0; r < 4; ++r)
-      UNROLL for (int t = 0; t < T; ++t) sum[r][t] = vdupq_n_s32(0);
-    const int8_t* bg = b + g * LANES * I8_PACK;
-    for (int64_t k = 0; k < Kp; k += I8_PACK, bg += ROWS * I8_PACK) {
-      int8x16_t av[T];  // 4 signed values of token t, in every lane
-      UNROLL for (int t = 0; t < T; ++t) {
-        uint32_t four;
-        std::memcpy(&four, a + t * lda + k, sizeof(four));
-        av[t] = vreinterpretq_s8_u32(vdupq_n_u32(four ^ 0x80808080u));
-      }
-      UNROLL for (int r = 0; r < 4; ++r) {
-        const int8x16_t bv = vld1q_s8(bg + r * 16);
-        UNROLL for (int t = 0; t < T; ++t) sum[r][t] = vdotq_s32(sum[r][t], bv, av[t]);
-      }
-    }
-    UNROLL for (int r = 0; r < 4; ++r)
-      UNROLL for (int t = 0; t < T; ++t) vst1q_s32(acc[g][t] + r * 4, sum[r][t]);
-  }
-#else
-  std::memset(acc, 0, sizeof(int32_t) * GROUPS * T * LANES);
-  for (int64_t k = 0; k < Kp; k += I8_PACK, b += ROWS * I8_PACK)
-    for (int g = 0; g < GROUPS; ++g)
-      for (int t = 0; t < T; ++t)
-        for (int64_t l = 0; l < LANES; ++l)
-          for (int64_t p = 0; p < I8_PACK; ++p)
-            acc[g][t][l] += int32_t(a[t * lda + k + p]) *
-                            int32_t(b[(g * LANES + l) * I8_PACK + p]);
-#endif
-}
-
 
 // x row [K] -> u8 codes [Kp] = q + 128 (q = round(x * 127 / absmax) in [-127, 127], 0 past K)
 // and its scale absmax / 127.
@@ -245,7 +103,8 @@ void quantize_row(const scalar_t* x, int64_t K, int64_t Kp, uint8_t* codes, floa
 }
 
 // y[t][n] = out_t(float(acc[t][n] - CODE_ZERO * wsum[n]) * (x_scale[t] * ws[n]) (+ b[n])) for
-// the 16 rows n0 .. n0 + 15 (those < N) of T tokens: acc [T, LANES] int32 at stride LANES, y [T, N].
+// the 16 rows n0 .. n0 + 15 (those < N) of T tokens: acc [T, LANES] int32 at stride LANES,
+// y [T, N].
 template <typename out_t>
 void int8_epilogue(const int32_t* acc, int64_t T, int64_t n0, int64_t N, const int32_t* wsum,
                    const float* ws, const float* b, const float* x_scale, out_t* y) {
@@ -276,113 +135,6 @@ void int8_epilogue(const int32_t* acc, int64_t T, int64_t n0, int64_t N, const i
 #endif
 }
 
-// ---------------------------------------------------------------- bf16
-
-// acc[g][t] lane l = sum_k a[t][k] * b[row g * 16 + l][k] in fp32, pairs of k in order:
-// a bf16 [T, lda] (lda even).
-template <int T>
-void dot_bf16(const BFloat16* a, int64_t lda, const BFloat16* b, int64_t Kp,
-              float acc[GROUPS][T][LANES]) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  __m512 sum[GROUPS][T];
-  UNROLL for (int g = 0; g < GROUPS; ++g)
-    UNROLL for (int t = 0; t < T; ++t) sum[g][t] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < Kp; k += BF16_PACK, b += ROWS * BF16_PACK) {
-    __m512bh av[T];  // 2 values of token t, repeated in every lane
-    UNROLL for (int t = 0; t < T; ++t) {
-      int32_t two;
-      std::memcpy(&two, a + t * lda + k, sizeof(two));
-      av[t] = (__m512bh)_mm512_set1_epi32(two);
-    }
-    UNROLL for (int g = 0; g < GROUPS; ++g) {
-      const __m512bh bv = (__m512bh)_mm512_loadu_si512(b + g * LANES * BF16_PACK);
-      UNROLL for (int t = 0; t < T; ++t) sum[g][t] = _mm512_dpbf16_ps(sum[g][t], av[t], bv);
-    }
-  }
-  UNROLL for (int g = 0; g < GROUPS; ++g)
-    UNROLL for (int t = 0; t < T; ++t) _mm512_storeu_ps(acc[g][t], sum[g][t]);
-#elif defined(__AVX2__)
-  // The portable sums below, 8 lanes at a time: per pair, the odd value's product is added
-  // first, each product rounded before its addition (so the same bits as the portable path).
-  // GROUPS_AT_ONCE<T> row groups at a time over chunks of k steps, as in dot_u8s8.
-  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
-  constexpr int G = GROUPS_AT_ONCE<T>;
-  for (int64_t k0 = 0; k0 < Kp; k0 += CHUNK_STEPS * BF16_PACK) {
-    const int64_t k1 = std::min(Kp, k0 + CHUNK_STEPS * BF16_PACK);
-    for (int g0 = 0; g0 < GROUPS; g0 += G) {
-      __m256 sum[G][2][T];
-      UNROLL for (int g = 0; g < G; ++g)
-        UNROLL for (int h = 0; h < 2; ++h)
-          UNROLL for (int t = 0; t < T; ++t)
-            sum[g][h][t] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc[g0 + g][t] + h * 8);
-      const BFloat16* bk = b + k0 * ROWS;
-      for (int64_t k = k0; k < k1; k += BF16_PACK, bk += ROWS * BF16_PACK) {
-        if (G < GROUPS && g0 == 0) prefetch_step(bk);
-        __m256 even[T], odd[T];  // value k and k + 1 of token t, in every lane
-        UNROLL for (int t = 0; t < T; ++t) {
-          int32_t two;
-          std::memcpy(&two, a + t * lda + k, sizeof(two));
-          const __m256i pair = _mm256_set1_epi32(two);
-          even[t] = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
-          odd[t] = _mm256_castsi256_ps(_mm256_and_si256(pair, high));
-        }
-        UNROLL for (int g = 0; g < G; ++g)
-          UNROLL for (int h = 0; h < 2; ++h) {
-            const __m256i bv = load8(bk + (g0 + g) * LANES * BF16_PACK + h * 16);
-            const __m256 b_even = _mm256_castsi256_ps(_mm256_slli_epi32(bv, 16));
-            const __m256 b_odd = _mm256_castsi256_ps(_mm256_and_si256(bv, high));
-            UNROLL for (int t = 0; t < T; ++t) {
-              sum[g][h][t] = _mm256_add_ps(sum[g][h][t], _mm256_mul_ps(odd[t], b_odd));
-              sum[g][h][t] = _mm256_add_ps(sum[g][h][t], _mm256_mul_ps(even[t], b_even));
-            }
-          }
-      }
-      UNROLL for (int g = 0; g < G; ++g)
-        UNROLL for (int h = 0; h < 2; ++h)
-          UNROLL for (int t = 0; t < T; ++t) _mm256_storeu_ps(acc[g0 + g][t] + h * 8, sum[g][h][t]);
-    }
-  }
-#elif defined(SPECDECODE_NEON)
-  // The AVX2 path's steps on 4 lanes (a row group's four quarters at a time): the same bits.
-  const uint32x4_t high = vdupq_n_u32(0xFFFF0000u);
-  for (int g = 0; g < GROUPS; ++g) {
-    float32x4_t sum[4][T];
-    UNROLL for (int r = 0; r < 4; ++r)
-      UNROLL for (int t = 0; t < T; ++t) sum[r][t] = vdupq_n_f32(0.f);
-    const BFloat16* bg = b + g * LANES * BF16_PACK;
-    for (int64_t k = 0; k < Kp; k += BF16_PACK, bg += ROWS * BF16_PACK) {
-      float32x4_t even[T], odd[T];  // value k and k + 1 of token t, in every lane
-      UNROLL for (int t = 0; t < T; ++t) {
-        uint32_t two;
-        std::memcpy(&two, a + t * lda + k, sizeof(two));
-        const uint32x4_t pair = vdupq_n_u32(two);
-        even[t] = vreinterpretq_f32_u32(vshlq_n_u32(pair, 16));
-        odd[t] = vreinterpretq_f32_u32(vandq_u32(pair, high));
-      }
-      UNROLL for (int r = 0; r < 4; ++r) {
-        const uint32x4_t bv = vld1q_u32(reinterpret_cast<const uint32_t*>(bg + r * 8));
-        const float32x4_t b_even = vreinterpretq_f32_u32(vshlq_n_u32(bv, 16));
-        const float32x4_t b_odd = vreinterpretq_f32_u32(vandq_u32(bv, high));
-        UNROLL for (int t = 0; t < T; ++t) {
-          sum[r][t] = vaddq_f32(sum[r][t], vmulq_f32(odd[t], b_odd));
-          sum[r][t] = vaddq_f32(sum[r][t], vmulq_f32(even[t], b_even));
-        }
-      }
-    }
-    UNROLL for (int r = 0; r < 4; ++r)
-      UNROLL for (int t = 0; t < T; ++t) vst1q_f32(acc[g][t] + r * 4, sum[r][t]);
-  }
-#else
-  std::memset(acc, 0, sizeof(float) * GROUPS * T * LANES);
-  for (int64_t k = 0; k < Kp; k += BF16_PACK, b += ROWS * BF16_PACK)
-    for (int g = 0; g < GROUPS; ++g)
-      for (int t = 0; t < T; ++t)
-        for (int64_t l = 0; l < LANES; ++l)
-          for (int64_t p = BF16_PACK - 1; p >= 0; --p)
-            acc[g][t][l] += float(a[t * lda + k + p]) *
-                            float(b[(g * LANES + l) * BF16_PACK + p]);
-#endif
-}
 
 // ---------------------------------------------------------------- AMX
 
@@ -630,23 +382,7 @@ bool set_amx(bool wanted) {
 // "avx2", "neon-dotprod" / "neon" or "portable" (AMX only for weights whose input width is a
 // multiple of 64 int8 / 32 bf16 values).
 std::string isa() {
-  std::string int8 = "portable", bf16 = "portable";
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  int8 = "avx512-vnni";
-#elif defined(__AVXVNNI__)
-  int8 = "avx-vnni";
-#elif defined(__AVX2__)
-  int8 = "avx2";
-#elif defined(SPECDECODE_NEON)
-  int8 = "neon-dotprod";
-#endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  bf16 = "avx512-bf16";
-#elif defined(__AVX2__)
-  bf16 = "avx2";
-#elif defined(SPECDECODE_NEON)
-  bf16 = "neon";
-#endif
+  std::string int8 = INT8_DOT, bf16 = BF16_DOT;  // the arch folder's
   if (use_amx(AMX_K_BYTES)) int8 = bf16 = "amx";
   std::string why_not;  // AMX compiled in and wanted, but the OS did not grant the tile state
 #if defined(SPECDECODE_AMX)
