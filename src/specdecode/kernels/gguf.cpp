@@ -36,6 +36,7 @@
 //   - BITS 5, 6: [S / 4 quads][8 lane pairs][BITS bytes]: the 8 codes q[2 i][4 c .. 4 c + 3],
 //     q[2 i + 1][4 c .. 4 c + 3] of pair i as BITS-bit fields, the first in the lowest bits.
 
+#include "epilogue.h"  // this variant's: its arch folder (setup.py)
 #include "gguf_shared.h"
 #include "gguf_tile.h"  // this variant's: its arch folder (setup.py)
 #include "tiles.h"

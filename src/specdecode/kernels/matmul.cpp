@@ -35,6 +35,7 @@
 // load) selects the vector path everywhere.
 
 #include "core.h"
+#include "epilogue.h"  // this variant's: its arch folder (setup.py)
 #include "matmul_dot.h"  // this variant's: its arch folder (setup.py)
 #include "matmul_shared.h"
 #include "tiles.h"
@@ -73,27 +74,11 @@ static_assert(ROWS == MATMUL_ROWS, "a packed block is one tile's rows");
 template <typename scalar_t>
 void quantize_row(const scalar_t* x, int64_t K, int64_t Kp, uint8_t* codes, float* scale) {
   float absmax = 0.f;
-  int64_t k = 0;
-#if defined(SPECDECODE_VECTOR_EPILOGUE)
-  __m512 top = _mm512_setzero_ps();
-  for (; k < K; k += LANES) top = _mm512_max_ps(top, _mm512_abs_ps(load16(x + k, first(K - k))));
-  absmax = _mm512_reduce_max_ps(top);
-#endif
+  int64_t k = absmax_lanes(x, K, absmax);
   for (; k < K; ++k) absmax = std::max(absmax, std::abs(float(x[k])));
   absmax = std::max(absmax, 1e-8f);
   const float inv = 127.f / absmax;
-  k = 0;
-#if defined(SPECDECODE_VECTOR_EPILOGUE)
-  const __m512 vinv = _mm512_set1_ps(inv), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
-  for (; k < K; k += LANES) {
-    const __mmask16 mask = first(K - k);
-    const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(load16(x + k, mask), vinv),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i code = _mm512_add_epi32(
-        _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, q))), _mm512_set1_epi32(128));
-    _mm_mask_storeu_epi8(codes + k, mask, _mm512_cvtepi32_epi8(code));
-  }
-#endif
+  k = code_lanes(x, K, inv, codes);
   for (; k < K; ++k) {
     const float q = std::nearbyint(float(x[k]) * inv);
     codes[k] = uint8_t(int32_t(std::min(127.f, std::max(-127.f, q))) + 128);
@@ -101,40 +86,6 @@ void quantize_row(const scalar_t* x, int64_t K, int64_t Kp, uint8_t* codes, floa
   std::fill(codes + K, codes + Kp, uint8_t(128));
   *scale = absmax / 127.f;
 }
-
-// y[t][n] = out_t(float(acc[t][n] - CODE_ZERO * wsum[n]) * (x_scale[t] * ws[n]) (+ b[n])) for
-// the 16 rows n0 .. n0 + 15 (those < N) of T tokens: acc [T, LANES] int32 at stride LANES,
-// y [T, N].
-template <typename out_t>
-void int8_epilogue(const int32_t* acc, int64_t T, int64_t n0, int64_t N, const int32_t* wsum,
-                   const float* ws, const float* b, const float* x_scale, out_t* y) {
-  const int64_t count = std::min(LANES, N - n0);
-#if defined(SPECDECODE_VECTOR_EPILOGUE)
-  const __mmask16 mask = first(count);
-  const __m512i zero_point = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, wsum + n0),
-                                                _mm512_set1_epi32(CODE_ZERO));
-  const __m512 w_scale = _mm512_maskz_loadu_ps(mask, ws + n0);
-  const __m512 bias = b == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, b + n0);
-  for (int64_t t = 0; t < T; ++t) {
-    const __m512i dot = _mm512_sub_epi32(_mm512_loadu_si512(acc + t * LANES), zero_point);
-    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
-                             _mm512_mul_ps(_mm512_set1_ps(x_scale[t]), w_scale));
-    if (b != nullptr) v = _mm512_add_ps(v, bias);
-    store16(y + t * N + n0, v, mask);
-  }
-#else
-  for (int64_t l = 0; l < count; ++l) {
-    const int64_t n = n0 + l;
-    for (int64_t t = 0; t < T; ++t) {
-      const int32_t dot = acc[t * LANES + l] - CODE_ZERO * wsum[n];  // see CODE_ZERO
-      float v = float(dot) * (x_scale[t] * ws[n]);
-      if (b != nullptr) v = v + b[n];
-      y[t * N + n] = out_t(v);  // rounded once to y's dtype
-    }
-  }
-#endif
-}
-
 
 // ---------------------------------------------------------------- AMX
 
@@ -319,8 +270,8 @@ void int8_matmul(const scalar_t* x, int64_t M, int64_t K, const int8_t* w, int64
   // acc [GROUPS, T, LANES]: the integer sums of tokens m0 .. m0 + T - 1 by rows of `block`
   auto store = [&](int64_t block, int64_t m0, int64_t T, const int32_t* acc) {
     for (int64_t g = 0; g < GROUPS && block * ROWS + g * LANES < N; ++g)
-      int8_epilogue(acc + g * T * LANES, T, block * ROWS + g * LANES, N, w_sum, w_scale, bias,
-                    x_scale.data() + m0, y + m0 * N);
+      int8_epilogue<CODE_ZERO>(acc + g * T * LANES, T, block * ROWS + g * LANES, N, w_sum,
+                               w_scale, bias, x_scale.data() + m0, y + m0 * N);
   };
   if (M > 1 && use_amx(Kp)) {  // one token: the vector path (see the header)
     for_each_amx_tile(blocks, M, ROWS * Kp, [&](int64_t block, int64_t m0, int64_t T) {
