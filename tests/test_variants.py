@@ -126,3 +126,51 @@ def test_nothing_compiles_at_run_time() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+KERNELS = Path(variants.__file__).parent
+# what every arch folder defines (each *_shared.h says what), included by the op files
+MICRO_KERNELS = (
+    "argmax_row.h",
+    "attention_paths.h",
+    "epilogue.h",
+    "gguf_tile.h",
+    "matmul_dot.h",
+    "peak_chains.h",
+)
+
+
+def test_every_variant_has_an_arch_folder_with_every_micro_kernel() -> None:
+    """A variant's instruction sets live in its arch folder (on its include path alone): each
+    folder answers every header the op files include, and no folder is left without a
+    variant."""
+    folders = {v.folder for v in variants.VARIANTS}
+    assert folders == {p.name for p in (KERNELS / "arch").iterdir() if p.is_dir()}
+    for folder in folders:
+        present = {p.name for p in (KERNELS / "arch" / folder).glob("*.h")}
+        assert set(MICRO_KERNELS) <= present, (folder, set(MICRO_KERNELS) - present)
+    for name in MICRO_KERNELS:  # found in the arch folder, never beside the op files
+        assert not (KERNELS / name).exists()
+
+
+def test_the_op_files_hold_no_instruction_set_conditionals() -> None:
+    """Vector code lives in the arch folders: the op files' only conditionals are
+    matmul.cpp's AMX tiles (the amx variant shares the avx512 folder) and ops.cpp's defaults
+    for a build without setup.py's names."""
+    allowed = {"matmul.cpp": ("SPECDECODE_AMX", "__AMX_TILE__"), "ops.cpp": ("SPECDECODE_",)}
+    for path in sorted(KERNELS.glob("*.cpp")):
+        for line in path.read_text().splitlines():
+            if line.startswith(("#if", "#elif")):
+                words = allowed.get(path.name, ())
+                assert any(word in line for word in words), f"{path.name}: {line}"
+
+
+def test_the_source_digest_covers_the_arch_folders(tmp_path: Path) -> None:
+    """A change to a micro-kernel changes the digest, so a build of the old sources is refused."""
+    (tmp_path / "arch" / "avx2").mkdir(parents=True)
+    (tmp_path / "ops.cpp").write_text("int x;")
+    header = tmp_path / "arch" / "avx2" / "gguf_tile.h"
+    header.write_text("// one")
+    before = variants.source_hash(tmp_path)
+    header.write_text("// two")
+    assert variants.source_hash(tmp_path) != before
