@@ -12,7 +12,7 @@ SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
 install: $(VENV)/.installed
 
-# The install builds the C++ kernels once per instruction-set level (setup.py; ~5 min on 2
+# The install builds the C++ kernels once per instruction-set level (setup.py; ~2 min on 2 Zen 4
 # cores): nothing compiles at run time. A kernel source newer than the install rebuilds them.
 KERNEL_SOURCES := setup.py src/specdecode/kernels/variants.py \
     $(wildcard src/specdecode/kernels/*.cpp src/specdecode/kernels/*.h \
