@@ -1,20 +1,9 @@
-// The vector instructions a build of the cores has, and their intrinsics' headers: x86's
-// (__AVX2__, __AVX512F__, ... as the compiler defines them) and ARM64's with the dot-product
-// instructions (SPECDECODE_NEON: the neon variant); and what the cores' register-blocked loops
-// share (UNROLL, compile-time counts).
+// What the cores' register-blocked loops share (UNROLL, compile-time counts). The instruction
+// sets themselves live in the arch folders, each of which includes its own intrinsics header.
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-#if defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
-#define SPECDECODE_NEON 1
-#include <arm_neon.h>
-#endif
 
 // Full unrolling of the kernels' small loops over registers (a tile's or a query's sums) lets
 // the compiler keep every accumulator in a register.

@@ -51,6 +51,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__linux__)
 #define SPECDECODE_AMX 1
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
