@@ -33,8 +33,10 @@
 //   - BITS 8: [S / 4 quads][16 lanes][4]: byte b of lane l = q[row l][4 c + b];
 //   - BITS 4: nibbles [S / 8][16 lanes][4]: byte b of lane l of vector v holds q[l][8 v + b]
 //     in its low and q[l][8 v + 4 + b] in its high nibble;
-//   - BITS 5, 6: [S / 4 quads][8 lane pairs][BITS bytes]: the 8 codes q[2 i][4 c .. 4 c + 3],
-//     q[2 i + 1][4 c .. 4 c + 3] of pair i as BITS-bit fields, the first in the lowest bits.
+//   - BITS 5, 6: the low 4 bits of every code as BITS 4 lays them out (16 * S / 2 bytes), then
+//     a plane of their high bits, [16 lanes][4] (64 bytes: (BITS - 4) * S == 32): byte b of
+//     lane l holds q[l][4 c + b] >> 4 at bits (BITS - 4) c .. (BITS - 4) (c + 1) - 1, quad c
+//     from 0. A quad then decodes as a 4-bit one plus a shift and a mask of the plane.
 
 #include "epilogue.h"  // this variant's: its arch folder (setup.py)
 #include "gguf_shared.h"
@@ -173,24 +175,21 @@ void gguf_pack_codes(const uint8_t* q, int64_t Np, int64_t K, int64_t bits, int6
         const uint8_t* rows = q + tile * LANES * K + sb * sub;
         uint8_t* o = out + (tile * nsb * subs + sb) * sub_bytes;
         auto code = [&](int64_t l, int64_t k) { return rows[l * K + k]; };
+        uint8_t* plane = o + LANES * sub / 2;  // the high bits (BITS 5, 6)
+        if (bits > 4) std::memset(plane, 0, 4 * LANES);
         for (int64_t c = 0; c < sub / 4; ++c) {  // quads
-          if (bits == 8) {
-            for (int64_t l = 0; l < LANES; ++l)
-              for (int64_t b = 0; b < 4; ++b) o[c * 64 + l * 4 + b] = code(l, 4 * c + b);
-          } else if (bits == 4) {
-            if (c % 2 == 1) continue;  // vector c / 2 holds quads c and c + 1
-            for (int64_t l = 0; l < LANES; ++l)
-              for (int64_t b = 0; b < 4; ++b)
-                o[(c / 2) * 64 + l * 4 + b] =
-                    uint8_t((code(l, 4 * c + b) & 0x0F) | (code(l, 4 * c + 4 + b) << 4));
-          } else {
-            for (int64_t i = 0; i < LANES / 2; ++i) {  // lane pairs
-              uint64_t word = 0;
-              for (int64_t f = 0; f < 8; ++f)
-                word |= uint64_t(code(2 * i + f / 4, 4 * c + f % 4)) << (f * bits);
-              std::memcpy(o + c * 8 * bits + i * bits, &word, size_t(bits));
+          for (int64_t l = 0; l < LANES; ++l)
+            for (int64_t b = 0; b < 4; ++b) {
+              const uint8_t v = code(l, 4 * c + b);
+              if (bits == 8) {
+                o[c * 64 + l * 4 + b] = v;
+                continue;
+              }
+              // vector c / 2 holds quads c (low nibbles) and c + 1 (high nibbles)
+              uint8_t& nibbles = o[(c / 2) * 64 + l * 4 + b];
+              nibbles = c % 2 == 0 ? uint8_t(v & 0x0F) : uint8_t(nibbles | (v & 0x0F) << 4);
+              if (bits > 4) plane[l * 4 + b] |= uint8_t((v >> 4) << ((bits - 4) * c));
             }
-          }
         }
       }
   });

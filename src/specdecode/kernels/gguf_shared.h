@@ -32,6 +32,8 @@ typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
 template <int BITS, int S, int SUBS, int OFF, int MINS>
 struct TileGeometry {
   static_assert(OFF == 0 || (OFF & (OFF - 1)) == 0, "OFF is a power of two");
+  static_assert(BITS == 4 || BITS == 8 || (BITS - 4) * S == 32,
+                "BITS 5, 6: the high bits of a sub-block's codes fill one 64-byte plane");
   static constexpr int SHIFT = OFF == 0 ? 0 : __builtin_ctz(OFF);  // OFF = 1 << SHIFT
   static constexpr GgufLayout layout{BITS, S, SUBS, OFF, MINS};
   static constexpr int64_t header = layout.header_bytes(), sub_bytes = layout.sub_bytes();
@@ -44,6 +46,11 @@ struct TileGeometry {
   explicit TileGeometry(const GgufActs& a)
       : ld_dx(a.K / (S * SUBS)), bsum(S == 16 ? a.bsum16 : a.bsum32), ld_bsum(a.K / S) {}
 };
+
+// Where the plane of high bits (BITS 5, 6) starts in a sub-block of S codes a row: after the
+// low nibbles.
+template <int S>
+constexpr int64_t PLANE_AT = LANES * S / 2;
 
 // Prefetches into the L2 cache part `part` of `parts` of the `bytes` bytes at p (the cache
 // lines that start in it).

@@ -220,17 +220,15 @@ def unpack(packed: np.ndarray, layout: Layout, rows: int) -> Codes:
     lead = data.shape[:3]
     if lay.bits == 8:
         q = data.reshape(*lead, -1, ROWS, 4).swapaxes(-3, -2)  # [.., lanes, quads, 4]
-    elif lay.bits == 4:
-        nib = data.reshape(*lead, -1, ROWS, 4).swapaxes(-3, -2)
+    else:  # low nibbles as 4-bit codes lay them out; 5, 6 bits: then the plane of high bits
+        low = data[..., : ROWS * lay.sub // 2]
+        nib = low.reshape(*lead, -1, ROWS, 4).swapaxes(-3, -2)  # [.., lanes, vectors, 4]
         q = np.stack([nib & 0x0F, nib >> 4], axis=-2).reshape(*lead, ROWS, -1, 4)
-    else:
-        raw = data.reshape(*lead, -1, 8, lay.bits)  # [.., quads, pairs, bytes]
-        words = np.zeros((*raw.shape[:-1], 8), np.uint8)
-        words[..., : lay.bits] = raw
-        words = words.view(np.uint64)  # [.., quads, pairs, 1]
-        shifts = np.arange(8, dtype=np.uint64) * np.uint64(lay.bits)
-        fields = (words >> shifts) & np.uint64((1 << lay.bits) - 1)  # [.., quads, pairs, 8]
-        q = fields.astype(np.uint8).reshape(*lead, -1, ROWS, 4).swapaxes(-3, -2)
+        if lay.bits > 4:
+            high = lay.bits - 4
+            plane = data[..., ROWS * lay.sub // 2 :].reshape(*lead, ROWS, 1, 4)
+            shifts = (np.arange(lay.sub // 4, dtype=np.uint8) * high).reshape(-1, 1)
+            q = q | (((plane >> shifts) & ((1 << high) - 1)) << 4)  # [.., lanes, quads, 4]
     q = q.reshape(*lead, ROWS, lay.sub).transpose(0, 3, 1, 2, 4)
     q = q.reshape(rows_p, -1)[:rows]
     return Codes(lay, np.ascontiguousarray(q), d, big_m, sc, mn)

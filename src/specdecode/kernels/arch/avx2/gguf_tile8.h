@@ -18,62 +18,30 @@ namespace {
 // computing every product first and spilling them to the stack (2-3x slower).
 inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
 
-// quad_codes8's tables for BITS-bit fields (5, 6): per 16-bit word f of each 128-bit lane, the
-// shuffle that puts field f's one or two bytes in it (lo: the lane's first lane pair, hi: its
-// second), and the multiplier that moves the field's bits to the word's top.
-template <int BITS>
-struct FieldTables {
-  alignas(32) uint8_t lo[32];
-  alignas(32) uint8_t hi[32];
-  alignas(32) uint16_t mul[16];
-};
-
-template <int BITS>
-constexpr FieldTables<BITS> field_tables() {
-  FieldTables<BITS> tables{};
-  for (int lane = 0; lane < 2; ++lane)
-    for (int pair = 0; pair < 2; ++pair) {
-      // where the pair's BITS bytes start in the lane's 16 loaded bytes (see quad_codes8)
-      const int start = (lane == 0 ? 0 : 16 - 2 * BITS) + pair * BITS;
-      uint8_t* shuffle = pair == 0 ? tables.lo : tables.hi;
-      for (int f = 0; f < 8; ++f) {
-        const int byte = start + f * BITS / 8, shift = f * BITS % 8;
-        shuffle[lane * 16 + 2 * f] = uint8_t(byte);
-        shuffle[lane * 16 + 2 * f + 1] = shift + BITS > 8 ? uint8_t(byte + 1) : uint8_t(0x80);
-        tables.mul[lane * 8 + f] = uint16_t(1u << (16 - BITS - shift));
-      }
-    }
-  return tables;
-}
-
 // The u8 codes of quad c (values 4 c .. 4 c + 3) of rows 8 h .. 8 h + 7 of one tile's
 // sub-block at `codes`, one row per 32-bit lane.
 template <int BITS, int S>
 inline __m256i quad_codes8(const uint8_t* codes, int c, int h) {
   if constexpr (BITS == 8) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * 64 + h * 32));
-  } else if constexpr (BITS == 4) {
+  } else {
     const __m256i nibbles =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (c / 2) * 64 + h * 32));
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    return (c % 2 == 0) ? _mm256_and_si256(nibbles, low4)
-                        : _mm256_and_si256(_mm256_srli_epi16(nibbles, 4), low4);
-  } else {
-    // lane pairs 4 h .. 4 h + 3: 4 * BITS bytes; 128-bit lane 0 loads pairs 4 h, 4 h + 1 from
-    // their start, lane 1 pairs 4 h + 2, 4 h + 3 as the last 16 of the 4 * BITS bytes (both
-    // loads stay inside the quad)
-    static constexpr FieldTables<BITS> tables = field_tables<BITS>();
-    const uint8_t* first = codes + c * 8 * BITS + h * 4 * BITS;
-    const __m256i raw =
-        _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(first + 4 * BITS - 16),
-                            reinterpret_cast<const __m128i*>(first));
-    const __m256i mul = _mm256_load_si256(reinterpret_cast<const __m256i*>(tables.mul));
-    auto fields = [&](const uint8_t* shuffle) {  // 16-bit words: a field each, moved down
-      const __m256i words =
-          _mm256_shuffle_epi8(raw, _mm256_load_si256(reinterpret_cast<const __m256i*>(shuffle)));
-      return _mm256_srli_epi16(_mm256_mullo_epi16(words, mul), 16 - BITS);
-    };
-    return _mm256_packus_epi16(fields(tables.lo), fields(tables.hi));
+    const __m256i low = (c % 2 == 0) ? _mm256_and_si256(nibbles, low4)
+                                     : _mm256_and_si256(_mm256_srli_epi16(nibbles, 4), low4);
+    if constexpr (BITS == 4) {
+      return low;
+    } else {  // quad c's high bits, at bits (BITS - 4) c of each byte of the plane, to bit 4
+      // (16-bit shifts: what they carry across a byte falls outside the mask)
+      const __m256i plane =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + PLANE_AT<S> + h * 32));
+      const int shift = 4 - (BITS - 4) * c;
+      const __m256i high =
+          shift >= 0 ? _mm256_slli_epi16(plane, shift) : _mm256_srli_epi16(plane, -shift);
+      const __m256i mask = _mm256_set1_epi8(char(((1 << (BITS - 4)) - 1) << 4));
+      return _mm256_or_si256(low, _mm256_and_si256(high, mask));
+    }
   }
 }
 

@@ -1,12 +1,11 @@
 // The GGUF tile (gguf_shared.h) on AVX-512 VNNI with VBMI: 16 rows in one vector, vpdpbusd
-// (64 u8 x s8 products), 5- and 6-bit codes unpacked with vpermb and vpmultishiftqb.
+// (64 u8 x s8 products).
 #pragma once
 
 #include "../../gguf_shared.h"
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstring>
 
 namespace specdecode {
@@ -22,29 +21,22 @@ template <int BITS, int S>
 inline __m512i quad_codes(const uint8_t* codes, int c) {
   if constexpr (BITS == 8) {
     return _mm512_loadu_si512(codes + c * 64);
-  } else if constexpr (BITS == 4) {
+  } else {
     const __m512i nibbles = _mm512_loadu_si512(codes + (c / 2) * 64);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    return (c % 2 == 0) ? _mm512_and_si512(nibbles, low4)
-                        : _mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low4);
-  } else {
-    // 8 BITS bytes per lane pair -> one 64-bit word each (vpermb), then the 8 fields of each
-    // word into its 8 bytes (vpmultishiftqb) and the low BITS bits kept.
-    alignas(64) static constexpr auto spread = [] {
-      struct { uint8_t at[64]; } idx{};
-      for (int i = 0; i < 64; ++i) idx.at[i] = uint8_t((i / 8) * BITS + std::min(i % 8, BITS - 1));
-      return idx;
-    }();
-    // the quad's 8 BITS bytes (40 or 48) in two loads that stay inside them
-    const uint8_t* at = codes + c * 8 * BITS;
-    const __m128i tail = BITS == 6 ? _mm_loadu_si128((const __m128i*)(at + 32))
-                                   : _mm_loadl_epi64((const __m128i*)(at + 32));
-    const __m512i raw = _mm512_inserti32x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)at)), tail, 2);
-    const __m512i words = _mm512_permutexvar_epi8(_mm512_load_si512(spread.at), raw);
-    const __m512i shifts = _mm512_set1_epi64(int64_t(0x0706050403020100ULL * BITS));
-    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, words),
-                            _mm512_set1_epi8(char((1 << BITS) - 1)));
+    const __m512i low = (c % 2 == 0) ? _mm512_and_si512(nibbles, low4)
+                                     : _mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low4);
+    if constexpr (BITS == 4) {
+      return low;
+    } else {  // quad c's high bits, at bits (BITS - 4) c of each byte of the plane, to bit 4
+      // (16-bit shifts: what they carry across a byte falls outside the mask)
+      const __m512i plane = _mm512_loadu_si512(codes + PLANE_AT<S>);
+      const int shift = 4 - (BITS - 4) * c;
+      const __m512i high =
+          shift >= 0 ? _mm512_slli_epi16(plane, shift) : _mm512_srli_epi16(plane, -shift);
+      const __m512i mask = _mm512_set1_epi8(char(((1 << (BITS - 4)) - 1) << 4));
+      return _mm512_ternarylogic_epi32(low, high, mask, 0xF8);  // low | (high & mask)
+    }
   }
 }
 

@@ -17,55 +17,22 @@ constexpr int GGUF_TOKENS = 8;
 
 // NEON works on a quarter of a tile at a time: rows 4 r .. 4 r + 3, one per 32-bit lane.
 
-// quad_codes4's tables for BITS-bit fields (5, 6): per 16-bit word i of the two halves (lo:
-// words 0-7, hi: words 8-15; word i is output byte i, value i % 4 of row 4 r + i / 4), the two
-// of the 16 loaded bytes that hold its field (0xFF: none, read as 0), and the right shift
-// (negative: vshlq's direction) that moves the field down, the same for both halves.
-template <int BITS>
-struct QuarterTables {
-  uint8_t lo[16];
-  uint8_t hi[16];
-  int16_t shift[8];
-};
-
-template <int BITS>
-constexpr QuarterTables<BITS> quarter_tables() {
-  QuarterTables<BITS> tables{};
-  for (int pair = 0; pair < 2; ++pair) {
-    // where the pair's BITS bytes start in the 16 loaded bytes (see quad_codes4)
-    const int start = 16 - 2 * BITS + pair * BITS;
-    uint8_t* index = pair == 0 ? tables.lo : tables.hi;
-    for (int f = 0; f < 8; ++f) {
-      const int byte = start + f * BITS / 8, shift = f * BITS % 8;
-      index[2 * f] = uint8_t(byte);
-      index[2 * f + 1] = shift + BITS > 8 ? uint8_t(byte + 1) : uint8_t(0xFF);
-      tables.shift[f] = int16_t(-shift);
-    }
-  }
-  return tables;
-}
-
 // The u8 codes of quad c (values 4 c .. 4 c + 3) of rows 4 r .. 4 r + 3 of one tile's
 // sub-block at `codes`, one row per 32-bit lane.
 template <int BITS, int S>
 inline uint8x16_t quad_codes4(const uint8_t* codes, int c, int r) {
   if constexpr (BITS == 8) {
     return vld1q_u8(codes + c * 64 + r * 16);
-  } else if constexpr (BITS == 4) {
-    const uint8x16_t nibbles = vld1q_u8(codes + (c / 2) * 64 + r * 16);
-    return (c % 2 == 0) ? vandq_u8(nibbles, vdupq_n_u8(0x0F)) : vshrq_n_u8(nibbles, 4);
   } else {
-    // lane pairs 2 r, 2 r + 1: the last 2 * BITS of 16 bytes loaded up to their end (the bytes
-    // before them are earlier codes or the superblock's header: always inside the tile)
-    static constexpr QuarterTables<BITS> tables = quarter_tables<BITS>();
-    const uint8x16_t raw = vld1q_u8(codes + c * 8 * BITS + (r + 1) * 2 * BITS - 16);
-    const int16x8_t shift = vld1q_s16(tables.shift);
-    const uint16x8_t mask = vdupq_n_u16((1 << BITS) - 1);
-    auto fields = [&](const uint8_t* index) {  // 16-bit words: a field each, moved down
-      const uint16x8_t words = vreinterpretq_u16_u8(vqtbl1q_u8(raw, vld1q_u8(index)));
-      return vreinterpretq_u8_u16(vandq_u16(vshlq_u16(words, shift), mask));
-    };
-    return vuzp1q_u8(fields(tables.lo), fields(tables.hi));  // each word's low byte
+    const uint8x16_t nibbles = vld1q_u8(codes + (c / 2) * 64 + r * 16);
+    const uint8x16_t low = (c % 2 == 0) ? vandq_u8(nibbles, vdupq_n_u8(0x0F)) : vshrq_n_u8(nibbles, 4);
+    if constexpr (BITS == 4) {
+      return low;
+    } else {  // quad c's high bits, at bits (BITS - 4) c of each byte of the plane, to bit 4
+      const uint8x16_t plane = vld1q_u8(codes + PLANE_AT<S> + r * 16);
+      const uint8x16_t high = vshlq_u8(plane, vdupq_n_s8(int8_t(4 - (BITS - 4) * c)));
+      return vorrq_u8(low, vandq_u8(high, vdupq_n_u8(uint8_t(((1 << (BITS - 4)) - 1) << 4))));
+    }
   }
 }
 

@@ -22,14 +22,15 @@ inline int32_t code_at(const uint8_t* codes, int64_t l, int64_t k) {
   const int64_t c = k / 4, b = k % 4;
   if constexpr (BITS == 8) {
     return codes[c * 64 + l * 4 + b];
-  } else if constexpr (BITS == 4) {
+  } else {  // the low nibble, then (BITS 5, 6) the high bits from the plane after the nibbles
     const uint8_t byte = codes[(c / 2) * 64 + l * 4 + b];
-    return (c % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
-  } else {  // field (l % 2) * 4 + b of the BITS bytes of lane pair l / 2 in quad c
-    const uint8_t* pair = codes + c * 8 * BITS + (l / 2) * BITS;
-    const int64_t bit = ((l % 2) * 4 + b) * BITS;
-    const int32_t two = pair[bit / 8] | (bit / 8 + 1 < BITS ? pair[bit / 8 + 1] << 8 : 0);
-    return (two >> (bit % 8)) & ((1 << BITS) - 1);
+    const int32_t low = (c % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
+    if constexpr (BITS == 4) {
+      return low;
+    } else {
+      const uint8_t plane = codes[PLANE_AT<S> + l * 4 + b];
+      return low | ((plane >> ((BITS - 4) * c)) & ((1 << (BITS - 4)) - 1)) << 4;
+    }
   }
 }
 
