@@ -297,6 +297,34 @@ Acts quantize_reference(const std::vector<T>& x, int64_t M, int64_t K, int64_t B
   return a;
 }
 
+// gguf_quantize on values the random rows never hold, against the reference: a block with a
+// NaN (left out of the absmax), one with an infinity, one of zeros and negative zeros, one
+// whose absmax is negative, and a plain one; both block sizes.
+template <typename T>
+void check_gguf_quantize_specials() {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const int64_t B : {32, 256}) {
+    const int64_t K = 5 * B;
+    std::vector<float> v = randn(K);
+    v[3] = nan;
+    v[B + 7] = inf;
+    for (int64_t i = 2 * B; i < 3 * B; ++i) v[i] = i % 2 ? -0.f : 0.f;
+    v[3 * B + 1] = -9.f;
+    const std::vector<T> x = cast<T>(v);
+    Acts a{std::vector<int8_t>(K), std::vector<float>(K / B), std::vector<float>(K / B),
+           std::vector<int16_t>(K / 16), std::vector<int16_t>(K / 32)};
+    sd::gguf_quantize(x.data(), 1, K, B, a.x8.data(), a.dx.data(), a.sx.data(), a.bsum16.data(),
+                      a.bsum32.data());
+    const Acts r = quantize_reference(x, 1, K, B);
+    report(a.x8 == r.x8 && a.bsum16 == r.bsum16 && a.bsum32 == r.bsum32 &&
+               same_bits(a.dx.data(), r.dx.data(), K / B) &&
+               (B != 32 || same_bits(a.sx.data(), r.sx.data(), K / B)),
+           std::string("gguf_quantize ") + name(T()) + " B=" + std::to_string(B) +
+               ": NaN, infinity, zeros equal the reference");
+  }
+}
+
 template <typename T>
 void check_gguf(const Format& f, int64_t M, int64_t K, int64_t N) {
   const sd::GgufLayout& l = f.layout;
@@ -615,6 +643,8 @@ int main() {
     check_bf16(M, 94, 100, bf16_exact);
     check_bf16(M, 600, 70, bf16_exact);
   }
+  check_gguf_quantize_specials<float>();
+  check_gguf_quantize_specials<sd::BFloat16>();
   for (const Format& f : FORMATS)
     for (const int64_t M : {1, 2, 5, 9, 11, 21}) {  // one group of tokens, 2 and 3
       check_gguf<float>(f, M, 512, 40);

@@ -43,6 +43,7 @@
 #include "gguf_tile.h"  // this variant's: its arch folder (setup.py)
 #include "tiles.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -55,28 +56,50 @@ inline float round_to_half(float v) { return half_to_float(float_to_half(v)); }
 // ---------------------------------------------------------------- activations
 
 // One token's row x [K] (K % B == 0) in blocks of B (32 or 256, see the header) -> x8 [K],
-// dx [K / B], sx [K / B] (B == 32 only), bsum16 [K / 16], bsum32 [K / 32].
+// dx [K / B], sx [K / B] (B == 32 only), bsum16 [K / 16], bsum32 [K / 32], in loops the
+// compiler vectorizes.
+typedef uint32_t alias_u32 __attribute__((may_alias));
+inline uint32_t bits_of(const float* x, int64_t i) {
+  return reinterpret_cast<const alias_u32*>(x)[i];
+}
+inline uint32_t bits_of(const BFloat16* x, int64_t i) { return uint32_t(x[i].bits) << 16; }
+
+// The largest |x[i]| of n values, NaN left out (as std::max(absmax, NaN) leaves absmax): the
+// integer max of the bit patterns of |x|, which orders them as their values (NaN's, above
+// every other, masked to 0), in a loop the compiler vectorizes.
+template <typename scalar_t>
+float block_absmax(const scalar_t* x, int64_t n) {
+  uint32_t top = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = bits_of(x, i) & 0x7FFFFFFFu;
+    top = std::max(top, u & (0u - uint32_t(u <= 0x7F800000u)));
+  }
+  float absmax;
+  std::memcpy(&absmax, &top, sizeof(absmax));
+  return absmax;
+}
+
 template <typename scalar_t>
 void quantize_act_row(const scalar_t* x, int64_t K, int64_t B, int8_t* x8, float* dx, float* sx,
                       int16_t* bsum16, int16_t* bsum32) {
   for (int64_t b = 0; b < K / B; ++b) {
     const scalar_t* xb = x + b * B;
-    float absmax = 0.f;
-    for (int64_t i = 0; i < B; ++i) absmax = std::max(absmax, std::abs(float(xb[i])));
+    const float absmax = block_absmax(xb, B);
     const float inv = absmax > 0.f ? 127.f / absmax : 0.f;
+    int8_t* q8 = x8 + b * B;
+    for (int64_t i = 0; i < B; ++i) {
+      const float q = std::nearbyint(float(xb[i]) * inv);
+      q8[i] = int8_t(int32_t(std::min(127.f, std::max(-127.f, q))));
+    }
     int32_t sum = 0;  // of the block's codes
-    for (int64_t g = b * B / 16; g < (b + 1) * B / 16; ++g) {  // groups of 16 codes
+    for (int64_t g = 0; g < B / 16; ++g) {  // groups of 16 codes
       int32_t group = 0;
-      for (int64_t i = g * 16; i < g * 16 + 16; ++i) {
-        const float q = std::nearbyint(float(x[i]) * inv);
-        const int32_t code = int32_t(std::min(127.f, std::max(-127.f, q)));
-        x8[i] = int8_t(code);
-        group += code;
-      }
-      bsum16[g] = int16_t(group);
-      if (g % 2 == 1) bsum32[g / 2] = int16_t(bsum16[g - 1] + group);
+      for (int64_t i = 0; i < 16; ++i) group += q8[g * 16 + i];
+      bsum16[b * B / 16 + g] = int16_t(group);
       sum += group;
     }
+    for (int64_t g = 0; g < B / 32; ++g)
+      bsum32[b * B / 32 + g] = int16_t(bsum16[b * B / 16 + 2 * g] + bsum16[b * B / 16 + 2 * g + 1]);
     if (B == 32) {  // Q8_0 / Q8_1
       const float d = absmax / 127.f;
       dx[b] = round_to_half(d);
