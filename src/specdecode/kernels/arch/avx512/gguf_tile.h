@@ -40,6 +40,14 @@ inline __m512i quad_codes(const uint8_t* codes, int c) {
   }
 }
 
+// acc += q (u8) times the 4 int8 at x in every lane: vpdpbusd with x as its broadcast memory
+// operand (one instruction; GCC would load and broadcast x apart).
+inline void dpbusd_broadcast(__m512i& acc, __m512i q, const int8_t* x) {
+  asm("vpdpbusd %[x]%{1to16%}, %[q], %[acc]"
+      : [acc] "+v"(acc)
+      : [q] "v"(q), [x] "m"(*reinterpret_cast<const unaligned_i32*>(x)));
+}
+
 // Lane l of pair table p (int8 [SUBS / 2][16][2]) as two int16: (t[2p][l], t[2p + 1][l]).
 inline __m512i pair_vector(const int8_t* table, int p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(table + p * 2 * LANES)));
@@ -87,8 +95,7 @@ void gguf_tile(const uint8_t* blk, int64_t nsb, const GgufActs& a, const uint8_t
       UNROLL for (int c = 0; c < S / 4; ++c) {
         const __m512i q = quad_codes<BITS, S>(codes, c);
         UNROLL for (int t = 0; t < T; ++t) {
-          const int32_t four = *reinterpret_cast<const unaligned_i32*>(a.x8 + t * a.K + k0 + 4 * c);
-          isum[c % P][t] = _mm512_dpbusd_epi32(isum[c % P][t], q, _mm512_set1_epi32(four));
+          dpbusd_broadcast(isum[c % P][t], q, a.x8 + t * a.K + k0 + 4 * c);
         }
       }
       __m512i scale = _mm512_setzero_si512();
