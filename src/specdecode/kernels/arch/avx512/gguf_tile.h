@@ -1,5 +1,5 @@
-// The GGUF tile (gguf_shared.h) on AVX-512 VNNI with VBMI: 16 rows in one vector, vpdpbusd
-// (64 u8 x s8 products).
+// The GGUF tile (gguf_shared.h) on AVX-512 VNNI: 16 rows in one vector, vpdpbusd (64 u8 x s8
+// products) with each token's 4 activation bytes as its broadcast memory operand.
 #pragma once
 
 #include "../../gguf_shared.h"
