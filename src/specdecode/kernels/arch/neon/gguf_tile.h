@@ -25,7 +25,8 @@ inline uint8x16_t quad_codes4(const uint8_t* codes, int c, int r) {
     return vld1q_u8(codes + c * 64 + r * 16);
   } else {
     const uint8x16_t nibbles = vld1q_u8(codes + (c / 2) * 64 + r * 16);
-    const uint8x16_t low = (c % 2 == 0) ? vandq_u8(nibbles, vdupq_n_u8(0x0F)) : vshrq_n_u8(nibbles, 4);
+    const uint8x16_t low =
+        (c % 2 == 0) ? vandq_u8(nibbles, vdupq_n_u8(0x0F)) : vshrq_n_u8(nibbles, 4);
     if constexpr (BITS == 4) {
       return low;
     } else {  // quad c's high bits, at bits (BITS - 4) c of each byte of the plane, to bit 4
