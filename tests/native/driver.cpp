@@ -646,7 +646,7 @@ int main() {
   check_gguf_quantize_specials<float>();
   check_gguf_quantize_specials<sd::BFloat16>();
   for (const Format& f : FORMATS)
-    for (const int64_t M : {1, 2, 5, 9, 11, 21}) {  // one group of tokens, 2 and 3
+    for (const int64_t M : {1, 2, 5, 9, 10, 11, 21}) {  // one group of tokens, 2 and 3
       check_gguf<float>(f, M, 512, 40);
       if (M == 5) check_gguf<sd::BFloat16>(f, M, 256, 16);
     }

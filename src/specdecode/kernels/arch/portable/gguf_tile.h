@@ -11,7 +11,7 @@
 namespace specdecode {
 namespace {
 
-// tokens per tile, at most (the vector paths' 8: the same groups)
+// tokens per tile, at most (any grouping gives a token the same bits)
 template <int BITS>
 constexpr int GGUF_TOKENS = 8;
 
