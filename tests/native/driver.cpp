@@ -297,6 +297,24 @@ Acts quantize_reference(const std::vector<T>& x, int64_t M, int64_t K, int64_t B
   return a;
 }
 
+// The core's activations of x [M, K] in blocks of B (gguf_quantize).
+template <typename T>
+Acts quantize_core(const std::vector<T>& x, int64_t M, int64_t K, int64_t B) {
+  Acts a{std::vector<int8_t>(M * K), std::vector<float>(M * K / B), std::vector<float>(M * K / B),
+         std::vector<int16_t>(M * K / 16), std::vector<int16_t>(M * K / 32)};
+  sd::gguf_quantize(x.data(), M, K, B, a.x8.data(), a.dx.data(), a.sx.data(), a.bsum16.data(),
+                    a.bsum32.data());
+  return a;
+}
+
+// Whether two quantizations of `blocks` blocks of B values are the same: codes, sums, and the
+// bits of dx (and of sx, B == 32).
+bool quantized_alike(const Acts& a, const Acts& r, int64_t blocks, int64_t B) {
+  return a.x8 == r.x8 && a.bsum16 == r.bsum16 && a.bsum32 == r.bsum32 &&
+         same_bits(a.dx.data(), r.dx.data(), blocks) &&
+         (B != 32 || same_bits(a.sx.data(), r.sx.data(), blocks));
+}
+
 // gguf_quantize on values the random rows never hold, against the reference: a block with a
 // NaN (left out of the absmax), one with an infinity, one of zeros and negative zeros, one
 // whose absmax is negative, and a plain one; both block sizes.
@@ -312,14 +330,7 @@ void check_gguf_quantize_specials() {
     for (int64_t i = 2 * B; i < 3 * B; ++i) v[i] = i % 2 ? -0.f : 0.f;
     v[3 * B + 1] = -9.f;
     const std::vector<T> x = cast<T>(v);
-    Acts a{std::vector<int8_t>(K), std::vector<float>(K / B), std::vector<float>(K / B),
-           std::vector<int16_t>(K / 16), std::vector<int16_t>(K / 32)};
-    sd::gguf_quantize(x.data(), 1, K, B, a.x8.data(), a.dx.data(), a.sx.data(), a.bsum16.data(),
-                      a.bsum32.data());
-    const Acts r = quantize_reference(x, 1, K, B);
-    report(a.x8 == r.x8 && a.bsum16 == r.bsum16 && a.bsum32 == r.bsum32 &&
-               same_bits(a.dx.data(), r.dx.data(), K / B) &&
-               (B != 32 || same_bits(a.sx.data(), r.sx.data(), K / B)),
+    report(quantized_alike(quantize_core(x, 1, K, B), quantize_reference(x, 1, K, B), K / B, B),
            std::string("gguf_quantize ") + name(T()) + " B=" + std::to_string(B) +
                ": NaN, infinity, zeros equal the reference");
   }
@@ -362,18 +373,11 @@ void check_gguf(const Format& f, int64_t M, int64_t K, int64_t N) {
     }
   const std::vector<T> x = cast<T>(randn(M * K));
   // the core's activations against the reference's
-  Acts a{std::vector<int8_t>(M * K), std::vector<float>(M * K / B), std::vector<float>(M * K / B),
-         std::vector<int16_t>(M * K / 16), std::vector<int16_t>(M * K / 32)};
-  sd::gguf_quantize(x.data(), M, K, B, a.x8.data(), a.dx.data(), a.sx.data(), a.bsum16.data(),
-                    a.bsum32.data());
-  const Acts r = quantize_reference(x, M, K, B);
+  const Acts a = quantize_core(x, M, K, B), r = quantize_reference(x, M, K, B);
   const std::string what = std::string("gguf ") + f.name + " " + name(T()) +
                            " M=" + std::to_string(M) + " K=" + std::to_string(K) +
                            " N=" + std::to_string(N);
-  report(a.x8 == r.x8 && a.bsum16 == r.bsum16 && a.bsum32 == r.bsum32 &&
-             same_bits(a.dx.data(), r.dx.data(), M * K / B) &&
-             (B != 32 || same_bits(a.sx.data(), r.sx.data(), M * K / B)),
-         what + ": gguf_quantize equals the reference");
+  report(quantized_alike(a, r, M * K / B, B), what + ": gguf_quantize equals the reference");
   const std::vector<float> bias = randn(N);
   const int64_t ldy = N + 3;  // a wider output: y's other columns stay as they were
   std::vector<T> y(M * ldy, T(-7.f));

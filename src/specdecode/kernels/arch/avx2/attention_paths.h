@@ -6,8 +6,6 @@
 
 #include <immintrin.h>
 
-#include <vector>
-
 namespace specdecode {
 namespace {
 
@@ -88,14 +86,8 @@ inline Vec vfma(Vec a, Vec b, Vec acc) { return _mm256_fmadd_ps(a, b, acc); }
 inline float vsum(Vec v) { return sum8(v); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 
-// fast_attend (attention_shared.h): no routine of its own here.
-template <typename scalar_t, typename Slots>
-bool fast_attend(const scalar_t*, const scalar_t*, const scalar_t*, const Slots&, int64_t, float,
-                 float, scalar_t*, std::vector<float>&) {
-  return false;
-}
-
 }  // namespace
 }  // namespace specdecode
 
 #include "../../attention_grouped.h"
+#include "../../attention_fast_absent.h"  // no one-query routine of its own

@@ -183,13 +183,8 @@ bool fast_attend(const scalar_t* q, const scalar_t* keys, const scalar_t* values
   return true;
 }
 
-// grouped_attention (attention_shared.h): none here (fast_attend keeps a query's output in
-// registers by itself).
-template <typename T, class QueryOffsets>
-bool grouped_attention(const T*, const T*, const T*, const AttentionShape&, float, float,
-                       const QueryOffsets&, T*) {
-  return false;
-}
-
 }  // namespace
 }  // namespace specdecode
+
+// no grouped heads: fast_attend keeps a query's output in registers by itself
+#include "../../attention_grouped_absent.h"

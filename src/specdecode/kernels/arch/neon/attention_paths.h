@@ -6,8 +6,6 @@
 
 #include <arm_neon.h>
 
-#include <vector>
-
 namespace specdecode {
 namespace {
 
@@ -78,14 +76,8 @@ inline Vec vfma(Vec a, Vec b, Vec acc) { return vfmaq_f32(acc, a, b); }
 inline float vsum(Vec v) { return vaddvq_f32(v); }
 inline void vstore(float* p, Vec v) { vst1q_f32(p, v); }
 
-// fast_attend (attention_shared.h): no routine of its own here.
-template <typename scalar_t, typename Slots>
-bool fast_attend(const scalar_t*, const scalar_t*, const scalar_t*, const Slots&, int64_t, float,
-                 float, scalar_t*, std::vector<float>&) {
-  return false;
-}
-
 }  // namespace
 }  // namespace specdecode
 
 #include "../../attention_grouped.h"
+#include "../../attention_fast_absent.h"  // no one-query routine of its own

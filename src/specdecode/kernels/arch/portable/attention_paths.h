@@ -4,8 +4,6 @@
 
 #include "../../attention_shared.h"
 
-#include <vector>
-
 namespace specdecode {
 namespace {
 
@@ -22,21 +20,9 @@ inline int64_t axpy_lanes(float, const scalar_t*, float*, int64_t) {
 
 inline int64_t exp_lanes(float*, int64_t, float, float&) { return 0; }
 
-// fast_attend (attention_shared.h): no routine of its own here.
-template <typename scalar_t, typename Slots>
-bool fast_attend(const scalar_t*, const scalar_t*, const scalar_t*, const Slots&, int64_t, float,
-                 float, scalar_t*, std::vector<float>&) {
-  return false;
-}
-
-// grouped_attention (attention_shared.h): none here.
-template <typename T, class QueryOffsets>
-bool grouped_attention(const T*, const T*, const T*, const AttentionShape&, float, float,
-                       const QueryOffsets&, T*) {
-  return false;
-}
-
 }  // namespace
 }  // namespace specdecode
 
 #include "../../attention_rows.h"
+#include "../../attention_fast_absent.h"
+#include "../../attention_grouped_absent.h"
