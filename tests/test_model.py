@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,27 @@ def test_grouped_attention_matches_sdpa(num_new: int) -> None:
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(_grouped_attention(q, k, v, m), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_new", [2, 37, 300])
+def test_causal_route_gives_the_masked_routes_bits(dtype: torch.dtype, num_new: int) -> None:
+    """A square causal mask (a prompt into an empty row) runs through SDPA's own causal path,
+    which skips the key blocks past the diagonal: the same bits as reading the mask, alone and
+    row by row (300: past the CPU kernel's key blocks). pass_view marks only that mask causal."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 6, num_new, 32, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 2, num_new, 32, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.ones(num_new, num_new, dtype=torch.bool).tril()[None, None]
+    masked = attention._attention(q, k, v, mask)
+    assert torch.equal(attention._attention(q, k, v, mask, causal=True), masked)
+    rows = ((num_new, num_new),)
+    assert torch.equal(attention._rowwise_attention(q, k, v, mask, rows, causal=True), masked)
+    layer = types.SimpleNamespace(per_query=False, rope_tables=lambda *args: (None, None))
+    view = attention.pass_view(layer, None, _meta([0], num_new), dtype)[0]
+    assert view.causal and torch.equal(view.mask, mask)
+    later = AttentionMetadata.contiguous(AttentionMode.PREFILL, [3], [num_new], "cpu")
+    assert not attention.pass_view(layer, None, later, dtype)[0].causal  # a cached prefix
 
 
 def test_bf16_decoding_through_grouped_attention(

@@ -13,16 +13,16 @@ void parallel_for(int64_t b, int64_t e, int64_t,
 int64_t max_threads() { return 1; }
 }
 using namespace specdecode;
-// Seconds per gguf_matmul call of layout li (Q4_K, Q6_K, Q4_0, Q8_0) on a [2048, 1536] weight of
-// random codes (in the L3 cache) at T tokens, one thread: the best of `reps` timings of 10 calls.
-double TIMER(int li, int T, int reps) {
+// Seconds per gguf_matmul call of layout li (Q4_K, Q6_K, Q4_0, Q8_0) on an [N, K] weight of
+// random codes at T tokens, one thread: the best of `reps` timings of 10 calls.
+double TIMER(int li, int T, int reps, int64_t N, int64_t K) {
   static const GgufLayout layouts[] = {
       {4, 32, 8, 0, 1}, {6, 16, 16, 32, 0}, {4, 32, 1, 8, 0}, {8, 32, 1, 128, 0}};
   const GgufLayout L = layouts[li];
-  const int64_t N = 2048, K = 1536, B = L.superblock_values(), nsb = K / B, tiles = N / 16;
+  const int64_t B = L.superblock_values(), nsb = K / B, tiles = N / 16;
   static std::vector<uint8_t> w[4];
   std::mt19937 rng(li);
-  if (w[li].empty()) {  // small codes and scales: no fp16 NaN or infinity
+  if (int64_t(w[li].size()) != tiles * nsb * L.superblock_bytes()) {  // small codes and scales: no fp16 NaN or infinity
     w[li].resize(tiles * nsb * L.superblock_bytes());
     for (auto& b : w[li]) b = rng() & 0x3F;
   }

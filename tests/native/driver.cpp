@@ -31,9 +31,13 @@ namespace sd = specdecode;
 // chunk's edges fall inside the data), each on a new thread, as the extension's pool threads
 // run them: a thread that never asked for AMX's tile state (the permission is the process's)
 // and never configured its tiles before.
+// Whether parallel_for runs a range as one task (as torch's pool does with one thread), not
+// in tasks of `grain`; a test may change it.
+bool one_task = false;
+
 void specdecode::parallel_for(int64_t begin, int64_t end, int64_t grain,
                               const std::function<void(int64_t, int64_t)>& body) {
-  const int64_t step = std::max<int64_t>(1, grain);
+  const int64_t step = one_task ? std::max<int64_t>(1, end - begin) : std::max<int64_t>(1, grain);
   for (int64_t lo = begin; lo < end; lo += step)
     std::thread([&body, lo, hi = std::min(end, lo + step)] { body(lo, hi); }).join();
 }
@@ -654,6 +658,12 @@ int main() {
       check_gguf<float>(f, M, 512, 40);
       if (M == 5) check_gguf<sd::BFloat16>(f, M, 256, 16);
     }
+  // one task over many blocks: several runs of REUSE_BYTES, every group of tokens over each
+  one_task = true;
+  for (const Format& f : FORMATS) check_gguf<float>(f, 21, 4096, 1000);
+  check_int8<float>(9, 600, 1000, true);
+  check_bf16(9, 600, 1000, bf16_exact);
+  one_task = false;
   for (const bool tree : {false, true}) {
     check_attention<float>(2, 4, 2, 5, 40, 64, tree);
     check_attention<float>(1, 2, 1, 3, 70, 48, tree);

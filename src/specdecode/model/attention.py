@@ -58,15 +58,25 @@ def _grouped_attention(
 
 
 def _attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, softcap: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    softcap: float | None = None,
+    causal: bool = False,
 ) -> Tensor:
     """Attention of q ([B, H, T, D]) over k, v ([B, Hkv, S, D]); mask [B, 1, T, S] or None;
-    soft-capped scores (`softcap`: Gemma 2) take the grouped route, SDPA has no soft-cap."""
+    soft-capped scores (`softcap`: Gemma 2) take the grouped route, SDPA has no soft-cap.
+    `causal`: mask is the square causal mask (T == S, query t sees slots 0..t), which SDPA then
+    applies itself instead of reading it: the same bits (a masked score adds exact zeros), and
+    it skips the key blocks past the diagonal (783 tokens: 0.7x the time, AMD EPYC Zen 4)."""
     short_over_long = q.shape[2] <= SHORT_QUERY and k.shape[2] >= LONG_SPAN
     cpu_short = q.device.type == "cpu" and q.dtype != torch.float32 and short_over_long
     if softcap is not None or cpu_short:
         return _grouped_attention(q, k, v, mask, softcap)
     gqa = q.shape[1] != k.shape[1]
+    if causal:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -77,6 +87,7 @@ def _rowwise_attention(
     mask: Tensor | None,
     rows: tuple[tuple[int, int], ...],
     softcap: float | None = None,
+    causal: bool = False,
 ) -> Tensor:
     """`_attention` of each row by itself, over its own new tokens and slots only, as its pass
     alone runs it: a row's bits then never depend on the other rows or the padded width.
@@ -84,7 +95,9 @@ def _rowwise_attention(
     vector or the scalar exp, move with the width it is given). Padding queries get zeros.
 
     q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, T, S] bool or None; rows: per row,
-    (new tokens, slots read) = (num_new[b], starts[b] + num_new[b]). Returns [B, H, T, D].
+    (new tokens, slots read) = (num_new[b], starts[b] + num_new[b]); causal: mask is the
+    square causal mask (every row from slot 0), and so is each row's part of it. Returns
+    [B, H, T, D].
     Example: rows ((3, 3), (1, 5)): row 0 attends 3 queries over slots 0..2 under its causal
     mask; row 1 one query over slots 0..4 with no mask (it sees them all, unless a sliding
     window hides some), as alone.
@@ -97,7 +110,12 @@ def _rowwise_attention(
         if row_mask is not None and bool(row_mask.all()):
             row_mask = None  # as alone: no mask where the row's queries see every slot
         out[r : r + 1, :, :new] = _attention(
-            q[r : r + 1, :, :new], k[r : r + 1, :, :span], v[r : r + 1, :, :span], row_mask, softcap
+            q[r : r + 1, :, :new],
+            k[r : r + 1, :, :span],
+            v[r : r + 1, :, :span],
+            row_mask,
+            softcap,
+            causal and row_mask is not None,
         )
     return out
 
@@ -121,12 +139,15 @@ class PassView:
     rows: per row, (new tokens, slots read), where each row attends by itself
         (`_rowwise_attention`: PREFILL passes of several rows on row-exact layers, so that a
         prompt's bits are those of its pass alone); None where the rows attend in one call.
+    causal: `mask` is the square causal mask (no tree, every row from slot 0: query t sees
+        slots 0..t), which SDPA applies itself (`_attention`).
     """
 
     per_query: bool
     mask: Tensor | None
     window_mask: Tensor | None = None
     rows: tuple[tuple[int, int], ...] | None = None
+    causal: bool = False
 
 
 def pass_view(
@@ -147,8 +168,9 @@ def pass_view(
     rows = None
     if attn.per_query and not per_query and meta.batch_size > 1:  # row-exact layers, PREFILL
         rows = tuple(zip(meta.num_new, meta.ends, strict=True))
+    causal = mask is not None and meta.mode is not AttentionMode.TREE and max(meta.starts) == 0
     cos, sin = attn.rope_tables(rotary, meta.positions, dtype)
-    return PassView(per_query, mask, window_mask, rows), cos, sin
+    return PassView(per_query, mask, window_mask, rows, causal), cos, sin
 
 
 def _window_mask(meta: AttentionMetadata, mask: Tensor | None, window: int) -> Tensor:
@@ -248,10 +270,11 @@ class Attention(nn.Module):
         else:
             keys, values = cache.read(layer, k, v)  # [B, Hkv, S, D]
             mask = view.mask if self.window is None else view.window_mask
+            causal = view.causal and mask is view.mask
             if view.rows is None:
-                out = _attention(q, keys, values, mask, self.softcap)  # [B, H, T, D]
+                out = _attention(q, keys, values, mask, self.softcap, causal)  # [B, H, T, D]
             else:
-                out = _rowwise_attention(q, keys, values, mask, view.rows, self.softcap)
+                out = _rowwise_attention(q, keys, values, mask, view.rows, self.softcap, causal)
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
 
     def rope_tables(
