@@ -165,6 +165,24 @@ def test_catch_up_counts_what_a_propose_would_feed_alone(other_draft_dir: Path) 
     assert window.catch_up(fresh) == 8  # the window, then what followed it
 
 
+def test_a_tree_times_its_prompt_as_setup_not_as_drafting(other_draft_dir: Path) -> None:
+    """A tree's first pass reads a new prompt as a chain's catch-up does: `catch_up` counts it
+    and `setup_s` times it, so the cost rule does not take the prompt's prefill for the price
+    of drafting (it did: one 108 ms "draft token" for the 0.5B, after which no tree paid);
+    later steps, their backlog riding with the first pass, report no setup."""
+    draft = load_model(other_draft_dir, dtype="float32")
+    drafter = DraftModelDrafter(draft, 4, draft.config.vocab_size, tree_width=2, tree_depth=2)
+    seq = FakeSeq("t", list(range(1, 41)))
+    assert drafter.catch_up(seq) == 40
+    (first,) = drafter.propose([seq], [4])
+    assert first.tree is not None and drafter.setup_s > 0
+    seq.token_ids += [int(first.tokens[0]), 7]
+    drafter.commit(seq, Verdict(1, torch.tensor([int(first.tokens[0]), 7])), NO_TARGET_OUTPUTS)
+    assert drafter.catch_up(seq) == 0
+    drafter.propose([seq], [4])
+    assert drafter.setup_s == 0.0
+
+
 class FedTokens:
     """Records how many tokens each of a model's passes feeds per row (everything else is the
     model's)."""

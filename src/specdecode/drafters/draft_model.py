@@ -274,10 +274,11 @@ class DraftModelDrafter(DrafterBase):
             return self._propose_chains(seqs, max_tokens)
 
     def catch_up(self, seq: SeqView) -> int:
-        """The tokens of `seq` a chain's propose would feed alone before drafting (see
+        """The tokens of `seq` a propose would feed alone before drafting (see
         `Drafter.catch_up`): its prompt when new, or a backlog of more than K + 1 tokens
-        (fewer ride along with the first draft pass); else 0. (Trees and staged drafts feed
-        it with their first pass, timed as drafting, not as `setup_s`.)"""
+        (fewer ride along with the first draft pass); else 0. A tree's first pass feeds them
+        too, and times them as `setup_s` all the same. (Staged drafts feed them with their
+        first pass, timed as drafting.)"""
         ids = seq.token_ids
         cached = min(self._caches.cached(seq.request_id), len(ids) - 1)
         return len(ids) - cached if ids and self._fed_alone(len(ids), cached) else 0
@@ -404,7 +405,11 @@ class DraftModelDrafter(DrafterBase):
         depth = min(self.tree_depth, k)
         row, cache, cached = self._rolled_back_cache(seq, len(ids) + self.tree_width * depth)
         tree = DynamicTree(self.tree_width, k)
-        tree.expand([ROOT], log_confidence(self._last_logits(cache, ids[cached:], cached)))
+        start = time.perf_counter()
+        first = self._last_logits(cache, ids[cached:], cached)
+        if self._fed_alone(len(ids), cached):  # a prompt or a long backlog: `catch_up`
+            self.setup_s += time.perf_counter() - start
+        tree.expand([ROOT], log_confidence(first))
         slots: dict[int, int] = {}  # fed candidate -> its slot, counted from len(ids)
         for _ in range(depth - 1):
             frontier = tree.frontier
