@@ -27,14 +27,14 @@
 
 namespace sd = specdecode;
 
-// The cores run their parallel loops here in chunks of `grain` items, one after another (so a
-// chunk's edges fall inside the data), each on a new thread, as the extension's pool threads
-// run them: a thread that never asked for AMX's tile state (the permission is the process's)
-// and never configured its tiles before.
 // Whether parallel_for runs a range as one task (as torch's pool does with one thread), not
-// in tasks of `grain`; a test may change it.
+// in chunks of `grain`; a test may change it.
 bool one_task = false;
 
+// The cores run their parallel loops here in chunks of `grain` items (or one, see one_task),
+// one after another (so a chunk's edges fall inside the data), each on a new thread, as the
+// extension's pool threads run them: a thread that never asked for AMX's tile state (the
+// permission is the process's) and never configured its tiles before.
 void specdecode::parallel_for(int64_t begin, int64_t end, int64_t grain,
                               const std::function<void(int64_t, int64_t)>& body) {
   const int64_t step = one_task ? std::max<int64_t>(1, end - begin) : std::max<int64_t>(1, grain);
