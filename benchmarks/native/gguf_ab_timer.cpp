@@ -20,10 +20,11 @@ double TIMER(int li, int T, int reps, int64_t N, int64_t K) {
       {4, 32, 8, 0, 1}, {6, 16, 16, 32, 0}, {4, 32, 1, 8, 0}, {8, 32, 1, 128, 0}};
   const GgufLayout L = layouts[li];
   const int64_t B = L.superblock_values(), nsb = K / B, tiles = N / 16;
-  static std::vector<uint8_t> w[4];
+  const int64_t bytes = tiles * nsb * L.superblock_bytes();
+  static std::vector<uint8_t> w[4];  // per layout, made again for a weight of another size
   std::mt19937 rng(li);
-  if (int64_t(w[li].size()) != tiles * nsb * L.superblock_bytes()) {  // small codes and scales: no fp16 NaN or infinity
-    w[li].resize(tiles * nsb * L.superblock_bytes());
+  if (int64_t(w[li].size()) != bytes) {  // small codes and scales: no fp16 NaN or infinity
+    w[li].resize(bytes);
     for (auto& b : w[li]) b = rng() & 0x3F;
   }
   std::vector<float> x(T * K);
