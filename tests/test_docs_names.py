@@ -49,17 +49,10 @@ def repository_paths() -> frozenset[str]:
     return frozenset(found)
 
 
-def path_exists(path: str) -> bool:
-    """Whether `path` (trailing "/" allowed) is a file or folder of the repository, or the tail
-    of one (`model/attention.py`)."""
-    path = path.rstrip("/")
-    paths = repository_paths()
-    return path in paths or any(p.endswith("/" + path) for p in paths)
-
-
-def _resolve(path: str) -> Path | None:
-    """The repository file that `path` (or the shortest path ending with it) names."""
-    paths = repository_paths()
+def resolve(path: str) -> Path | None:
+    """The repository file or folder that `path` (trailing "/" allowed) names: itself, or the
+    shortest path ending with it (`model/attention.py`); None if there is none."""
+    path, paths = path.rstrip("/"), repository_paths()
     if path in paths:
         return ROOT / path
     tails = sorted((p for p in paths if p.endswith("/" + path)), key=len)
@@ -117,15 +110,12 @@ def span_problem(span: str) -> str:
     if rest and rest.split("[")[0] not in test_names():
         return f"no test {rest.split('[')[0]} under tests/"
     path, _, symbol = path.partition(":")
-    if not path_exists(path):
+    target = resolve(path)
+    if target is None:
         return "no such file or folder in the repository"
     if symbol and not re.fullmatch(r"\d+(-\d+)?", symbol):
-        target = _resolve(path)
-        if (
-            target is None
-            or target.is_dir()
-            or not re.search(rf"\b{re.escape(symbol)}\b", target.read_text(errors="replace"))
-        ):
+        text = "" if target.is_dir() else target.read_text(errors="replace")
+        if not re.search(rf"\b{re.escape(symbol)}\b", text):
             return f"{path} has no {symbol}"
     return ""
 
