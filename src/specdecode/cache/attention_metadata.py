@@ -130,6 +130,12 @@ class AttentionMetadata:
         return self.positions.shape[1]
 
     @property
+    def starts_empty(self) -> bool:
+        """Whether every row starts empty: no cached slot before this pass (a prompt's
+        prefill), so a row's slots are its new tokens."""
+        return max(self.starts) == 0
+
+    @property
     def span(self) -> int:
         """S: the cache slots a pass reads, max(starts) + T."""
         return max(self.starts) + self.width

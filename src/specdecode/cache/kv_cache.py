@@ -214,7 +214,7 @@ class KVCache:
         row starts empty, else gathered from the blocks (one copy)."""
         table = self.block_table
         meta = self._pass.meta
-        if max(meta.starts) == 0:
+        if meta.starts_empty:
             return k.transpose(1, 2), v.transpose(1, 2)
         batch, width = table.shape
         out = []

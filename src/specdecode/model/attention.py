@@ -168,7 +168,7 @@ def pass_view(
     rows = None
     if attn.per_query and not per_query and meta.batch_size > 1:  # row-exact layers, PREFILL
         rows = tuple(zip(meta.num_new, meta.ends, strict=True))
-    causal = mask is not None and meta.mode is not AttentionMode.TREE and max(meta.starts) == 0
+    causal = mask is not None and meta.mode is not AttentionMode.TREE and meta.starts_empty
     cos, sin = attn.rope_tables(rotary, meta.positions, dtype)
     return PassView(per_query, mask, window_mask, rows, causal), cos, sin
 
