@@ -18,6 +18,7 @@ from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
+from specdecode.tree.token_tree import TokenTree
 from specdecode.types import NO_TARGET_OUTPUTS, Draft, Verdict
 
 
@@ -139,6 +140,44 @@ def test_cost_rule_picks_one_k_for_the_batch_from_the_pass_costs() -> None:
     assert len(set(limits)) == 1 and limits[0] > 0  # one k for the whole batch
 
 
+def _tree_costs(trees: bool) -> DraftLength:
+    """The module docstring's tree example: K = 4 nodes over D = 2 levels, d = 9 ms a level,
+    t(1, 1) = 28 ms, t(1, 2) = 28.5 ms, t(1, 5) = 31 ms (read linearly in between)."""
+    length = DraftLength("cost", 4, trees=trees)
+    length.passes.seed({(1, 1): 0.028, (1, 2): 0.0285, (1, 5): 0.031})
+    length.draft_s_per_token = 0.009
+    return length
+
+
+def _tree_step(length: DraftLength, rid: str, accepted: int, draft_s: float) -> None:
+    """One request's 4-node tree of depth 2 (two children of the root, one child each),
+    `accepted` levels of it accepted, drafted in `draft_s` seconds."""
+    draft = Draft(torch.zeros(4, dtype=torch.long), tree=TokenTree((-1, -1, 0, 1)))
+    verdict = Verdict(accepted, torch.zeros(accepted + 1, dtype=torch.long))
+    length.observe([rid], [draft], [verdict], draft_s, 0.031)
+
+
+def test_trees_are_priced_whole_at_their_measured_depth() -> None:
+    """A grown tree drafts all K nodes or none, priced at its levels' drafting and its mean
+    depth's expected tokens: the docstring's example drafts (40 tok/s over 35.7), where
+    pricing the same tree as a chain of nodes cuts it to a 1-node tree."""
+    as_chain = _tree_costs(trees=False)
+    assert as_chain.best_k(0.6) == 1
+    tree = _tree_costs(trees=True)
+    assert tree.best_k(0.6) == 4  # before any tree: unmeasured, so K
+    _tree_step(tree, "a", 1, 0.018)  # 18 ms for 2 levels: d = 9 ms; depth 2
+    assert tree.tree_depth == 2.0 and tree.draft_s_per_token == pytest.approx(0.009)
+    assert tree.best_k(0.6) == 4
+    assert tree.best_k(0.2) == 0  # 1.24 / 49 ms = 25 tok/s: not worth it
+    seen = set()
+    for rate in (0.05, 0.3, 0.5, 0.7, 0.95):
+        for _ in range(3):
+            _tree_step(tree, "b", round(2 * rate), 0.018)
+        seen.update(tree.limits(["b"]))
+    assert seen <= {0, 4} and 4 in seen
+    assert tree.chain_bounds(["b"], [4]) == [()]  # bounds are for chains
+
+
 def test_cost_policy_stops_drafting_where_nothing_pays_and_probes_later() -> None:
     length = _costs("cost", 6, {w: 0.07 + 0.01 * w for w in range(1, 8)}, 0.02)
     assert length.limits(["a"])[0] >= 1  # the prior rate, 0.5, pays
@@ -210,22 +249,30 @@ class LimitSpy:
 
 
 @pytest.mark.parametrize("policy", ["heuristic", "cost"])
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_tree"])
 def test_adaptive_length_never_exceeds_k_nor_changes_the_output(
     tiny_model_dir: Path, policy: str, method: str
 ) -> None:
     plain = LLM(model=str(tiny_model_dir), dtype="float32")
     expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
     config = {"method": method, "num_speculative_tokens": 5, "draft_length": policy}
-    if method == "draft_model":
-        config["model"] = str(tiny_model_dir)
+    if method.startswith("draft_model"):
+        config["method"], config["model"] = "draft_model", str(tiny_model_dir)
     else:
         config["prompt_lookup_min"] = 1
+    if method == "draft_model_tree":
+        config |= {"tree_width": 2, "tree_depth": 3}
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=config)
     spy = LimitSpy(llm.engine.drafter)
     llm.engine.drafter = spy
+    length, chosen = llm.engine.draft_length, []
+    rule = length.limits
+    length.limits = lambda *args: chosen.extend(rule(*args)) or length.last_limits
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert spy.seen and max(spy.seen) <= 5
+    if method == "draft_model_tree" and policy == "cost":  # a grown tree: all or nothing
+        # (the step may cap a limit by the tokens a request has left)
+        assert length.trees and set(chosen) <= {0, 5} and 5 in chosen
     assert llm.engine.draft_length.passes.seconds  # it measured its passes
     assert not llm.engine.draft_length._requests  # released
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.base import Drafter, check_drafter, default_draft_length
+from specdecode.drafters.base import Drafter, check_drafter, default_draft_length, grows_trees
 from specdecode.drafters.mux import DrafterMux
 from specdecode.drafters.registry import (
     DrafterConfig,
@@ -150,7 +150,8 @@ class LLM:
             parsed.append(config)
         most = max(k for _, k in named.values())
         policy = parsed[0].draft_length if len(parsed) == 1 else "fixed"
-        other._use_drafter(parsed[0], DrafterMux(named), DraftLength(policy, most))
+        trees = len(parsed) == 1 and grows_trees(parsed[0])
+        other._use_drafter(parsed[0], DrafterMux(named), DraftLength(policy, most, trees))
         other._ids = itertools.count()
         return other
 
@@ -171,7 +172,9 @@ class LLM:
         self.draft_model: Transformer | None = None  # the draft model the drafter runs, if any
         if config is not None and drafter is None:
             drafter = self._build_drafter(config)
-            draft_length = DraftLength(config.draft_length, config.num_speculative_tokens)
+            draft_length = DraftLength(
+                config.draft_length, config.num_speculative_tokens, grows_trees(config)
+            )
         self.engine = Engine(self.model, self.tokenizer, drafter, draft_length, self.scheduler)
         self.spec_metrics = SpecCounters()  # all requests of this LLM added together
 

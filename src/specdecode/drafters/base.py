@@ -266,6 +266,13 @@ class DrafterBase(ABC):
         """Nothing to forget (see `Drafter.release`)."""
 
 
+def grows_trees(config: object) -> bool:
+    """Whether `config` describes a drafter that grows dynamic trees from its own
+    distributions (a draft model or head with tree_width > 1), which the "cost" draft length
+    rule prices whole (`specdecode.engine.draft_length`); a lookup drafter's trie is not."""
+    return isinstance(config, ModelDrafterConfig) and config.tree_width > 1
+
+
 class DrafterConfig(Protocol):
     """What every method's config has (each is a frozen dataclass that validates itself and
     names its registry entry in `method`)."""

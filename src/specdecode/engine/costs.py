@@ -20,8 +20,9 @@ PASS_AVERAGE = 0.2  # weight of a new pass's seconds in its shape's running aver
 PASS_CONTEXT = 256  # cached tokens before the passes measured to seed the table (`seed_rows`)
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """E[tokens per step] = (1 - a^(K+1)) / (1 - a) for acceptance a in [0, 1] and K >= 0."""
+def expected_tokens(acceptance: float, k: float) -> float:
+    """E[tokens per step] = (1 - a^(K+1)) / (1 - a) for acceptance a in [0, 1] and K >= 0 (a
+    mean tree depth may be fractional)."""
     if not 0.0 <= acceptance <= 1.0 or k < 0:
         raise ValueError(f"need 0 <= acceptance <= 1 and K >= 0, got {acceptance} and {k}")
     if acceptance == 1.0:

@@ -18,8 +18,18 @@ request and per step, a limit k in 0..K (0 = decode one token without a draft):
   `PROBE_EVERY` x B steps without a draft, the whole batch drafts once more (acceptance may
   have changed; one request probing alone would widen every row's pass anyway, and a probe
   costs every row a draft), unless not even drafts that are always accepted would pay at
-  this batch size. A tree draft's limit is its node count; its acceptance is counted along
-  its depth, so the rule treats it as a chain (an approximation).
+  this batch size. A lookup drafter's trie (ngram, suffix) is priced as a chain of its node
+  count (its acceptance is counted along its depth: an approximation).
+
+Trees a drafter grows from its own distributions (a draft model's or head's dynamic tree,
+`tree_width` > 1: `trees=True`) are priced whole: their limit is 0 or K (the K-node tree, as
+configured; a tree given fewer nodes is another, worse tree whose acceptance the rule has not
+measured), drafting D levels, D the mean depth of the trees drafted so far. With a_i now the
+share of tree levels accepted (each level up to the first rejection a success, as a chain's
+positions), a tree step emits sum_i 1 + v_i (E(a_i, D) - 1) tokens and costs
+sum_i v_i * D * d + t(B, K + 1) seconds, d = measured drafting seconds per tree level. E.g. a
+draft model's K = 4 node tree of w = 2, D = 2, with a = 0.6, d = 9 ms, t(1, 1) = 28 ms and
+t(1, 5) = 31 ms gives 1.96 / 49 = 40 tok/s against plain decoding's 35.7: it drafts.
 
 A drafter with one-time work per sequence (a draft model prefilling a prompt, or catching up
 on the tokens committed while it did not draft: `Drafter.setup_s`) makes a request pay for its
@@ -97,14 +107,19 @@ class DraftLength:
     Args:
         policy: "fixed", "heuristic" or "cost".
         max_tokens: K, the drafter's num_speculative_tokens.
+        trees: the drafter grows trees from its own distributions (`grows_trees`), which the
+            cost rule prices whole (module docstring).
     """
 
-    def __init__(self, policy: str, max_tokens: int) -> None:
+    def __init__(self, policy: str, max_tokens: int, trees: bool = False) -> None:
         check_draft_length_policy(policy)
         self.policy = policy
         self.max_tokens = max_tokens
+        self.trees = trees
+        self.tree_depth = 0.0  # trees: running average depth of the trees drafted (D)
         self.passes = PassCosts()
-        self.draft_s_per_token = 0.0  # running average seconds of drafting per draft token
+        self.draft_s_per_token = 0.0  # running average drafting seconds per chain token or
+        # tree level (d)
         self._successes = self._failures = 1.0  # all requests' counts (rate 0.5 at first)
         self._requests: dict[str, _Request] = {}
         self.last_limits: list[int] = []  # the latest step's limits (reported as a metric)
@@ -151,10 +166,10 @@ class DraftLength:
     ) -> list[tuple[float, ...]]:
         """Under "cost", per request, the least probability a chain of j + 1 draft tokens
         must have to draft another (j = 0 .. limit - 2; module docstring); () under the other
-        policies, before the costs are measured, for a limit below 2, or for the `pinned`
-        requests (see `limits`)."""
+        policies, for trees, before the costs are measured, for a limit below 2, or for the
+        `pinned` requests (see `limits`)."""
         rows = len(request_ids)
-        if self.policy != "cost" or not rows or not self.draft_s_per_token:
+        if self.policy != "cost" or self.trees or not rows or not self.draft_s_per_token:
             return [()] * rows
         passes: list[float] = []  # t(B, n) for n = 1 .. the longest limit + 1
         for n in range(1, max(limits, default=0) + 2):
@@ -197,12 +212,14 @@ class DraftLength:
         self._observe_catch_up([self._request(r) for r in request_ids], setup_s)
         longest = max(int(d.tokens.numel()) for d in drafts)
         self.passes.observe(len(drafts), 1 + longest, verify_s)
-        drafted = sum(int(d.tokens.numel()) for d in drafts)
-        if drafted:
-            per_token, old = draft_s / drafted, self.draft_s_per_token
-            self.draft_s_per_token = old + PASS_AVERAGE * (per_token - old) if old else per_token
-        for request_id, draft, verdict in zip(request_ids, drafts, verdicts, strict=True):
-            depth = draft.tree.depth if draft.tree is not None else int(draft.tokens.numel())
+        depths = [d.tree.depth if d.tree is not None else int(d.tokens.numel()) for d in drafts]
+        units = depths if self.trees else [int(d.tokens.numel()) for d in drafts]
+        if sum(units):
+            self.draft_s_per_token = _average(self.draft_s_per_token, draft_s / sum(units))
+        for depth in depths if self.trees else ():
+            if depth:
+                self.tree_depth = _average(self.tree_depth, float(depth))
+        for request_id, depth, verdict in zip(request_ids, depths, verdicts, strict=True):
             self._observe_verdict(request_id, depth, verdict.num_accepted)
 
     def _observe_verdict(self, request_id: str, drafted: int, accepted: int) -> None:
@@ -228,8 +245,7 @@ class DraftLength:
         tokens of the requests offered a draft (a running average per token)."""
         tokens = sum(r.catch_up for r in reqs if r.offered)
         if tokens and setup_s > 0:
-            per_token, old = setup_s / tokens, self.setup_s_per_token
-            self.setup_s_per_token = old + PASS_AVERAGE * (per_token - old) if old else per_token
+            self.setup_s_per_token = _average(self.setup_s_per_token, setup_s / tokens)
         for req in reqs:
             req.catch_up = 0
 
@@ -303,15 +319,17 @@ class DraftLength:
     def _rate(
         self, k: int, acceptance: Sequence[float], available: Sequence[float]
     ) -> float | None:
-        """Expected tokens per second of a step of k draft tokens per row, for requests
-        accepting at `acceptance` and drafting in the share `available` of their steps; None
-        before any pass was measured."""
+        """Expected tokens per second of a step of k draft tokens per row (trees: K nodes
+        over D levels, or none), for requests accepting at `acceptance` and drafting in the
+        share `available` of their steps; None before any pass (or, for trees, any tree) was
+        measured."""
         verify = self.passes.estimate(len(acceptance), k + 1)
-        if verify is None:
+        if verify is None or (self.trees and not self.tree_depth):
             return None
+        depth = (self.tree_depth if k else 0.0) if self.trees else float(k)
         pairs = zip(acceptance, available, strict=True)
-        gains = (v * (expected_tokens(a, k) - 1) for a, v in pairs)
-        seconds = sum(available) * k * self.draft_s_per_token + verify
+        gains = (v * (expected_tokens(a, depth) - 1) for a, v in pairs)
+        seconds = sum(available) * depth * self.draft_s_per_token + verify
         return (len(acceptance) + sum(gains)) / seconds
 
     def best_k(
@@ -320,18 +338,24 @@ class DraftLength:
         rows: int | None = None,
         available: Sequence[float] | None = None,
     ) -> int:
-        """The k in 0..K with the most expected tokens per second for a batch whose requests
-        accept at the rates `acceptance` (one float: `rows` requests at that rate, default 1)
-        and draft at all in the share `available` of the steps they may (default: always; a
-        prompt-lookup drafter finds no match in some); K before any pass was measured."""
+        """The k in 0..K (trees: 0 or K) with the most expected tokens per second for a
+        batch whose requests accept at the rates `acceptance` (one float: `rows` requests at
+        that rate, default 1) and draft at all in the share `available` of the steps they may
+        (default: always; a prompt-lookup drafter finds no match in some); K before any pass
+        was measured."""
         if isinstance(acceptance, float | int):
             acceptance = [float(acceptance)] * (rows or 1)
         share = [1.0] * len(acceptance) if available is None else list(available)
         best, best_rate = self.max_tokens, 0.0
-        for k in range(self.max_tokens + 1):
+        for k in (0, self.max_tokens) if self.trees else range(self.max_tokens + 1):
             rate = self._rate(k, acceptance, share)
             if rate is None:
                 return self.max_tokens
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
+
+
+def _average(old: float, new: float) -> float:
+    """A running average's next value: `new` itself when there is none yet (old = 0)."""
+    return old + PASS_AVERAGE * (new - old) if old else new
