@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from specdecode.cache.block_pool import BLOCK_TOKENS, blocks_for
+from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import Request
 from specdecode.engine.scheduler import SchedulerConfig, kv_need
@@ -190,16 +191,24 @@ def test_preemption_gives_the_tokens_of_an_uninterrupted_run(
     )
     for req in reqs:
         engine.add(req)
-    most = 0
+    most, limits = 0, set()
     while engine.has_unfinished():
         engine.step()
-        most = max(most, engine.num_running)
+        stats = engine.stats()  # what a server's gauges show
+        running = {r.request_id for r in engine.scheduler.running}
+        assert stats.running_ids == running and stats.running == engine.num_running
+        assert stats.waiting == engine.num_waiting and stats.running + stats.waiting <= 4
+        assert stats.num_preemptions == engine.num_preemptions
+        assert stats.draft_limit in ((0, 3) if method != "plain" else (0,))  # a fixed K
+        limits.add(stats.draft_limit)
+        most = max(most, stats.running)
         if engine.cache is not None:  # the rows hold no more than the limit
             assert engine.cache.num_blocks * BLOCK_TOKENS <= limit
-            assert 0 < engine.kv_cache_usage() <= 1 or not engine.num_running
+            assert 0 < stats.kv_cache_usage <= 1 or not stats.running
     assert most >= 3 and any(r.num_preemptions for r in reqs)
+    assert (3 in limits) == (method != "plain")
     assert engine.num_preemptions == sum(r.num_preemptions for r in reqs)
-    assert engine.kv_cache_usage() == 0  # every row left
+    assert engine.stats().kv_cache_usage == 0  # every row left
     if prefix_cache:  # a resumed request's committed blocks came back from the cache
         assert engine.prefix_cache.hit_tokens >= BLOCK_TOKENS
     roomy = make_requests(llm, params, LONG_PROMPTS)
@@ -215,10 +224,23 @@ def test_kv_cache_limit_refuses_a_request_that_never_fits(llms: dict[str, LLM]) 
     llm = llms["plain"]
     (req,) = make_requests(llm, GREEDY[:1])
     engine = Engine(llm.model, llm.tokenizer, scheduler=SchedulerConfig(kv_cache_tokens=50))
-    with pytest.raises(UserError, match=rf"needs {kv_need(req)} KV cache slots.*holds 50"):
-        engine.add(req)
+    for refuse in (engine.check, engine.add):  # a server checks first, before any stream
+        with pytest.raises(UserError, match=rf"needs {kv_need(req)} KV cache slots.*holds 50"):
+            refuse(req)
     assert not engine.has_unfinished()
     assert engine.abort(req.request_id) is False  # its id was never taken
+    # what a request could generate alone: nothing here (its drafts' slots alone exceed 50);
+    # in a cache of 170 slots (10 whole blocks), the blocks' slots less its prompt and its
+    # drafts' slots; the context less its prompt without a limit
+    assert engine.room(len(PROMPTS[0])) == 0
+    roomy = Engine(llm.model, llm.tokenizer, scheduler=SchedulerConfig(kv_cache_tokens=170))
+    room = 10 * BLOCK_TOKENS - len(PROMPTS[0]) - MAX_SPECULATIVE_TOKENS
+    assert roomy.room(len(PROMPTS[0])) == room > 0
+    context = llm.model.config.max_position_embeddings
+    assert llm.engine.room(len(PROMPTS[0])) == context - len(PROMPTS[0])
+    roomy.check(make_requests(llm, [greedy(room)])[0])  # the most room() allows fits
+    with pytest.raises(UserError, match="KV cache slots"):
+        roomy.check(make_requests(llm, [greedy(room + 1)])[0])
 
 
 @pytest.mark.parametrize("method", ["plain", "draft"])

@@ -23,7 +23,7 @@ from specdecode.engine.engine import Engine
 from specdecode.engine.scheduler import SchedulerConfig
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
-from specdecode.server.app import ServeConfig, seed_pass_costs
+from specdecode.server.app import ServeConfig
 
 NAME = "tiny"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -310,11 +310,11 @@ def test_cost_policy_seeds_pass_costs_and_reports_the_draft_limit(
     spec = {**NGRAM, "draft_length": "cost"}
     llm = LLM(model=str(model_dir), dtype="float32", speculative_config=spec)
     engine = Engine(llm.model, llm.tokenizer, llm.engine.drafter, llm.engine.draft_length)
-    seconds = seed_pass_costs(engine, max_num_seqs=4)
+    seconds = engine.warm_up(max_rows=4)
     rows, widths = [1, 2, 4], [1, 2, 3, 5]  # 4 rows of K + 1 = 5 tokens at most
     assert sorted(seconds) == [(r, w) for r in rows for w in widths]
     assert engine.draft_length.passes.seeded.keys() == seconds.keys()
-    assert seed_pass_costs(plain.engine, 4) == {}  # a fixed K needs no costs
+    assert plain.engine.warm_up(4) == {}  # a fixed K needs no costs
     want = plain.generate(PROMPTS[0], _greedy(20))[0].text
     with running_server(llm, ServeConfig(NAME)) as base:
         got = _client(base).completions.create(

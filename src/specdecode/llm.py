@@ -151,7 +151,8 @@ class LLM:
         most = max(k for _, k in named.values())
         policy = parsed[0].draft_length if len(parsed) == 1 else "fixed"
         trees = len(parsed) == 1 and grows_trees(parsed[0])
-        other._use_drafter(parsed[0], DrafterMux(named), DraftLength(policy, most, trees))
+        served = tuple((name, k) for name, (_, k) in named.items())
+        other._use_drafter(parsed[0], DrafterMux(named), DraftLength(policy, most, trees), served)
         other._ids = itertools.count()
         return other
 
@@ -165,10 +166,15 @@ class LLM:
         config: DrafterConfig | None,
         drafter: Drafter | None,
         draft_length: DraftLength | None = None,
+        served: tuple[tuple[str, int], ...] = (),
     ) -> None:
-        """Build the engine around `drafter` (with `draft_length`), or the one `config`
-        describes (neither: plain decoding); metrics start from zero."""
+        """Build the engine around `drafter` (with `draft_length`; `served`: the names and K
+        of the drafters it muxes, the default first), or the one `config` describes
+        (neither: plain decoding); metrics start from zero."""
         self.drafter_config = config  # the validated speculative_config, or None
+        # the drafters a request may name (`SamplingParams.drafter`) and their K, the default
+        # first; empty for one drafter without names
+        self.served_drafters = served
         self.draft_model: Transformer | None = None  # the draft model the drafter runs, if any
         if config is not None and drafter is None:
             drafter = self._build_drafter(config)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from specdecode.engine.engine import Engine, Event
 from specdecode.engine.openmp import release_idle_workers
 from specdecode.engine.request import Request
+from specdecode.engine.stats import EngineStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +40,13 @@ _Add = tuple[Request, asyncio.AbstractEventLoop, asyncio.Queue]
 
 class AsyncEngine:
     """Runs `engine` in a daemon thread; `observe` (optional) sees every step's events in the
-    engine thread (metrics), and `on_step` the engine after every step (gauges)."""
+    engine thread (metrics), and `on_step` the engine's `stats()` after every step (gauges)."""
 
     def __init__(
         self,
         engine: Engine,
         observe: Callable[[list[Event]], None] | None = None,
-        on_step: Callable[[Engine], None] | None = None,
+        on_step: Callable[[EngineStats], None] | None = None,
     ) -> None:
         self.engine = engine
         self._observe = observe
@@ -141,7 +142,7 @@ class AsyncEngine:
             if event.output.finished or target is None:
                 self._sinks.pop(request_id, None)
         if self._on_step is not None:
-            self._on_step(self.engine)
+            self._on_step(self.engine.stats())
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, sink: asyncio.Queue, item: Event | _Failed) -> bool:

@@ -31,6 +31,7 @@ from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.request import Request
 from specdecode.engine.scheduler import Scheduler, SchedulerConfig
+from specdecode.engine.stats import EngineStats
 from specdecode.engine.step import (
     VerifyOutput,
     commit,
@@ -122,21 +123,47 @@ class Engine:
         """Whether any request waits or runs."""
         return bool(self.scheduler.waiting or self.scheduler.running)
 
+    def stats(self) -> EngineStats:
+        """The running and waiting counts, KV cache usage, preemptions and the latest step's
+        mean draft limit (what a server's gauges show)."""
+        limits = self.draft_length.last_limits
+        return EngineStats(
+            running=self.num_running,
+            waiting=self.num_waiting,
+            kv_cache_usage=self.kv_cache_usage(),
+            num_preemptions=self.num_preemptions,
+            draft_limit=sum(limits) / len(limits) if limits else 0.0,
+            running_ids=frozenset(r.request_id for r in self.scheduler.running),
+        )
+
+    def room(self, num_prompt: int) -> int:
+        """The most tokens a request of `num_prompt` prompt tokens could generate alone (0:
+        none): what the model's context and the KV cache's whole blocks (less the slots of
+        its drafts, MAX_SPECULATIVE_TOKENS: `Scheduler.check_fits`) leave after its prompt."""
+        context = self.model.config.max_position_embeddings - num_prompt
+        kv = self.scheduler.config.kv_cache_tokens
+        if kv is None:
+            return max(context, 0)
+        slots = kv // BLOCK_TOKENS * BLOCK_TOKENS
+        return max(min(context, slots - num_prompt - MAX_SPECULATIVE_TOKENS), 0)
+
     def add(self, request: Request) -> None:
         """Queue a request; it joins the running batch at a later `step`. Refuses a request id
-        already in flight, a request that could never fit the KV cache, and what `prepare`
-        refuses."""
+        already in flight and what `check` refuses."""
         if request.request_id in self._ids:
             raise UserError(f"request id {request.request_id!r} is already in flight")
-        self.prepare(request)
+        self.check(request)
         self.scheduler.add(request)
         self.outputs.add(request)
         self._ids.add(request.request_id)
 
-    def prepare(self, request: Request) -> None:
-        """Check a request before it runs (`add` does; a server calls it first, to answer a
-        bad request at once): its drafter name, and its constraint, compiled into its grammar
-        here (once: a prepared request keeps it), and the token ids of its logit bias."""
+    def check(self, request: Request) -> None:
+        """Refuse a request that could not run here (`add` calls it; a server calls it first,
+        to answer a bad request before any stream starts): one that could never fit the KV
+        cache alone (`Scheduler.check_fits`), a drafter name not served here, logit-bias
+        token ids outside the vocabulary. Its constraint is compiled into its grammar here
+        (once: a checked request keeps it)."""
+        self.scheduler.check_fits(request)
         self.check_drafter_name(request.params.drafter)
         bias, vocab = request.params.logit_bias, self.model.config.vocab_size
         if bias and bias[-1][0] >= vocab:
@@ -203,7 +230,7 @@ class Engine:
         assert not any(r.prefilling for r in running[:decoding])
         if decoding:
             rows = running[:decoding]
-            self._seed_pass_costs(decoding)
+            self.warm_up(decoding)
             cpu = cpu_seconds()
             st = SamplingTensors.from_params([r.params for r in rows], self.model.device)
             assert self.cache is not None
@@ -298,14 +325,19 @@ class Engine:
                 self.prefix_cache.store(req.token_ids, self.cache, row)
         self.cache.keep_rows(range(running - len(taken)))
 
-    def _seed_pass_costs(self, rows: int) -> None:
-        """Under the "cost" draft-length policy, measure the passes a batch of `rows` rows
-        may run before it is first priced (`PassCosts.unseeded`, `seed_rows`: at K = 3, 4 widths
-        x 4 passes for each new row count), so the rule does not read the costs of widths it
-        has not run off the one it has."""
+    def warm_up(self, max_rows: int) -> dict[tuple[int, int], float]:
+        """Under the "cost" draft-length policy, measure the passes batches of up to
+        `max_rows` rows may run before the rule first prices them (`PassCosts.unseeded`,
+        `seed_rows`: at K = 3, 4 widths x 4 passes for each new row count), so it does not
+        read the costs of widths it has not run off the one it has. A step does this for its
+        batch size; a server, for all it may run, before it serves. Returns the seeded table,
+        (rows, tokens per row) -> seconds (empty under the other policies)."""
         policy = self.draft_length
-        if policy.policy == "cost" and (missing := policy.passes.unseeded(rows)):
+        if policy.policy != "cost":
+            return {}
+        if missing := policy.passes.unseeded(max_rows):
             seed_rows(self.model, policy.passes, policy.max_tokens, missing)
+        return dict(policy.passes.seeded)
 
     def stream(self, reqs: list[Request]) -> Iterator[Event]:
         """Add `reqs` and step until every one has finished, yielding their events (and those

@@ -63,7 +63,7 @@ def _adjust_row(logits: Tensor, history: History, vocab: int) -> None:
     params, device = history.params, logits.device
     positions = logits.shape[0]
     if params.logit_bias:
-        ids = [token for token, _ in params.logit_bias]  # in the vocabulary: `Engine.prepare`
+        ids = [token for token, _ in params.logit_bias]  # in the vocabulary: `Engine.check`
         bias = torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype, device=device)
         logits[:, ids] += bias
     if not (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1):

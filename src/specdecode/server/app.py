@@ -25,8 +25,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode import energy
 from specdecode.engine.async_engine import AsyncEngine
-from specdecode.engine.costs import seed_rows
-from specdecode.engine.engine import Engine
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.server.errors import APIError, bad_request
@@ -74,7 +72,7 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
     while the app serves."""
     energy.watts_per_core()  # a bad SPECDECODE_WATTS_PER_CORE stops the start, not a request
     engine = llm.engine
-    seed_pass_costs(engine, engine.scheduler.config.max_num_seqs)
+    engine.warm_up(llm.scheduler.max_num_seqs)
     metrics = ServerMetrics(config.served_model_name)
     state: dict[str, AsyncEngine] = {}
     runs = Runs(lambda: state["runner"], metrics)
@@ -135,7 +133,7 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
             ],
         }
 
-    add_viz_routes(app, llm, engine, config.served_model_name)
+    add_viz_routes(app, llm, config.served_model_name)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -154,18 +152,6 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
         return await api.chat(body, request)
 
     return app
-
-
-def seed_pass_costs(engine: Engine, max_num_seqs: int) -> dict[tuple[int, int], float]:
-    """With the "cost" draft-length policy, measure verification passes of 1 .. max_num_seqs
-    rows (powers of two and the most; `seed_rows`) before serving, so the rule picks K for
-    every batch size from measured costs (`DraftLength`); returns the seeded table, (rows,
-    tokens per row) -> seconds (empty otherwise)."""
-    policy = engine.draft_length
-    if policy.policy != "cost":
-        return {}
-    seed_rows(engine.model, policy.passes, policy.max_tokens, policy.passes.unseeded(max_num_seqs))
-    return dict(policy.passes.seeded)
 
 
 def _validation_error(error: RequestValidationError) -> APIError:

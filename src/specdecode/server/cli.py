@@ -161,7 +161,7 @@ def run_serve(args: argparse.Namespace) -> int:
             spec, args.replicas or 1, args.host, args.port, args.threads_per_replica
         )
     llm, config = spec.load()
-    scheduler = llm.engine.scheduler.config
+    scheduler = llm.scheduler
     print(
         f"specdecode: serving {args.model} as {config.served_model_name!r} on "
         f"http://{args.host}:{args.port}/v1 (max {scheduler.max_num_seqs} running, "

@@ -20,7 +20,6 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
-from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import Request as EngineRequest
 from specdecode.errors import UserError, context_overflow
@@ -100,8 +99,7 @@ class Handlers:
         and, alone, the KV cache); 400 when the asked number does not fit the context."""
         room = self.context - num_prompt
         if asked is None:
-            kv = self.engine.scheduler.config.kv_cache_tokens
-            fits = room if kv is None else min(room, kv - num_prompt - MAX_SPECULATIVE_TOKENS)
+            fits = self.engine.room(num_prompt)
             return max(1, fits if default is None else min(default, room))
         if asked > room:
             raise bad_request(str(context_overflow(self.context, num_prompt, asked)), "max_tokens")
@@ -110,9 +108,9 @@ class Handlers:
     async def requests(
         self, ids: list[int], body: CompletionRequest | ChatCompletionRequest, max_tokens: int
     ) -> list[EngineRequest]:
-        """The engine's requests for a body, one per choice, prepared (`Engine.prepare`: a
-        bad drafter name or constraint is a 400 before any stream starts). A constraint
-        compiles on a worker thread: a schema can take seconds."""
+        """The engine's requests for a body, one per choice, checked (`Engine.check`: one
+        that cannot fit, a bad drafter name or constraint is a 400 before any stream starts).
+        A constraint compiles on a worker thread: a schema can take seconds."""
         kind = "cmpl" if isinstance(body, CompletionRequest) else "chatcmpl"
         request_id = f"{kind}-{uuid.uuid4().hex}"
         requests = []
@@ -121,8 +119,7 @@ class Handlers:
                 params = body.sampling_params(max_tokens, choice)
                 name = request_id if body.n == 1 else f"{request_id}-{choice}"
                 request = self.llm.make_request({"prompt_token_ids": ids}, params, name)
-                self.engine.scheduler.check_fits(request)
-                await asyncio.to_thread(self.engine.prepare, request)
+                await asyncio.to_thread(self.engine.check, request)
                 requests.append(request)
         except UserError as error:
             raise bad_request(str(error)) from error

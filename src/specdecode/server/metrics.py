@@ -15,7 +15,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from specdecode.engine.engine import Engine, Event
+from specdecode.engine.engine import Event
+from specdecode.engine.stats import EngineStats
 from specdecode.types import RequestOutput
 
 PREFIX = "specdecode:"
@@ -107,18 +108,17 @@ class ServerMetrics:
             elif seen is not None:
                 self._seen[req.request_id] = seen
 
-    def gauges(self, engine: Engine) -> None:
-        """Running and waiting counts, KV cache usage and preemptions after a step; forgets
-        the latency state of requests that left unfinished (engine thread)."""
-        self.running.labels(self.model).set(engine.num_running)
-        self.waiting.labels(self.model).set(engine.num_waiting)
-        self.kv_usage.labels(self.model).set(engine.kv_cache_usage())
-        self.preemptions.labels(self.model).inc(engine.num_preemptions - self._preempted)
-        self._preempted = engine.num_preemptions
-        limits = engine.draft_length.last_limits
-        self.draft_limit.labels(self.model).set(sum(limits) / len(limits) if limits else 0)
-        running = {r.request_id for r in engine.scheduler.running}
-        for request_id in [r for r in self._seen if r not in running]:
+    def gauges(self, stats: EngineStats) -> None:
+        """Running and waiting counts, KV cache usage, preemptions and the mean draft limit
+        after a step; forgets the latency state of requests that left unfinished (engine
+        thread)."""
+        self.running.labels(self.model).set(stats.running)
+        self.waiting.labels(self.model).set(stats.waiting)
+        self.kv_usage.labels(self.model).set(stats.kv_cache_usage)
+        self.preemptions.labels(self.model).inc(stats.num_preemptions - self._preempted)
+        self._preempted = stats.num_preemptions
+        self.draft_limit.labels(self.model).set(stats.draft_limit)
+        for request_id in [r for r in self._seen if r not in stats.running_ids]:
             del self._seen[request_id]
 
     def completed(self, out: RequestOutput) -> None:

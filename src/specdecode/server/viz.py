@@ -9,8 +9,6 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from specdecode.drafters.mux import DrafterMux
-from specdecode.engine.engine import Engine
 from specdecode.llm import LLM
 
 # route -> (file in static/, media type)
@@ -21,26 +19,21 @@ FILES = {
 }
 
 
-def add_viz_routes(app: FastAPI, llm: LLM, engine: Engine, served_model_name: str) -> None:
+def add_viz_routes(app: FastAPI, llm: LLM, served_model_name: str) -> None:
     """GET /viz, its script and style, and /viz/config on `app`."""
 
     @app.get("/viz/config")
     async def viz_config() -> dict[str, Any]:
-        return config(llm, engine, served_model_name)
+        return config(llm, served_model_name)
 
     for route, (name, media_type) in FILES.items():
         app.add_api_route(f"/{route}", _static_route(name, media_type), methods=["GET"])
 
 
-def config(llm: LLM, engine: Engine, served_model_name: str) -> dict[str, Any]:
+def config(llm: LLM, served_model_name: str) -> dict[str, Any]:
     """What the visualizer page offers: the model's name, whether it has a chat template, and
     the drafters served (name, K) in order, the default first."""
-    drafter = engine.drafter
-    drafters = (
-        [{"name": n, "num_speculative_tokens": k} for n, (_, k) in drafter.drafters.items()]
-        if isinstance(drafter, DrafterMux)
-        else []
-    )
+    drafters = [{"name": n, "num_speculative_tokens": k} for n, k in llm.served_drafters]
     return {
         "model": served_model_name,
         "chat": llm.tokenizer.chat_template is not None,
