@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app: routes, validation, streaming, errors, metrics.
+"""The OpenAI-compatible HTTP app: the engine's thread, the key and body guard, the routes
+(`server/routes.py`), the refusals (`server/refusals.py`), metrics.
 
 The app never runs the model on its event loop: requests go to an `AsyncEngine` (the engine in
 its own thread, continuous batching), and tokenizing runs on worker threads. `Guard`
@@ -10,34 +11,21 @@ client that disconnects aborts its request, which frees its slot.
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
 
 from specdecode import energy
 from specdecode.engine.async_engine import AsyncEngine
-from specdecode.errors import UserError
 from specdecode.llm import LLM
-from specdecode.server.errors import APIError, bad_request
 from specdecode.server.guard import Guard, GuardConfig
 from specdecode.server.handlers import Handlers
 from specdecode.server.limits import MAX_BODY_BYTES, PUBLIC_PATHS
 from specdecode.server.metrics import ServerMetrics
-from specdecode.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from specdecode.server.refusals import add_error_handlers
+from specdecode.server.routes import add_routes
 from specdecode.server.streams import Runs
 from specdecode.server.viz import add_viz_routes
 
@@ -85,99 +73,8 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
         state.pop("runner").shutdown()
 
     app = FastAPI(title="specdecode", lifespan=lifespan)
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return error.response()
-
-    @app.exception_handler(UserError)
-    async def refused(_: Request, error: UserError) -> JSONResponse:
-        return bad_request(str(error)).response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        return _validation_error(error).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return _http_error(error).response()
-
-    @app.exception_handler(Exception)
-    async def internal(_: Request, error: Exception) -> JSONResponse:
-        message = f"internal error: {type(error).__name__}: {error}"
-        return APIError(500, message, "internal_server_error", None, "internal_error").response()
-
+    add_error_handlers(app)
     app.add_middleware(Guard, config=config.guard())
-
-    @app.get("/health")
-    async def health() -> Response:
-        runner = state.get("runner")
-        return Response(status_code=200 if runner is not None and runner.alive else 503)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": config.served_model_name,
-                    "object": "model",
-                    "created": api.created,
-                    "owned_by": "specdecode",
-                    "max_model_len": api.context,
-                }
-            ],
-        }
-
+    add_routes(app, api, metrics, lambda: state.get("runner"), config.served_model_name)
     add_viz_routes(app, llm, config.served_model_name)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return await asyncio.to_thread(api.tokenize, body)
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return await asyncio.to_thread(api.detokenize, body)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await api.completions(body, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await api.chat(body, request)
-
     return app
-
-
-def _validation_error(error: RequestValidationError) -> APIError:
-    """400 for a body that is not JSON, or has a bad or missing field (naming the first)."""
-    first = error.errors()[0]
-    if first.get("type") == "json_invalid":
-        reason = first.get("ctx", {}).get("error", first.get("msg"))
-        return APIError(400, f"the body is not valid JSON: {reason}", code="bad_json")
-    if isinstance(error.body, bytes):  # sent without a JSON content type: FastAPI kept bytes
-        try:
-            json.loads(error.body)
-        except (ValueError, RecursionError) as bad:
-            return APIError(400, f"the body is not valid JSON: {bad}", code="bad_json")
-    where = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(where) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return bad_request(message, param)
-
-
-def _http_error(error: StarletteHTTPException) -> APIError:
-    """Starlette's and FastAPI's own refusals (an unknown route, a wrong method, a body that
-    cannot be parsed: invalid UTF-8, nesting too deep) in the OpenAI shape."""
-    kinds = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "bad_method")}
-    kind, code = kinds.get(error.status_code, ("invalid_request_error", "invalid_value"))
-    message = str(error.detail)
-    if error.status_code == 400 and "parsing the body" in message:
-        message = "the body cannot be parsed: it must be UTF-8 JSON, not nested too deeply"
-        code = "bad_json"
-    return APIError(error.status_code, message, kind, None, code)
