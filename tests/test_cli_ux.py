@@ -18,7 +18,7 @@ from specdecode.bench import run as run_module
 from specdecode.bench.plan import PlanConfig, run_plan
 from specdecode.certify import CertifyConfig
 from specdecode.cli import main
-from specdecode.errors import UserError, context_overflow
+from specdecode.errors import UserError, context_overflow, prompt_too_long
 from specdecode.llm import LLM
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
@@ -108,6 +108,8 @@ def test_generate_refuses_max_tokens_beyond_the_context(
 
 
 def test_the_server_says_the_same_about_max_tokens(model_dir: Path) -> None:
+    """max_tokens past the context, and a prompt that fills it: the server's 400, the command
+    line and `LLM.generate` give one text each (`Engine.check_context`)."""
     from server_cases import running_server
 
     from specdecode.server.app import ServeConfig
@@ -115,12 +117,22 @@ def test_the_server_says_the_same_about_max_tokens(model_dir: Path) -> None:
     llm = LLM(str(model_dir), dtype="float32")
     context = llm.model.config.max_position_embeddings
     num_prompt = len(llm.tokenizer.encode("hello"))
+    long = [1] * context
     with running_server(llm, ServeConfig("tiny")) as base:
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 100_000_000}
         response = httpx.post(f"{base}/v1/completions", json=body)
+        too_long = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": long})
     assert response.status_code == 400
     want = str(context_overflow(context, num_prompt, 100_000_000))
     assert response.json()["error"]["message"] == want
+    assert too_long.status_code == 400
+    with pytest.raises(UserError) as alone:
+        llm.generate({"prompt_token_ids": long})
+    assert (
+        too_long.json()["error"]["message"]
+        == str(alone.value)
+        == str(prompt_too_long(context, context))
+    )
 
 
 # --- help -----------------------------------------------------------------------------------

@@ -18,6 +18,15 @@ class MissingDependencyError(UserError, ImportError):
     """An optional library a feature needs is not installed; the message says what to install."""
 
 
+def prompt_too_long(num_prompt: int, context: int) -> UserError:
+    """The error for a prompt that alone fills the model's context (a request, the server's
+    400 and `specdecode generate` say the same)."""
+    return UserError(
+        f"the prompt has {num_prompt} tokens but the model's context is {context} tokens "
+        "(prompt + generated tokens must fit); shorten the prompt"
+    )
+
+
 def context_overflow(context: int, num_prompt: int, max_tokens: int) -> UserError:
     """The error for a request whose prompt + max_tokens exceed the model's context: the
     server's 400 and `specdecode generate` say the same."""

@@ -16,7 +16,7 @@ from specdecode.cli_args import (
     llm_from_args,
     sampling_from_args,
 )
-from specdecode.errors import UserError, context_overflow
+from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
 from specdecode.types import RequestOutput
@@ -102,16 +102,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def check_fits(llm: LLM, prompt: object, max_tokens: int) -> None:
-    """Refuse `max_tokens` that do not fit the model's context after `prompt` (text, or a
-    chat prompt's {"prompt_token_ids": ...}), with the server's message. A prompt that alone
-    fills the context is left to the request's own check."""
+    """Refuse a `prompt` (text, or a chat prompt's {"prompt_token_ids": ...}) that fills the
+    model's context, or `max_tokens` that do not fit after it, with the server's message
+    (`Engine.check_context`)."""
     if isinstance(prompt, dict):
         num_prompt = len(prompt["prompt_token_ids"])
     else:
         num_prompt = len(llm.tokenizer.encode(str(prompt)))
-    context = llm.model.config.max_position_embeddings
-    if num_prompt < context and max_tokens > context - num_prompt:
-        raise context_overflow(context, num_prompt, max_tokens)
+    llm.engine.check_context(num_prompt, max_tokens)
 
 
 def _result_json(out: RequestOutput) -> dict[str, object]:

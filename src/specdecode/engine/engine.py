@@ -40,7 +40,7 @@ from specdecode.engine.step import (
     target_outputs,
     token_logprobs,
 )
-from specdecode.errors import UserError
+from specdecode.errors import UserError, context_overflow, prompt_too_long
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 from specdecode.sampling.decide import decide, pad_tokens
@@ -146,6 +146,17 @@ class Engine:
             return max(context, 0)
         slots = kv // BLOCK_TOKENS * BLOCK_TOKENS
         return max(min(context, slots - num_prompt - MAX_SPECULATIVE_TOKENS), 0)
+
+    def check_context(self, num_prompt: int, max_tokens: int | None = None) -> None:
+        """Refuse a prompt of `num_prompt` tokens that alone fills the model's context, and
+        `max_tokens` (when given) beyond what the context leaves after it: one text for the
+        server's 400 and the command line (`LLM.generate` instead caps a request's tokens at
+        what the context leaves)."""
+        context = self.model.config.max_position_embeddings
+        if num_prompt >= context:
+            raise prompt_too_long(num_prompt, context)
+        if max_tokens is not None and max_tokens > context - num_prompt:
+            raise context_overflow(context, num_prompt, max_tokens)
 
     def add(self, request: Request) -> None:
         """Queue a request; it joins the running batch at a later `step`. Refuses a request id

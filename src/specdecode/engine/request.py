@@ -12,7 +12,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from specdecode.errors import UserError
+from specdecode.errors import UserError, prompt_too_long
 from specdecode.metrics import SpecCounters
 from specdecode.sampling_params import SamplingParams
 from specdecode.structured.state import GrammarState
@@ -44,10 +44,7 @@ class Request:
         if not prompt_ids:
             raise UserError("the prompt is empty: it must contain at least one token")
         if len(prompt_ids) >= max_context:
-            raise UserError(
-                f"the prompt has {len(prompt_ids)} tokens but the model's context is "
-                f"{max_context} tokens (prompt + generated tokens must fit); shorten the prompt"
-            )
+            raise prompt_too_long(len(prompt_ids), max_context)
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_ids = list(prompt_ids)

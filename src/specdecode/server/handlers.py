@@ -22,7 +22,7 @@ from starlette.requests import Request as HTTPRequest
 
 from specdecode.engine.engine import Engine
 from specdecode.engine.request import Request as EngineRequest
-from specdecode.errors import UserError, context_overflow
+from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.server.errors import APIError, bad_request
 from specdecode.server.logprobs import chat_logprobs, completion_logprobs
@@ -71,12 +71,10 @@ class Handlers:
         self._check_token_ids(ids, "token ids", param)
         if not ids:
             raise bad_request("the prompt is empty", param)
-        if len(ids) >= self.context:
-            raise bad_request(
-                f"the prompt has {len(ids)} tokens but this model's context is {self.context} "
-                "tokens (prompt + completion must fit); shorten the prompt",
-                param,
-            )
+        try:
+            self.engine.check_context(len(ids))
+        except UserError as error:
+            raise bad_request(str(error), param) from error
         return ids
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
@@ -97,12 +95,13 @@ class Handlers:
     def max_tokens(self, asked: int | None, num_prompt: int, default: int | None) -> int:
         """The completion's token limit: asked, else `default`, else what fits (the context
         and, alone, the KV cache); 400 when the asked number does not fit the context."""
-        room = self.context - num_prompt
         if asked is None:
             fits = self.engine.room(num_prompt)
-            return max(1, fits if default is None else min(default, room))
-        if asked > room:
-            raise bad_request(str(context_overflow(self.context, num_prompt, asked)), "max_tokens")
+            return max(1, fits if default is None else min(default, self.context - num_prompt))
+        try:
+            self.engine.check_context(num_prompt, asked)
+        except UserError as error:
+            raise bad_request(str(error), "max_tokens") from error
         return asked
 
     async def requests(
