@@ -29,7 +29,6 @@ class FakeSeq:
     num_prompt_tokens: int = 0
     params: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None
-    chain_bounds: tuple[float, ...] = ()
 
 
 class PassCounter:

@@ -25,7 +25,7 @@ from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import verify_chain
 from specdecode.sampling_params import SamplingParams
 from specdecode.tree.token_tree import ROOT, TokenTree
-from specdecode.types import Draft
+from specdecode.types import Draft, DraftBudget
 
 SAMPLES = 20_000  # runs of the pass / fail tests: enough power for the biases below
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
@@ -64,10 +64,10 @@ class UnigramDrafter(DrafterBase):
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
         drafts = []
-        for seq, limit in zip(seqs, max_tokens, strict=True):
-            k = min(self.k, limit)
+        for seq, budget in zip(seqs, budgets, strict=True):
+            k = min(self.k, budget.max_tokens)
             q = torch.bincount(torch.tensor(seq.token_ids), minlength=TINY_VOCAB).float()
             q /= q.sum()  # [V]
             tokens = torch.multinomial(q, k, replacement=True, generator=seq.generator) if k else []
@@ -79,8 +79,8 @@ class UnigramTreeDrafter(UnigramDrafter):
     """A sampled tree: up to K children of the root drawn i.i.d. from the unigram q (each
     node's q row is q: SpecInfer's i.i.d. children)."""
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        chains = super().propose(seqs, max_tokens)
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        chains = super().propose(seqs, budgets)
         return [Draft(d.tokens, d.probs, TokenTree((ROOT,) * len(d.tokens))) for d in chains]
 
 

@@ -27,7 +27,7 @@ from specdecode.model.loading import load_model
 from specdecode.model.registry import is_pulled
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import TargetFeatures
+from specdecode.types import TargetFeatures, budgets
 
 # Byte-level merges of the draft tokenizer (its tokens differ from the target's, not only ids).
 MERGES = ("Ġ t", "h e", "i n", "e r", "Ġ a", "o n", "r e", "a t", "Ġt he")
@@ -190,7 +190,7 @@ def test_proposals_are_valid_target_tokens(tiny_model_dir: Path, cross_draft_dir
     histories += [torch.randint(0, TINY_VOCAB, (n,), generator=gen).tolist() for n in (3, 20, 60)]
     seqs = [FakeSeq(f"r{i}", list(ids)) for i, ids in enumerate(histories)]
     limits = [0, 1, 2, 5, 8, 3, 100][: len(seqs)]
-    drafts = drafter.propose(seqs, limits)
+    drafts = drafter.propose(seqs, budgets(limits))
     assert sum(len(d.tokens) for d in drafts) > 0
     for draft, limit in zip(drafts, limits, strict=True):
         tokens = draft.tokens.tolist()
@@ -198,7 +198,7 @@ def test_proposals_are_valid_target_tokens(tiny_model_dir: Path, cross_draft_dir
         assert len(tokens) <= min(k, limit)
         assert all(0 <= t < TINY_VOCAB and t not in eos for t in tokens)
     # the same history drafts the same tokens, cached or not
-    again = drafter.propose(seqs, limits)
+    again = drafter.propose(seqs, budgets(limits))
     assert [d.tokens.tolist() for d in again] == [d.tokens.tolist() for d in drafts]
 
 
@@ -211,7 +211,7 @@ def test_relabeled_draft_proposes_the_target_continuation(ascii_pair: tuple[Path
     drafter = _drafter(target, draft, 4)
     history = list(prompt)
     for step in range(3):  # later steps reuse the cache
-        (proposal,) = drafter.propose([FakeSeq("r", history)], [4])
+        (proposal,) = drafter.propose([FakeSeq("r", history)], budgets([4]))
         done = len(history) - len(prompt)
         want = list(out.token_ids[done : done + 4])
         want = want[: min([want.index(t) for t in eos if t in want], default=4)]
@@ -226,7 +226,7 @@ def test_long_context_drafts_nothing_beyond_the_draft_models_context(
     limit = drafter.model.config.max_position_embeddings
     text = Tokenizer.from_folder(tiny_model_dir).encode("hello world " * 40)
     for n in (limit - 20, limit - 2, limit + 30):
-        (draft,) = drafter.propose([FakeSeq(f"n{n}", text[:n])], [8])
+        (draft,) = drafter.propose([FakeSeq(f"n{n}", text[:n])], budgets([8]))
         assert len(draft.tokens) <= 8
         state = drafter._states.get(f"n{n}")
         assert state is None or len(state.fed) <= limit
@@ -244,7 +244,7 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir: Path, cross_draft_dir: 
 
 def test_release_forgets_the_sequence(tiny_model_dir: Path, cross_draft_dir: Path) -> None:
     drafter = _drafter(tiny_model_dir, cross_draft_dir, 3)
-    drafter.propose([FakeSeq("a", [72, 101, 108, 108, 111])], [3])
+    drafter.propose([FakeSeq("a", [72, 101, 108, 108, 111])], budgets([3]))
     assert set(drafter._states) == {"a"}
     drafter.release("never-seen")  # ignored
     drafter.release("a")

@@ -19,7 +19,7 @@ from specdecode.llm import LLM
 from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
 from specdecode.tree.token_tree import TokenTree
-from specdecode.types import NO_TARGET_OUTPUTS, Draft, Verdict
+from specdecode.types import NO_TARGET_OUTPUTS, Draft, DraftBudget, Verdict, budgets
 
 
 def _costs(policy: str, k: int, seconds: dict[int, float], draft_s: float) -> DraftLength:
@@ -73,8 +73,8 @@ def test_a_draft_model_stops_a_chain_below_its_bound(tiny_model_dir: Path) -> No
     ids = PROMPTS[0]["prompt_token_ids"]
 
     def drafted(bounds: tuple[float, ...], rid: str) -> int:
-        seq = FakeSeq(rid, list(ids), len(ids), GREEDY, chain_bounds=bounds)
-        return int(drafter.propose([seq], [4])[0].tokens.numel())
+        seq = FakeSeq(rid, list(ids), len(ids), GREEDY)
+        return int(drafter.propose([seq], [DraftBudget(4, bounds)])[0].tokens.numel())
 
     assert drafted((), "free") == 4
     assert drafted((0.0, 0.0, 0.0), "zero") == 4
@@ -233,9 +233,9 @@ class LimitSpy:
         self.inner, self.seen, self.asked = inner, [], []
         self.needs, self.names, self.setup_s = inner.needs, inner.names, inner.setup_s
 
-    def propose(self, seqs, max_tokens):
-        self.seen += list(max_tokens)
-        return self.inner.propose(seqs, max_tokens)
+    def propose(self, seqs, budgets):
+        self.seen += [b.max_tokens for b in budgets]
+        return self.inner.propose(seqs, budgets)
 
     def catch_up(self, seq) -> int:
         self.asked.append(seq.request_id)
@@ -388,10 +388,10 @@ class SlowSetup(LimitSpy):
 
     SETUP_S = 0.2
 
-    def propose(self, seqs, max_tokens):
+    def propose(self, seqs, budgets):
         time.sleep(self.SETUP_S)
         self.setup_s = self.SETUP_S
-        return super().propose(seqs, max_tokens)
+        return super().propose(seqs, budgets)
 
 
 def test_one_time_drafting_work_is_not_priced_per_draft_token(tiny_model_dir: Path) -> None:
@@ -411,9 +411,9 @@ def test_a_draft_model_reports_its_prompt_prefill_as_setup(other_draft_dir: Path
     draft = load_model(other_draft_dir, dtype="float32")
     drafter = DraftModelDrafter(draft, 3, draft.config.vocab_size)
     seq = FakeSeq("a", [5, 17, 42, 99, 3, 250], params=GREEDY)
-    (first,) = drafter.propose([seq], [3])
+    (first,) = drafter.propose([seq], budgets([3]))
     assert drafter.setup_s > 0  # the prompt was prefilled alone
     seq.token_ids += [*first.tokens.tolist(), 7]
     drafter.commit(seq, Verdict(3, torch.tensor([*first.tokens.tolist(), 7])), NO_TARGET_OUTPUTS)
-    drafter.propose([seq], [3])
+    drafter.propose([seq], budgets([3]))
     assert drafter.setup_s == 0  # caught up in the batched passes

@@ -17,7 +17,7 @@ from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import NO_TARGET_OUTPUTS, Draft, Verdict
+from specdecode.types import NO_TARGET_OUTPUTS, Draft, Verdict, budgets
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +110,13 @@ def test_chains_of_many_sequences_share_each_draft_pass(other_draft_dir: Path) -
         for seq, limit in zip(seqs, limits, strict=True):
             seq.generator = torch.Generator().manual_seed(int(seq.request_id[1:]))
             own = DraftModelDrafter(draft, 3, vocab)
-            out += _drafts(own.propose([seq], [limit]))
+            out += _drafts(own.propose([seq], budgets([limit])))
         for seq in seqs:
             seq.generator = torch.Generator().manual_seed(int(seq.request_id[1:]))
         return out
 
     expected = alone([3, 3, 3, 3])
-    drafts = drafter.propose(seqs, [3, 3, 3, 3])
+    drafts = drafter.propose(seqs, budgets([3, 3, 3, 3]))
     assert _drafts(drafts) == expected
     assert counter.passes == 3 + 3  # three prompts of > 1 token prefilled alone, then K passes
     for seq, d in zip(seqs, drafts, strict=True):  # accept the first token, then the target's 7
@@ -124,13 +124,13 @@ def test_chains_of_many_sequences_share_each_draft_pass(other_draft_dir: Path) -
         drafter.commit(seq, Verdict(1, torch.tensor([int(d.tokens[0]), 7])), NO_TARGET_OUTPUTS)
     counter.passes = 0
     expected = alone([3, 0, 1, 2])
-    drafts = drafter.propose(seqs, [3, 0, 1, 2])
+    drafts = drafter.propose(seqs, budgets([3, 0, 1, 2]))
     assert _drafts(drafts) == expected
     assert [len(d) for d in expected] == [3, 0, 1, 2]
     assert counter.passes == 3  # the catch-up rides in the first pass; rows stop at their limit
     drafter.release("s1")
     drafter.release("unknown")
-    drafter.propose(seqs[2:], [1, 1])
+    drafter.propose(seqs[2:], budgets([1, 1]))
     assert len(drafter._caches) == 3 and "s1" not in drafter._caches
 
 
@@ -142,7 +142,7 @@ def test_catch_up_counts_what_a_propose_would_feed_alone(other_draft_dir: Path) 
     drafter = DraftModelDrafter(draft, 3, draft.config.vocab_size)
     seq = FakeSeq("a", list(range(1, 41)))
     assert drafter.catch_up(seq) == 40 and drafter.catch_up(FakeSeq("one", [5])) == 0
-    (first,) = drafter.propose([seq], [3])
+    (first,) = drafter.propose([seq], budgets([3]))
     assert drafter.setup_s > 0
 
     def step(new: list[int], accepted: int) -> None:
@@ -151,7 +151,7 @@ def test_catch_up_counts_what_a_propose_would_feed_alone(other_draft_dir: Path) 
 
     step([int(first.tokens[0]), 7], 1)  # its first token accepted, then the target's 7
     assert drafter.catch_up(seq) == 0  # only 7 is missing: it rides with the first pass
-    drafter.propose([seq], [3])
+    drafter.propose([seq], budgets([3]))
     assert drafter.setup_s == 0.0
     step([8], 0)
     for token in range(10, 20):  # 10 steps without a draft
@@ -174,12 +174,12 @@ def test_a_tree_times_its_prompt_as_setup_not_as_drafting(other_draft_dir: Path)
     drafter = DraftModelDrafter(draft, 4, draft.config.vocab_size, tree_width=2, tree_depth=2)
     seq = FakeSeq("t", list(range(1, 41)))
     assert drafter.catch_up(seq) == 40
-    (first,) = drafter.propose([seq], [4])
+    (first,) = drafter.propose([seq], budgets([4]))
     assert first.tree is not None and drafter.setup_s > 0
     seq.token_ids += [int(first.tokens[0]), 7]
     drafter.commit(seq, Verdict(1, torch.tensor([int(first.tokens[0]), 7])), NO_TARGET_OUTPUTS)
     assert drafter.catch_up(seq) == 0
-    drafter.propose([seq], [4])
+    drafter.propose([seq], budgets([4]))
     assert drafter.setup_s == 0.0
 
 
@@ -227,7 +227,7 @@ class Recorder(DrafterBase):
     def __init__(self) -> None:
         self.seen: list[list[int]] = []
 
-    def propose(self, seqs, max_tokens):
+    def propose(self, seqs, budgets):
         self.seen += [list(s.token_ids) for s in seqs]
         return [Draft(torch.zeros(0, dtype=torch.long)) for _ in seqs]
 
@@ -241,11 +241,11 @@ def test_a_window_is_fixed_when_the_sequence_is_first_seen() -> None:
     seq = FakeSeq("r", [1, 2, 3, 4, 5], num_prompt_tokens=4)
     window.commit(seq, Verdict(0, torch.tensor([5])), NO_TARGET_OUTPUTS)
     seq.token_ids += [6, 7]
-    window.propose([seq, FakeSeq("short", [9, 8])], [2, 2])
+    window.propose([seq, FakeSeq("short", [9, 8])], budgets([2, 2]))
     assert inner.seen == [[3, 4, 5], [3, 4, 5, 6, 7], [9, 8]]  # from offset 2 on, as it grows
     assert WindowedSeq(seq, 2).num_prompt_tokens == 2
     window.release("r")
-    window.propose([seq], [1])  # a new sequence under a released id: a new window
+    window.propose([seq], budgets([1]))  # a new sequence under a released id: a new window
     assert inner.seen[-1] == [5, 6, 7]
 
 

@@ -17,13 +17,13 @@ from specdecode.drafters.overlap import OverlapDrafter
 from specdecode.llm import LLM
 from specdecode.sampling import decide as verifier
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 
 class Needy(DrafterBase):
     """Drafts last + 1, ...; asks for layer 1's states and the argmax, spends `SETUP_S` of
     one-time work in every propose (reading the whole sequence: `catch_up`), answers to a
-    name and records what each commit got."""
+    name and records the budgets of each propose and what each commit got."""
 
     SETUP_S = 0.25
 
@@ -31,12 +31,14 @@ class Needy(DrafterBase):
         self.needs = DrafterNeeds(hidden_layers=layers, target_argmax=True)
         self.names = ("needy",)
         self.seen: list[tuple[int, TargetOutputs]] = []
+        self.budgets: list[list[DraftBudget]] = []  # per propose
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
         self.setup_s = self.SETUP_S
+        self.budgets.append(list(budgets))
         return [
-            Draft(torch.arange(s.token_ids[-1] + 1, s.token_ids[-1] + 1 + m) % 300)
-            for s, m in zip(seqs, max_tokens, strict=True)
+            Draft(torch.arange(s.token_ids[-1] + 1, s.token_ids[-1] + 1 + b.max_tokens) % 300)
+            for s, b in zip(seqs, budgets, strict=True)
         ]
 
     def catch_up(self, seq: SeqView) -> int:
@@ -56,8 +58,9 @@ def test_a_wrapped_drafter_reports_what_the_bare_one_does(wrap: str) -> None:
     assert wrapped.needs == bare.needs
     seq = FakeSeq("r", [1, 2, 3], params=SamplingParams(temperature=0.0))
     assert wrapped.catch_up(seq) == bare.catch_up(seq) == 3
-    wrapped.propose([seq], [3])
+    wrapped.propose([seq], [DraftBudget(5, (0.25, 0.5))])  # the mux cuts it to its K, 3
     assert wrapped.setup_s == bare.setup_s == Needy.SETUP_S
+    assert bare.budgets[0] == [DraftBudget(5 if wrap == "overlap" else 3, (0.25, 0.5))]
     target = TargetOutputs(argmax=(4, 5, 6, 7))
     wrapped.commit(seq, Verdict(3, torch.tensor([4, 5, 6, 7])), target)
     assert bare.seen == [(3, target)]

@@ -37,6 +37,7 @@ from specdecode.train.objective import (
 )
 from specdecode.train.target_pass import run_target
 from specdecode.train.trainer import train
+from specdecode.types import DraftBudget
 
 P = 4  # the head's levels
 
@@ -84,10 +85,10 @@ def test_greedy_equals_plain_batched_and_alone_with_one_head_pass_a_step(
     original = drafter.propose
     per_propose = []
 
-    def propose(seqs: object, max_tokens: list[int]) -> object:
+    def propose(seqs: object, budgets: list[DraftBudget]) -> object:
         before = len(passes)
-        drafts = original(seqs, max_tokens)
-        per_propose.append((len(passes) - before, sum(1 for m in max_tokens if m > 0)))
+        drafts = original(seqs, budgets)
+        per_propose.append((len(passes) - before, sum(1 for b in budgets if b.max_tokens > 0)))
         return drafts
 
     drafter.propose = propose

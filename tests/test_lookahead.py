@@ -18,7 +18,7 @@ from specdecode.llm import LLM
 from specdecode.sampling import decide as verifier
 from specdecode.sampling import tree as tree_verifier
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import TargetOutputs, Verdict
+from specdecode.types import TargetOutputs, Verdict, budgets
 
 EOS = 99
 
@@ -31,12 +31,12 @@ def _drafter(w: int = 2, n: int = 3, g: int = 2) -> LookaheadDrafter:
 def test_the_docstring_example() -> None:
     drafter = _drafter()
     seq = FakeSeq("r", [7, 8, 9])
-    drafter.propose([seq], [64])
+    drafter.propose([seq], budgets([64]))
     window = drafter._windows["r"]
     window.levels = [[11, 12], [21, 22]]  # a1 a2 / b2 b3
     window.pool.clear()
     seq.token_ids = [7, 8, 9, 9]  # the last token has no pooled n-gram... yet
-    draft = drafter.propose([seq], [64])[0]
+    draft = drafter.propose([seq], budgets([64]))[0]
     assert draft.tokens.tolist() == [11, 12, 21, 22]
     assert draft.tree is not None and draft.tree.parents == (ROOT, 0, 0, 1)  # b2 < a1, b3 < a2
     # the target predicts c3 = 31 after b2 (node 2) and c4 = 32 after b3 (node 3); rejects a1
@@ -49,18 +49,18 @@ def test_the_docstring_example() -> None:
 def test_guesses_start_with_the_last_token_and_fill_the_budget_before_the_window() -> None:
     drafter = _drafter(w=2, n=3, g=2)  # window 4 nodes, K = 2 x (2 + 2) = 8
     seq = FakeSeq("r", [1, 2, 3, 1, 4, 5, 1])  # committed n-grams after 1: (2, 3), (4, 5)
-    draft = drafter.propose([seq], [64])[0]
+    draft = drafter.propose([seq], budgets([64]))[0]
     tokens, parents = draft.tokens.tolist(), draft.tree.parents
     assert tokens[:4] == [4, 5, 2, 3] and parents[:4] == (ROOT, 0, ROOT, 2)  # newest first
     assert len(tokens) <= 8
-    only_guesses = drafter.propose([seq], [3])[0]  # no room for the window: it waits
+    only_guesses = drafter.propose([seq], budgets([3]))[0]  # no room for the window: it waits
     assert only_guesses.tokens.tolist() == [4, 5] and drafter._windows["r"].nodes is None
 
 
 def test_n_grams_with_eos_are_not_pooled_and_the_pool_keeps_g_per_token() -> None:
     drafter = _drafter(g=2)
     seq = FakeSeq("r", [1, 2, 3, 1, EOS, 3, 1, 4, 4, 1, 5, 5, 1, 6, 6, 1])
-    drafter.propose([seq], [64])
+    drafter.propose([seq], budgets([64]))
     assert list(drafter._windows["r"].pool[1]) == [(5, 5), (6, 6)]
     drafter.release("r")
     drafter.release("unknown")

@@ -10,7 +10,7 @@ import torch
 
 from specdecode.drafters.ngram import NgramConfig, NgramDrafter
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import NO_TARGET_OUTPUTS, Verdict
+from specdecode.types import NO_TARGET_OUTPUTS, Verdict, budgets
 
 EOS = 99
 
@@ -30,7 +30,7 @@ def _drafter(k: int = 4, lo: int = 1, hi: int = 3, eos: tuple[int, ...] = (EOS,)
 
 
 def _propose(drafter: NgramDrafter, tokens: list[int], max_tokens: int = 100) -> list[int]:
-    draft = drafter.propose([FakeSeq("r", tokens)], [max_tokens])[0]
+    draft = drafter.propose([FakeSeq("r", tokens)], budgets([max_tokens]))[0]
     assert draft.probs is None
     assert draft.tokens.dtype == torch.long and draft.tokens.dim() == 1
     return draft.tokens.tolist()
@@ -79,7 +79,7 @@ def test_truncated_by_max_tokens_k_and_history_end() -> None:
 def test_no_match_gives_empty_draft() -> None:
     drafter = _drafter(lo=2, hi=3)
     assert _propose(drafter, [1, 2, 3, 4, 5]) == []
-    draft = drafter.propose([FakeSeq("x", [])], [4])[0]
+    draft = drafter.propose([FakeSeq("x", [])], budgets([4]))[0]
     assert draft.tokens.shape == (0,) and draft.tokens.dtype == torch.long
     assert _propose(_drafter(lo=1, hi=1), [1]) == []
 
@@ -95,12 +95,12 @@ def test_never_proposes_eos_or_beyond() -> None:
 def test_batch_keeps_sequences_apart() -> None:
     drafter = _drafter(k=2, lo=1, hi=2)
     seqs = [FakeSeq("a", [1, 2, 3, 1]), FakeSeq("b", [1, 9, 8, 1])]
-    drafts = drafter.propose(seqs, [2, 1])
+    drafts = drafter.propose(seqs, budgets([2, 1]))
     assert [d.tokens.tolist() for d in drafts] == [[2, 3], [9]]
     with pytest.raises(ValueError, match="one entry per sequence"):
-        drafter.propose(seqs, [2])
+        drafter.propose(seqs, budgets([2]))
     with pytest.raises(ValueError, match="max_tokens must be >= 0"):
-        drafter.propose(seqs[:1], [-1])
+        drafter.propose(seqs[:1], budgets([-1]))
 
 
 def test_incremental_commits_match_fresh_drafter_and_reference() -> None:
@@ -113,9 +113,9 @@ def test_incremental_commits_match_fresh_drafter_and_reference() -> None:
         seq = FakeSeq(f"r{trial}", [rng.randrange(4) for _ in range(rng.randint(0, 12))])
         for _ in range(rng.randint(1, 15)):
             max_tokens = rng.randint(0, 7)
-            got = drafter.propose([seq], [max_tokens])[0].tokens.tolist()
+            got = drafter.propose([seq], budgets([max_tokens]))[0].tokens.tolist()
             fresh = _drafter(k=k, lo=lo, hi=hi, eos=(0,))
-            assert fresh.propose([seq], [max_tokens])[0].tokens.tolist() == got
+            assert fresh.propose([seq], budgets([max_tokens]))[0].tokens.tolist() == got
             assert got == _reference(seq.token_ids, min(k, max_tokens), lo, hi, {0})
             new = [rng.randrange(4) for _ in range(rng.randint(1, k + 1))]
             seq.token_ids.extend(new)
@@ -167,11 +167,11 @@ def test_tree_width_drafts_several_continuations() -> None:
     # suffix (1, 2) occurred with continuations 9 6 (latest), 8 5 and 7 1
     tokens = [1, 2, 7, 1, 2, 8, 5, 1, 2, 9, 6, 3, 1, 2]
     config = NgramConfig(8, prompt_lookup_max=2, prompt_lookup_min=2, tree_width=3, tree_depth=2)
-    draft = NgramDrafter(config, (EOS,)).propose([FakeSeq("r", tokens)], [8])[0]
+    draft = NgramDrafter(config, (EOS,)).propose([FakeSeq("r", tokens)], budgets([8]))[0]
     assert draft.tokens.tolist() == [9, 6, 8, 5, 7, 1]
     assert draft.tree.parents == (-1, 0, -1, 2, -1, 4) and draft.probs is None
     narrow = NgramDrafter(NgramConfig(3, 2, 2, tree_width=3), (EOS,))
-    assert narrow.propose([FakeSeq("r", tokens)], [8])[0].tokens.tolist() == [9, 6, 3]
+    assert narrow.propose([FakeSeq("r", tokens)], budgets([8]))[0].tokens.tolist() == [9, 6, 3]
 
 
 def test_tree_width_one_is_the_chain() -> None:

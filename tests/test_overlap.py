@@ -15,7 +15,7 @@ from specdecode.drafters.overlap import OverlapDrafter
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import NO_TARGET_OUTPUTS, Draft, Verdict
+from specdecode.types import NO_TARGET_OUTPUTS, Draft, DraftBudget, Verdict, budgets
 
 
 class Counter(DrafterBase):
@@ -24,9 +24,9 @@ class Counter(DrafterBase):
     def __init__(self) -> None:
         self.contexts: list[list[int]] = []
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
         drafts = []
-        for seq, limit in zip(seqs, max_tokens, strict=True):
+        for seq, limit in zip(seqs, [b.max_tokens for b in budgets], strict=True):
             self.contexts.append(list(seq.token_ids))
             last = seq.token_ids[-1]
             drafts.append(Draft(torch.arange(last + 1, last + 1 + min(limit, 4))))
@@ -37,15 +37,15 @@ def test_a_prepared_draft_is_used_only_when_the_hypothesis_comes_true() -> None:
     inner = Counter()
     drafter = OverlapDrafter(inner, 3)
     seq = FakeSeq("r", [1, 2], 1, SamplingParams(temperature=0.0))
-    assert drafter.propose([seq], [3])[0].tokens.tolist() == [3, 4, 5]
+    assert drafter.propose([seq], budgets([3]))[0].tokens.tolist() == [3, 4, 5]
     seq.token_ids += [3, 4, 5, 6]  # all accepted + the bonus the drafter predicted (6)
     drafter.commit(seq, Verdict(3, torch.tensor([3, 4, 5, 6])), NO_TARGET_OUTPUTS)
     assert inner.contexts == [[1, 2], [1, 2, 3, 4, 5]]  # the real draft, then the prepared one
-    assert drafter.propose([seq], [2])[0].tokens.tolist() == [7, 8]  # prepared, cut to 2
+    assert drafter.propose([seq], budgets([2]))[0].tokens.tolist() == [7, 8]  # prepared, cut to 2
     assert drafter.num_hits == 1
     seq.token_ids += [7, 0]  # the bonus differs from the prediction
     drafter.commit(seq, Verdict(1, torch.tensor([7, 0])), NO_TARGET_OUTPUTS)
-    assert drafter.propose([seq], [3])[0].tokens.tolist() == [1, 2, 3]  # drafted afresh
+    assert drafter.propose([seq], budgets([3]))[0].tokens.tolist() == [1, 2, 3]  # drafted afresh
     drafter._wait()  # (the next step's preparation drafted after the fresh draft)
     assert drafter.num_hits == 1 and inner.contexts[-2] == seq.token_ids
     drafter.release("r")
@@ -56,7 +56,7 @@ def test_sampled_sequences_are_not_prepared() -> None:
     inner = Counter()
     drafter = OverlapDrafter(inner, 3)
     seq = FakeSeq("r", [1, 2], 1, SamplingParams(temperature=0.8))
-    drafter.propose([seq], [3])
+    drafter.propose([seq], budgets([3]))
     drafter.commit(seq, Verdict(0, torch.tensor([9])), NO_TARGET_OUTPUTS)
     assert inner.contexts == [[1, 2]] and drafter.num_prepared == 0
 

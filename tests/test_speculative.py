@@ -16,7 +16,7 @@ from specdecode.drafters.base import DrafterBase, DrafterNeeds, SeqView
 from specdecode.drafters.registry import DRAFTERS
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import Draft, TargetFeatures, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetFeatures, TargetOutputs, Verdict
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +35,10 @@ class OracleDrafter(DrafterBase):
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], k: int) -> None:
         self.continuations, self.k = continuations, k
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
         drafts = []
-        for seq, limit in zip(seqs, max_tokens, strict=True):
-            ids = seq.token_ids
+        for seq, budget in zip(seqs, budgets, strict=True):
+            ids, limit = seq.token_ids, budget.max_tokens
             for prompt, cont in self.continuations.items():
                 if tuple(ids[: len(prompt)]) == prompt:
                     done = len(ids) - len(prompt)
@@ -53,10 +53,10 @@ class RandomDrafter(DrafterBase):
     def __init__(self, k: int, vocab: int) -> None:
         self.k, self.vocab, self.gen = k, vocab, torch.Generator().manual_seed(0)
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
         return [
-            Draft(torch.randint(0, self.vocab, (min(self.k, m),), generator=self.gen))
-            for m in max_tokens
+            Draft(torch.randint(0, self.vocab, (min(self.k, b.max_tokens),), generator=self.gen))
+            for b in budgets
         ]
 
 
@@ -309,8 +309,8 @@ def test_stopping_a_stream_early_releases_everything(tiny_model_dir: Path) -> No
 class LongDrafter(RandomDrafter):
     """Breaks the contract: drafts more tokens than allowed."""
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        return [Draft(torch.zeros(m + 1, dtype=torch.long)) for m in max_tokens]
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        return [Draft(torch.zeros(b.max_tokens + 1, dtype=torch.long)) for b in budgets]
 
 
 def test_drafts_that_break_the_contract_are_refused(tiny_model_dir: Path) -> None:

@@ -19,7 +19,7 @@ from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.sampling import decide as verifier
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import NO_TARGET_OUTPUTS, Verdict
+from specdecode.types import NO_TARGET_OUTPUTS, Verdict, budgets
 
 EOS = 99
 
@@ -127,7 +127,7 @@ def _drafter(**kwargs: object) -> SuffixDrafter:
 
 
 def _propose(drafter: SuffixDrafter, seq: FakeSeq, limit: int = 64) -> list[int]:
-    draft = drafter.propose([seq], [limit])[0]
+    draft = drafter.propose([seq], budgets([limit]))[0]
     assert draft.probs is None and draft.tokens.dtype == torch.long
     return draft.tokens.tolist()
 
@@ -152,13 +152,13 @@ def test_never_drafts_eos_nor_past_it() -> None:
 def test_the_global_trie_holds_finished_outputs_oldest_evicted_first() -> None:
     drafter = _drafter(suffix_decoding_max_cached_requests=1)
     first = FakeSeq("a", [50, 51, 1, 2, 3, 4, 5], num_prompt_tokens=2)
-    drafter.propose([first], [8])
+    drafter.propose([first], budgets([8]))
     drafter.release("a")  # its output 1 2 3 4 5 joins the global trie, not its prompt
     assert paths(drafter.global_tree) == reference_paths([[1, 2, 3, 4, 5]], 8)
     other = FakeSeq("b", [60, 61, 1, 2], num_prompt_tokens=3)
     assert _propose(drafter, other) == [3, 4, 5]
     second = FakeSeq("c", [70, 8, 9], num_prompt_tokens=1)
-    drafter.propose([second], [8])
+    drafter.propose([second], budgets([8]))
     drafter.release("c")
     assert paths(drafter.global_tree) == reference_paths([[8, 9]], 8)  # "a" was evicted
     assert _propose(drafter, other) == []  # the re-matched cursor finds nothing now
@@ -169,7 +169,7 @@ def test_the_global_trie_holds_finished_outputs_oldest_evicted_first() -> None:
 
 def test_no_global_trie_when_nothing_is_cached() -> None:
     drafter = _drafter(suffix_decoding_max_cached_requests=0)
-    drafter.propose([FakeSeq("a", [1, 2, 3, 4], num_prompt_tokens=1)], [4])
+    drafter.propose([FakeSeq("a", [1, 2, 3, 4], num_prompt_tokens=1)], budgets([4]))
     drafter.release("a")
     assert drafter.global_tree.num_nodes == 0
     assert _propose(drafter, FakeSeq("b", [9, 2, 3], num_prompt_tokens=1)) == []
@@ -178,7 +178,7 @@ def test_no_global_trie_when_nothing_is_cached() -> None:
 def test_tree_drafts_hold_several_continuations() -> None:
     drafter = _drafter(tree_width=3, suffix_decoding_min_token_prob=0.0)
     seq = FakeSeq("a", [1, 2, 7, 1, 2, 8, 1, 2, 9, 1, 2], num_prompt_tokens=11)
-    draft = drafter.propose([seq], [8])[0]
+    draft = drafter.propose([seq], budgets([8]))[0]
     assert draft.tree is not None
     firsts = {t for t, p in zip(draft.tokens.tolist(), draft.tree.parents, strict=True) if p < 0}
     assert firsts == {7, 8, 9}

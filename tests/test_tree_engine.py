@@ -18,7 +18,7 @@ from specdecode.drafters.base import DrafterNeeds, SeqView
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
 from specdecode.tree.token_tree import ROOT, TokenTree
-from specdecode.types import Draft
+from specdecode.types import Draft, DraftBudget
 
 TREE_CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1,
@@ -60,10 +60,11 @@ class TreeOracle(OracleDrafter):
         super().__init__(continuations, k)
         self.vocab, self.gen = vocab, torch.Generator().manual_seed(0)
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        chains = super().propose(seqs, max_tokens)
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        chains = super().propose(seqs, budgets)
         drafts = []
-        for row, (chain, limit) in enumerate(zip(chains, max_tokens, strict=True)):
+        limits = [b.max_tokens for b in budgets]
+        for row, (chain, limit) in enumerate(zip(chains, limits, strict=True)):
             right = chain.tokens.tolist()
             size = min(limit, len(right) + 2 + row)  # rows get different shapes
             parents, tokens, path = [], [], [ROOT]
@@ -173,7 +174,7 @@ def test_bad_tree_configs_are_refused(tiny_model_dir: Path) -> None:
 
 def test_a_tree_that_does_not_fit_its_tokens_is_refused(tiny_model_dir: Path) -> None:
     class Misfit(OracleDrafter):
-        def propose(self, seqs, max_tokens):
+        def propose(self, seqs, budgets):
             return [Draft(torch.tensor([1, 2]), tree=TokenTree((-1,))) for _ in seqs]
 
     llm = LLM(str(tiny_model_dir), dtype="float32", drafter=Misfit({}, 2))

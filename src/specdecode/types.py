@@ -1,8 +1,10 @@
-"""Frozen dataclasses at stage boundaries: drafts, verdicts, what the target hands a drafter,
-step events and outputs (the request's parameters: `specdecode.sampling_params`)."""
+"""Frozen dataclasses at stage boundaries: draft budgets, drafts, verdicts, what the target
+hands a drafter, step events and outputs (the request's parameters:
+`specdecode.sampling_params`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -10,6 +12,30 @@ from torch import Tensor
 from specdecode.energy import joules
 from specdecode.metrics import SpecCounters
 from specdecode.tree.token_tree import TokenTree
+
+
+@dataclass(frozen=True, slots=True)
+class DraftBudget:
+    """What one sequence may draft in one step (the draft-length policy's choice).
+
+    max_tokens: at most this many tokens (a tree's nodes); 0 = no draft.
+    chain_bounds: a stopping rule for a drafter that knows how sure it is: after j + 1 draft
+        tokens (j = 0, 1, ...), draft another only if the chance that all of them are accepted
+        (the product of the drafter's own probabilities of its tokens) is at least
+        chain_bounds[j]; () = draft up to max_tokens (`engine.draft_length`).
+    """
+
+    max_tokens: int
+    chain_bounds: tuple[float, ...] = ()
+
+    def at_most(self, k: int) -> DraftBudget:
+        """This budget with at most `k` tokens (the same bounds)."""
+        return DraftBudget(min(self.max_tokens, k), self.chain_bounds)
+
+
+def budgets(limits: Iterable[int]) -> list[DraftBudget]:
+    """A budget of each of `limits` tokens, without a stopping rule."""
+    return [DraftBudget(k) for k in limits]
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import torch
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
 from specdecode.sampling_params import SamplingParams
 from specdecode.tree.token_tree import ROOT, TokenTree
-from specdecode.types import NO_TARGET_OUTPUTS, Draft, Verdict
+from specdecode.types import NO_TARGET_OUTPUTS, Draft, DraftBudget, Verdict
 
 
 @dataclass
@@ -32,7 +32,6 @@ class _Seq:
     token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
-    chain_bounds: tuple[float, ...] = ()  # replayed drafts go to the limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +95,7 @@ def replay(
         while done < len(continuation):
             limit = min(MAX_SPECULATIVE_TOKENS, budget - done - 1)
             start = time.perf_counter()
-            (draft,) = drafter.propose([seq], [limit])
+            (draft,) = drafter.propose([seq], [DraftBudget(limit)])  # to the limit
             spent += time.perf_counter() - start
             path = accepted_path(draft, continuation[done:])
             emitted = continuation[done : done + len(path) + 1]

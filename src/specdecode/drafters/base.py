@@ -20,7 +20,7 @@ from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
 from specdecode.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from specdecode.tree.token_tree import TokenTree
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 DRAFT_LENGTH_POLICIES = ("fixed", "heuristic", "cost")  # see specdecode.engine.draft_length
 
@@ -47,15 +47,6 @@ class SeqView(Protocol):
     @property
     def generator(self) -> torch.Generator | None:
         """The sequence's random generator (None = torch's default)."""
-        ...
-
-    @property
-    def chain_bounds(self) -> tuple[float, ...]:
-        """This step's stopping rule for a drafter that knows how sure it is: after j + 1
-        draft tokens (j = 0, 1, ...), draft another only if the chance that all of them are
-        accepted (the product of the drafter's own probabilities of its tokens) is at least
-        chain_bounds[j]; () = draft up to the limit (the draft-length policy's, see
-        `engine.draft_length`)."""
         ...
 
 
@@ -168,16 +159,20 @@ def spread_logits(reduced: Tensor, ids: Tensor, vocab_size: int) -> Tensor:
     return logits.index_copy_(-1, ids, reduced)
 
 
-def check_draft_limits(seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> None:
-    """Refuse `propose` arguments that are not one limit >= 0 per sequence."""
-    if len(max_tokens) != len(seqs):
+def draft_limits(seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[int]:
+    """Each sequence's `max_tokens` from `propose`'s `budgets`; refuses arguments that are not
+    one budget of max_tokens >= 0 per sequence."""
+    if len(budgets) != len(seqs):
         raise ValueError(
-            f"max_tokens needs one entry per sequence: got {len(max_tokens)} entries "
+            f"budgets needs one entry per sequence: got {len(budgets)} entries "
             f"for {len(seqs)} sequences"
         )
-    for seq, limit in zip(seqs, max_tokens, strict=True):
-        if limit < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {limit} for {seq.request_id!r}")
+    for seq, budget in zip(seqs, budgets, strict=True):
+        if budget.max_tokens < 0:
+            raise ValueError(
+                f"max_tokens must be >= 0, got {budget.max_tokens} for {seq.request_id!r}"
+            )
+    return [budget.max_tokens for budget in budgets]
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,8 +209,9 @@ class Drafter(Protocol):
     setup_s: float
     names: tuple[str, ...]
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        """One draft per sequence, of at most `max_tokens[i]` tokens (0 allowed: no draft).
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        """One draft per sequence, of at most `budgets[i].max_tokens` tokens (0 allowed: no
+        draft); a drafter that knows how sure it is may stop a chain at its `chain_bounds`.
 
         A drafter that samples (q not one-hot) must compute q with
         `specdecode.sampling.probs.probs_from_logits` and the sequence's own `params`, and draw
@@ -252,7 +248,7 @@ class DrafterBase(ABC):
     names: tuple[str, ...] = ()
 
     @abstractmethod
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
         """See `Drafter.propose`."""
 
     def catch_up(self, seq: SeqView) -> int:

@@ -56,13 +56,13 @@ from specdecode.drafters.base import (
     SeqView,
     cache_with_room,
     check_draft_length,
-    check_draft_limits,
+    draft_limits,
 )
 from specdecode.drafters.draft_model import DraftLM, feed
 from specdecode.errors import UserError
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.sampling.argmax import argmax
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 LOOKBACK = 4  # committed target tokens re-encoded with the draft text (the token boundary)
 STEPS_PER_TOKEN = 2  # draft-model tokens per step at most: this many per proposed target token
@@ -162,17 +162,18 @@ class CrossTokenizerDrafter(DrafterBase):
         self._target_eos = frozenset(target_tokenizer.eos_token_ids)
         self._states: dict[str, _DraftState] = {}
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        """One deterministic draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        """One deterministic draft per sequence, of at most min(K, `budgets[i].max_tokens`) tokens.
 
         Args:
             seqs: the sequences to draft for.
-            max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
+            budgets: per sequence, the most tokens its draft may have (`max_tokens`, 0 = no
+                draft).
 
         Returns:
             drafts: `Draft(tokens [k_i] int64, probs=None)` per sequence, k_i may be 0.
         """
-        check_draft_limits(seqs, max_tokens)
+        max_tokens = draft_limits(seqs, budgets)
         with torch.inference_mode():
             return [
                 Draft(torch.tensor(self._propose_one(seq, m), dtype=torch.long))

@@ -31,7 +31,7 @@ target tokens (FR-Spec, `drafters.trimmed_head`): its logits are -inf elsewhere,
 0 there and nothing else here changes. With `confidence_threshold` a chain stops after a token
 the draft model itself gives a lower probability (HF's assistant_confidence_threshold); without
 one, a chain stops where the draft model's probability of the whole chain so far falls below
-the sequence's `chain_bounds` (what the "cost" draft-length policy sets each step).
+its budget's `chain_bounds` (what the "cost" draft-length policy gives each step).
 `staged` (`drafters.staged`) and `ssd` (`drafters.overlap`) build on this drafter; the
 registry's factory puts the pieces together (`drafters.draft_model_build`).
 """
@@ -55,8 +55,8 @@ from specdecode.drafters.base import (
     ModelDrafterConfig,
     SeqView,
     check_draft_length,
-    check_draft_limits,
     check_tree_shape,
+    draft_limits,
     is_positive_int,
 )
 from specdecode.drafters.draft_rows import DraftRows
@@ -67,7 +67,7 @@ from specdecode.model.tokenizer import Tokenizer
 from specdecode.sampling.argmax import argmax
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 STAGERS = (None, "ngram", "suffix")  # the model-free drafters that can stage a draft model
 
@@ -255,23 +255,24 @@ class DraftModelDrafter(DrafterBase):
         self._caches = DraftRows(model.new_cache)
         self.setup_s = 0.0  # seconds the latest propose spent feeding sequences alone
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        """One draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        """One draft per sequence, of at most min(K, `budgets[i].max_tokens`) tokens.
 
         Args:
             seqs: the sequences to draft for.
-            max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
+            budgets: per sequence, the most tokens its draft may have (`max_tokens`, 0 = no
+                draft), and where a chain stops (`chain_bounds`).
 
         Returns:
             drafts: per sequence, a sampled chain `Draft(tokens [k_i] int64, probs [k_i, V]
             float32)`, or with tree_width > 1 a tree `Draft(tokens [k_i], None, tree)`.
         """
-        check_draft_limits(seqs, max_tokens)
+        max_tokens = draft_limits(seqs, budgets)
         self.setup_s = 0.0
         with torch.inference_mode():
             if self.tree_width > 1:
                 return [self._propose_tree(s, m) for s, m in zip(seqs, max_tokens, strict=True)]
-            return self._propose_chains(seqs, max_tokens)
+            return self._propose_chains(seqs, budgets)
 
     def catch_up(self, seq: SeqView) -> int:
         """The tokens of `seq` a propose would feed alone before drafting (see
@@ -295,10 +296,12 @@ class DraftModelDrafter(DrafterBase):
         """Drop the draft-model cache of a finished sequence (unknown ids are ignored)."""
         self._caches.release(request_id)
 
-    def _propose_chains(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+    def _propose_chains(
+        self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]
+    ) -> list[Draft]:
         """Catch every sequence up on its committed tokens, then draft token by token, one
         batched pass per draft position over the sequences still drafting."""
-        sizes = [self._draft_size(s, m) for s, m in zip(seqs, max_tokens, strict=True)]
+        sizes = [self._draft_size(s, b.max_tokens) for s, b in zip(seqs, budgets, strict=True)]
         vocab = self.model.config.vocab_size
         tokens: list[list[int]] = [[] for _ in seqs]
         probs = [torch.empty(k, vocab) for k in sizes]  # each [k_i, V]
@@ -321,7 +324,7 @@ class DraftModelDrafter(DrafterBase):
                 tokens[i].append(drawn[f])
                 new[i] = [drawn[f]]
                 if len(tokens[i]) < sizes[i] and self._goes_on(
-                    seqs[i], logits[f], drawn[f], chains[i]
+                    budgets[i].chain_bounds, logits[f], drawn[f], chains[i]
                 ):
                     still.append(i)
             live = still
@@ -380,15 +383,16 @@ class DraftModelDrafter(DrafterBase):
     def _positions(self) -> int:
         return self.model.config.max_position_embeddings
 
-    def _goes_on(self, seq: SeqView, logits: Tensor, token: int, chain: list[float]) -> bool:
-        """Whether `seq`'s chain, which has just drawn `token` (from `logits` [V]), drafts
-        another token: with a confidence_threshold, if the draft model's own probability of
-        `token` (softmax of its raw logits, whatever the sampling parameters) is at least
-        that; else if the product of those probabilities over the chain (`chain`: the
-        earlier tokens' probabilities, `token`'s appended here) is at least the sequence's
-        bound for its length (`SeqView.chain_bounds`; none: always)."""
+    def _goes_on(
+        self, bounds: tuple[float, ...], logits: Tensor, token: int, chain: list[float]
+    ) -> bool:
+        """Whether a chain that has just drawn `token` (from `logits` [V]) drafts another
+        token: with a confidence_threshold, if the draft model's own probability of `token`
+        (softmax of its raw logits, whatever the sampling parameters) is at least that; else
+        if the product of those probabilities over the chain (`chain`: the earlier tokens'
+        probabilities, `token`'s appended here) is at least the sequence's bound for its
+        length (`bounds`: its budget's `chain_bounds`; none: always)."""
         bound = self.confidence_threshold
-        bounds = seq.chain_bounds
         if bound is None and len(chain) >= len(bounds):
             return True
         chain.append(float(torch.softmax(logits.float(), -1)[token]))

@@ -44,8 +44,8 @@ from specdecode.drafters.base import (
     SeqView,
     cache_with_room,
     check_draft_length,
-    check_draft_limits,
     check_tree_shape,
+    draft_limits,
 )
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, reduced_log_confidence
 from specdecode.errors import UserError
@@ -53,7 +53,7 @@ from specdecode.heads.eagle3 import Eagle3Head, load_eagle3_head, mask_token
 from specdecode.sampling.argmax import argmax
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,19 +130,20 @@ class Eagle3Drafter(DrafterBase):
         self._draft_ids = head.draft_to_target.cpu()  # [Vd] draft row -> target id (host)
         self._rows: dict[str, HeadRow] = {}
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        """One draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        """One draft per sequence, of at most min(K, `budgets[i].max_tokens`) tokens.
 
         Args:
             seqs: the sequences to draft for (their target states came with `commit`).
-            max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
+            budgets: per sequence, the most tokens its draft may have (`max_tokens`, 0 = no
+                draft).
 
         Returns:
             drafts: per sequence, a chain `Draft(tokens [k_i] int64, probs [k_i, V] float32)`
             (probs None under greedy parameters: each token is the head's argmax), or with
             tree_width > 1 a tree `Draft(tokens [k_i], None, tree)`.
         """
-        check_draft_limits(seqs, max_tokens)
+        max_tokens = draft_limits(seqs, budgets)
         propose = self._propose_chain if self.tree_width == 1 else self._propose_tree
         with torch.inference_mode():
             return [propose(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]

@@ -46,12 +46,12 @@ from specdecode.drafters.base import (
     DrafterNeeds,
     SeqView,
     check_draft_length_policy,
-    check_draft_limits,
+    draft_limits,
     is_positive_int,
 )
 from specdecode.errors import UserError
 from specdecode.tree.token_tree import ROOT, TokenTree
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,14 +148,14 @@ class LookaheadDrafter(DrafterBase):
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self._windows: dict[str, _Window] = {}
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        """One deterministic tree per sequence, of at most min(K, `max_tokens[i]`) nodes: the
-        guesses, then the window if it fits whole.
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        """One deterministic tree per sequence, of at most min(K, `budgets[i].max_tokens`)
+        nodes: the guesses, then the window if it fits whole.
 
         Returns:
             drafts: `Draft(tokens [k_i] int64, probs=None, tree=shape)` per sequence.
         """
-        check_draft_limits(seqs, max_tokens)
+        max_tokens = draft_limits(seqs, budgets)
         drafts = []
         for seq, limit in zip(seqs, max_tokens, strict=True):
             window = self._sync(seq)

@@ -33,13 +33,13 @@ from specdecode.drafters.base import (
     ModelDrafterConfig,
     SeqView,
     check_draft_length,
-    check_draft_limits,
     check_tree_shape,
+    draft_limits,
 )
 from specdecode.drafters.level_drafts import chain_from_levels, empty_draft, tree_from_levels
 from specdecode.errors import UserError
 from specdecode.heads.exit_head import ExitHead, load_exit_head
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,18 +111,19 @@ class MedusaDrafter(DrafterBase):
         self._draft_ids = head.draft_to_target.cpu()  # [Vd] draft row -> target id (host)
         self._states: dict[str, tuple[int, Tensor]] = {}  # id -> (token index, its state [h])
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        """One draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        """One draft per sequence, of at most min(K, `budgets[i].max_tokens`) tokens.
 
         Args:
             seqs: the sequences to draft for (their newest target states came with `commit`).
-            max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
+            budgets: per sequence, the most tokens its draft may have (`max_tokens`, 0 = no
+                draft).
 
         Returns:
             drafts: per sequence, a chain `Draft(tokens [k_i] int64, probs [k_i, V] float32)`,
             or with tree_width > 1 a tree `Draft(tokens [k_i], None, tree)`.
         """
-        check_draft_limits(seqs, max_tokens)
+        max_tokens = draft_limits(seqs, budgets)
         drafts = []
         with torch.inference_mode():
             for seq, limit in zip(seqs, max_tokens, strict=True):

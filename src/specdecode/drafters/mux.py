@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from specdecode.drafters.base import Drafter, DrafterBase, DrafterNeeds, SeqView
 from specdecode.errors import UserError
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 
 class DrafterMux(DrafterBase):
@@ -38,9 +38,9 @@ class DrafterMux(DrafterBase):
         self.names = tuple(self.drafters)  # the default first (the engine checks requests)
         self.setup_s = 0.0  # the latest propose's one-time work, all drafters together
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        """Each drafter drafts for its own sequences (in their order); the drafts come back
-        in the order of `seqs`."""
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        """Each drafter drafts for its own sequences (in their order, their budgets cut to
+        its K); the drafts come back in the order of `seqs`."""
         groups: dict[str, list[int]] = {}
         for row, seq in enumerate(seqs):
             groups.setdefault(self._name(seq), []).append(row)
@@ -48,8 +48,8 @@ class DrafterMux(DrafterBase):
         self.setup_s = 0.0
         for name, rows in groups.items():
             drafter, k = self.drafters[name]
-            limits = [min(max_tokens[row], k) for row in rows]
-            proposed = drafter.propose([seqs[row] for row in rows], limits)
+            cut = [budgets[row].at_most(k) for row in rows]
+            proposed = drafter.propose([seqs[row] for row in rows], cut)
             drafts.update(zip(rows, proposed, strict=True))
             self.setup_s += drafter.setup_s
         return [drafts[row] for row in range(len(seqs))]

@@ -21,13 +21,13 @@ from specdecode.drafters.base import (
     SeqView,
     check_draft_length,
     check_draft_length_policy,
-    check_draft_limits,
     check_tree_shape,
+    draft_limits,
     is_positive_int,
 )
 from specdecode.errors import UserError
 from specdecode.tree.token_tree import ROOT, TokenTree
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,18 +154,19 @@ class NgramDrafter(DrafterBase):
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self._indexes: dict[str, _SuffixIndex] = {}
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        """One deterministic draft per sequence, of at most `max_tokens[i]` tokens.
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        """One deterministic draft per sequence, of at most `budgets[i].max_tokens` tokens.
 
         Args:
             seqs: the sequences to draft for.
-            max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
+            budgets: per sequence, the most tokens its draft may have (`max_tokens`, 0 = no
+                draft).
 
         Returns:
             drafts: `Draft(tokens [K_i] int64, probs=None)` per sequence, K_i may be 0; with
             tree_width > 1 also `tree=` the trie's shape.
         """
-        check_draft_limits(seqs, max_tokens)
+        max_tokens = draft_limits(seqs, budgets)
         drafts = []
         for seq, limit in zip(seqs, max_tokens, strict=True):
             k = min(limit, self.config.num_speculative_tokens)

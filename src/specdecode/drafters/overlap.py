@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterBase, SeqView
+from specdecode.drafters.base import Drafter, DrafterBase, SeqView, draft_limits
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,6 @@ class _Hypothesis:
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator | None = None
-    chain_bounds: tuple[float, ...] = ()  # prepared drafts go to the limit (cut later)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +78,14 @@ class OverlapDrafter(DrafterBase):
         self._job: Future[None] | None = None
         self._prepared: dict[str, _Prepared] = {}
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        """The prepared drafts where the hypothesis came true (cut to `max_tokens[i]`), the
-        wrapped drafter's for the rest; then start preparing the next step's."""
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        """The prepared drafts where the hypothesis came true (cut to `budgets[i].max_tokens`),
+        the wrapped drafter's for the rest; then start preparing the next step's."""
         self._wait()
         self.setup_s = 0.0
         drafts: list[Draft | None] = []
         missed = []
-        for i, (seq, limit) in enumerate(zip(seqs, max_tokens, strict=True)):
+        for i, (seq, limit) in enumerate(zip(seqs, draft_limits(seqs, budgets), strict=True)):
             ready = self._prepared.pop(seq.request_id, None)
             if ready is not None and ready.context == seq.token_ids and limit > 0:
                 self.num_hits += 1
@@ -97,7 +96,7 @@ class OverlapDrafter(DrafterBase):
                 drafts.append(None)
                 missed.append(i)
         if missed:
-            fresh = self.inner.propose([seqs[i] for i in missed], [max_tokens[i] for i in missed])
+            fresh = self.inner.propose([seqs[i] for i in missed], [budgets[i] for i in missed])
             self.setup_s = self.inner.setup_s
             for i, draft in zip(missed, fresh, strict=True):
                 drafts[i] = draft
@@ -134,8 +133,9 @@ class OverlapDrafter(DrafterBase):
         self.inner.release(request_id)
 
     def _prepare(self, hypotheses: list[_Hypothesis]) -> None:
-        """Draft K + 1 tokens after each hypothesis: the predicted bonus, then the draft."""
-        limits = [self.num_speculative_tokens + 1] * len(hypotheses)
+        """Draft K + 1 tokens after each hypothesis: the predicted bonus, then the draft (to
+        the limit, without bounds: cut when proposed)."""
+        limits = [DraftBudget(self.num_speculative_tokens + 1)] * len(hypotheses)
         with torch.inference_mode():
             drafts = self.inner.propose(hypotheses, limits)
         for hyp, draft in zip(hypotheses, drafts, strict=True):

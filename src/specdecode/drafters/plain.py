@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.drafters.base import DrafterBase, SeqView
-from specdecode.types import Draft
+from specdecode.types import Draft, DraftBudget
 
 EMPTY_DRAFT = Draft(tokens=torch.empty(0, dtype=torch.long))
 
@@ -15,5 +15,5 @@ EMPTY_DRAFT = Draft(tokens=torch.empty(0, dtype=torch.long))
 class PlainDrafter(DrafterBase):
     """Plain decoding expressed as a drafter with no drafts."""
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
         return [EMPTY_DRAFT] * len(seqs)

@@ -33,7 +33,7 @@ from specdecode.drafters.base import SeqView
 from specdecode.drafters.draft_model import DraftLM, DraftModelDrafter, feed
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits
 from specdecode.sampling.rejection import verify_chain
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 
 class Stager(Protocol):
@@ -77,9 +77,12 @@ class StagedDrafter(DraftModelDrafter):
         super().release(request_id)
         self.stager.release(request_id)
 
-    def _propose_chains(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        """One sequence after another: each pass checks that sequence's own guesses."""
-        return [self._propose_one(s, m) for s, m in zip(seqs, max_tokens, strict=True)]
+    def _propose_chains(
+        self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]
+    ) -> list[Draft]:
+        """One sequence after another: each pass checks that sequence's own guesses (to
+        each budget's max_tokens: staged chains take no bounds)."""
+        return [self._propose_one(s, b.max_tokens) for s, b in zip(seqs, budgets, strict=True)]
 
     def _propose_one(self, seq: SeqView, max_tokens: int) -> Draft:
         """Catch up on the committed tokens, then draft: each pass feeds the newest token and

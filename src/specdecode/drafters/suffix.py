@@ -27,7 +27,7 @@ from specdecode.drafters.base import (
     DrafterContext,
     SeqView,
     check_draft_length_policy,
-    check_draft_limits,
+    draft_limits,
     is_positive_int,
 )
 from specdecode.drafters.suffix_tree import (
@@ -41,7 +41,7 @@ from specdecode.drafters.suffix_tree import (
 )
 from specdecode.errors import UserError
 from specdecode.tree.token_tree import TokenTree
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 MAX_TREE_DEPTH = 256
 
@@ -146,18 +146,19 @@ class SuffixDrafter(DrafterBase):
         self._cached: deque[list[int]] = deque()  # the outputs in the global trie, oldest first
         self._states: dict[str, _RequestState] = {}
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
-        """One deterministic draft per sequence, of at most min(K, `max_tokens[i]`) tokens.
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        """One deterministic draft per sequence, of at most min(K, `budgets[i].max_tokens`) tokens.
 
         Args:
             seqs: the sequences to draft for.
-            max_tokens: per sequence, the most tokens its draft may have (0 = no draft).
+            budgets: per sequence, the most tokens its draft may have (`max_tokens`, 0 = no
+                draft).
 
         Returns:
             drafts: `Draft(tokens [k_i] int64, probs=None)` per sequence (k_i may be 0); with
             tree_width > 1 also `tree=` the draft's shape.
         """
-        check_draft_limits(seqs, max_tokens)
+        max_tokens = draft_limits(seqs, budgets)
         width = self.config.tree_width
         drafts = []
         for seq, limit in zip(seqs, max_tokens, strict=True):

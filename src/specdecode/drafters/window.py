@@ -23,7 +23,7 @@ import torch
 
 from specdecode.drafters.base import Drafter, DrafterBase, DrafterNeeds, SeqView
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import Draft, TargetOutputs, Verdict
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +53,6 @@ class WindowedSeq:
     def generator(self) -> torch.Generator | None:
         return self.seq.generator
 
-    @property
-    def chain_bounds(self) -> tuple[float, ...]:
-        return self.seq.chain_bounds
-
 
 class PromptWindow(DrafterBase):
     """`inner` (a drafter that needs nothing from the target's passes) fed each sequence's
@@ -82,9 +78,9 @@ class PromptWindow(DrafterBase):
     def setup_s(self) -> float:  # type: ignore[override]  (the wrapped drafter's)
         return self.inner.setup_s
 
-    def propose(self, seqs: Sequence[SeqView], max_tokens: Sequence[int]) -> list[Draft]:
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
         """The wrapped drafter's drafts for the windowed sequences."""
-        return self.inner.propose([self._windowed(s) for s in seqs], max_tokens)
+        return self.inner.propose([self._windowed(s) for s in seqs], budgets)
 
     def catch_up(self, seq: SeqView) -> int:
         """The wrapped drafter's catch-up on the windowed sequence (at most the window and

@@ -65,7 +65,6 @@ class Request:
         self.num_preemptions = 0  # times its cache row was taken back (`preempt`)
         self._resume_at = 0  # after a preemption: the committed tokens to prefill again
         self.grammar: GrammarState | None = None  # with params.structured_outputs (the engine's)
-        self.chain_bounds: tuple[float, ...] = ()  # this step's (`SeqView.chain_bounds`)
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
         self.stop_reason: str | int | None = None  # the stop string or EOS id
         self.t_start = time.perf_counter()

@@ -36,6 +36,7 @@ from specdecode.tree.token_tree import TokenTree
 from specdecode.types import (
     NO_TARGET_OUTPUTS,
     Draft,
+    DraftBudget,
     StepEvent,
     TargetFeatures,
     TargetOutputs,
@@ -260,10 +261,10 @@ def speculative_step(
         catch_up = [drafter.catch_up(r) if cap > 0 else 0 for r, cap in rows]
     chosen = draft_length.limits(ids, catch_up, remaining, pinned)
     limits = [min(k, cap) for k, cap in zip(chosen, caps, strict=True)]
-    for req, bounds in zip(reqs, draft_length.chain_bounds(ids, limits, pinned), strict=True):
-        req.chain_bounds = bounds
+    bounds = draft_length.chain_bounds(ids, limits, pinned)
+    budgets = [DraftBudget(k, b) for k, b in zip(limits, bounds, strict=True)]
     start = time.perf_counter()
-    drafts = drafter.propose(reqs, limits)
+    drafts = drafter.propose(reqs, budgets)
     drafted = time.perf_counter()
     check_drafts(drafts, limits, model.config.vocab_size)
     masks = None
