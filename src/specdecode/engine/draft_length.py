@@ -44,7 +44,7 @@ s * n seconds; otherwise its limit is 0 (a short answer after a long prompt is n
 draft model's prefill). Before any catch-up was measured, s = 0: the first request pays it.
 
 Within the step's limit, the cost rule also tells a drafter that knows how sure it is (a draft
-model) where a chain stops paying (`chain_bounds`, handed over as `SeqView.chain_bounds`): a
+model) where a chain stops paying (`chain_bounds`, handed over in its `DraftBudget`): a
 chain of j + 1 tokens that all stand with probability P (the product of the draft model's own
 probabilities of them) drafts another token only if P * a_i * t(B, 1) / B >= d + t(B, j + 3)
 - t(B, j + 2): the token it may add, worth a token's plain decoding time, must cover its
