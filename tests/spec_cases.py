@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import RequestOutput
+from specdecode.types import DraftBudget, RequestOutput
 
 # Token-id prompts of different lengths, some repetitive (so prompt lookup finds matches).
 PROMPTS = [
@@ -80,3 +81,8 @@ def chi2_pvalue(observed: Tensor, expected_probs: Tensor) -> float:
     stat = ((obs_cells - exp_cells) ** 2 / exp_cells).sum()
     df = torch.tensor((len(exp_cells) - 1) / 2, dtype=torch.float64)
     return float(torch.special.gammaincc(df, stat / 2))
+
+
+def budgets(limits: Iterable[int]) -> list[DraftBudget]:
+    """A `propose` budget of each of `limits` tokens, without a stopping rule."""
+    return [DraftBudget(k) for k in limits]

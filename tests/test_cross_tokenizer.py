@@ -15,7 +15,7 @@ import tokenizers
 import torch
 from conftest import TINY_VOCAB, build_tiny_model
 from safetensors.torch import load_file, save_file
-from spec_cases import GREEDY, PROMPTS, assert_fully_accepted
+from spec_cases import GREEDY, PROMPTS, assert_fully_accepted, budgets
 from tiny_tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, byte_alphabet
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
@@ -27,7 +27,7 @@ from specdecode.model.loading import load_model
 from specdecode.model.registry import is_pulled
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import TargetFeatures, budgets
+from specdecode.types import TargetFeatures
 
 # Byte-level merges of the draft tokenizer (its tokens differ from the target's, not only ids).
 MERGES = ("Ġ t", "h e", "i n", "e r", "Ġ a", "o n", "r e", "a t", "Ġt he")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spec_cases import GREEDY, PROMPTS, FakeSeq
+from spec_cases import GREEDY, PROMPTS, FakeSeq, budgets
 
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.registry import parse_speculative_config
@@ -19,7 +19,7 @@ from specdecode.llm import LLM
 from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
 from specdecode.tree.token_tree import TokenTree
-from specdecode.types import NO_TARGET_OUTPUTS, Draft, DraftBudget, Verdict, budgets
+from specdecode.types import NO_TARGET_OUTPUTS, Draft, DraftBudget, Verdict
 
 
 def _costs(policy: str, k: int, seconds: dict[int, float], draft_s: float) -> DraftLength:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spec_cases import GREEDY, PROMPTS, FakeSeq, PassCounter, assert_fully_accepted
+from spec_cases import GREEDY, PROMPTS, FakeSeq, PassCounter, assert_fully_accepted, budgets
 
 from specdecode.drafters.base import DrafterBase, DrafterNeeds
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -17,7 +17,7 @@ from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import NO_TARGET_OUTPUTS, Draft, Verdict, budgets
+from specdecode.types import NO_TARGET_OUTPUTS, Draft, Verdict
 
 
 @pytest.fixture(scope="module")

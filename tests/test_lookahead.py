@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spec_cases import GREEDY, PROMPTS, FakeSeq
+from spec_cases import GREEDY, PROMPTS, FakeSeq, budgets
 from test_certify import always_accept
 
 from specdecode.certify import CertifyConfig, certify
@@ -18,7 +18,7 @@ from specdecode.llm import LLM
 from specdecode.sampling import decide as verifier
 from specdecode.sampling import tree as tree_verifier
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import TargetOutputs, Verdict, budgets
+from specdecode.types import TargetOutputs, Verdict
 
 EOS = 99
 

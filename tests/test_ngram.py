@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from spec_cases import budgets
 
 from specdecode.drafters.ngram import NgramConfig, NgramDrafter
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import NO_TARGET_OUTPUTS, Verdict, budgets
+from specdecode.types import NO_TARGET_OUTPUTS, Verdict
 
 EOS = 99
 

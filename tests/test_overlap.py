@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from spec_cases import GREEDY, PROMPTS, FakeSeq
+from spec_cases import GREEDY, PROMPTS, FakeSeq, budgets
 
 from specdecode.drafters.base import DrafterBase, SeqView
 from specdecode.drafters.overlap import OverlapDrafter
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
-from specdecode.types import NO_TARGET_OUTPUTS, Draft, DraftBudget, Verdict, budgets
+from specdecode.types import NO_TARGET_OUTPUTS, Draft, DraftBudget, Verdict
 
 
 class Counter(DrafterBase):

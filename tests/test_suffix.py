@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spec_cases import GREEDY, PROMPTS, FakeSeq
+from spec_cases import GREEDY, PROMPTS, FakeSeq, budgets
 from test_certify import always_accept
 
 from specdecode.certify import CertifyConfig, certify
@@ -19,7 +19,7 @@ from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.sampling import decide as verifier
 from specdecode.tree.token_tree import ROOT
-from specdecode.types import NO_TARGET_OUTPUTS, Verdict, budgets
+from specdecode.types import NO_TARGET_OUTPUTS, Verdict
 
 EOS = 99
 

@@ -4,7 +4,6 @@ hands a drafter, step events and outputs (the request's parameters:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -31,11 +30,6 @@ class DraftBudget:
     def at_most(self, k: int) -> DraftBudget:
         """This budget with at most `k` tokens (the same bounds)."""
         return DraftBudget(min(self.max_tokens, k), self.chain_bounds)
-
-
-def budgets(limits: Iterable[int]) -> list[DraftBudget]:
-    """A budget of each of `limits` tokens, without a stopping rule."""
-    return [DraftBudget(k) for k in limits]
 
 
 @dataclass(frozen=True, slots=True)

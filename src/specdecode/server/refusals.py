@@ -1,5 +1,6 @@
 """Every refusal in OpenAI's shape: the app's handlers for FastAPI's, Starlette's and our own
-errors (`add_error_handlers`), so a bad body, a wrong route or a bug is answered like a 400."""
+errors (`add_error_handlers`), so a bad body, a wrong route or a bug each gets an OpenAI-shaped
+error body with its status."""
 
 from __future__ import annotations
 
