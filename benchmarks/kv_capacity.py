@@ -75,7 +75,7 @@ def run(llm: LLM, reqs: list[Request], budget: int) -> dict[str, float]:
         engine.step()
         if engine.num_waiting:
             running.append(engine.num_running)
-        cache = engine.cache
+        cache = engine.kv.cache
         tokens = 0 if cache is None else sum(cache.lengths)
         if tokens:
             rows.append(cache.num_blocks * BLOCK_TOKENS / tokens)

@@ -61,7 +61,7 @@ def main() -> None:
     for turn in range(args.turns):
         messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
         prompt = warm.chat_prompt(messages)
-        fresh.engine.prefix_cache.clear()
+        fresh.engine.kv.prefix_cache.clear()
         shift = turn % len(runs)
         outs = {name: llm.generate(prompt, params)[0] for name, llm in runs[shift:] + runs[:shift]}
         if outs["warm"].token_ids != outs["fresh"].token_ids:

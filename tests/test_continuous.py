@@ -141,7 +141,7 @@ def test_abort_running_and_waiting_requests(llms: dict[str, LLM], alone: list[li
     assert engine.abort(victim.request_id) is True
     assert victim.finish_reason == "abort"
     events = engine.step()
-    assert engine.num_running == 2 and engine.cache.batch_size == 2  # its row left
+    assert engine.num_running == 2 and engine.kv.cache.batch_size == 2  # its row left
     assert victim not in engine.scheduler.running
     assert all(e.request is not victim for e in events)
     assert victim.output_ids == produced  # nothing more was generated for it
@@ -202,15 +202,15 @@ def test_preemption_gives_the_tokens_of_an_uninterrupted_run(
         assert stats.draft_limit in ((0, 3) if method != "plain" else (0,))  # a fixed K
         limits.add(stats.draft_limit)
         most = max(most, stats.running)
-        if engine.cache is not None:  # the rows hold no more than the limit
-            assert engine.cache.num_blocks * BLOCK_TOKENS <= limit
+        if engine.kv.cache is not None:  # the rows hold no more than the limit
+            assert engine.kv.cache.num_blocks * BLOCK_TOKENS <= limit
             assert 0 < stats.kv_cache_usage <= 1 or not stats.running
     assert most >= 3 and any(r.num_preemptions for r in reqs)
     assert (3 in limits) == (method != "plain")
     assert engine.num_preemptions == sum(r.num_preemptions for r in reqs)
     assert engine.stats().kv_cache_usage == 0  # every row left
     if prefix_cache:  # a resumed request's committed blocks came back from the cache
-        assert engine.prefix_cache.hit_tokens >= BLOCK_TOKENS
+        assert engine.kv.prefix_cache.hit_tokens >= BLOCK_TOKENS
     roomy = make_requests(llm, params, LONG_PROMPTS)
     for req in roomy:
         llm.engine.add(req)

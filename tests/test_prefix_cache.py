@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import build_tiny_eagle3_head
 
+from specdecode.cache.attention_metadata import AttentionMode
 from specdecode.cache.block_pool import BLOCK_TOKENS
 from specdecode.cache.prefix_cache import PrefixCache
 from specdecode.engine.scheduler import SchedulerConfig
@@ -128,3 +129,50 @@ def test_a_drafter_that_reads_hidden_states_gets_no_hits(tiny_model_dir: Path) -
     (first,) = warm.generate(prompt, GREEDY)
     (again,) = warm.generate(prompt, GREEDY)
     assert again.metrics.num_cached_tokens == 0 and again.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("reads_states", [False, True], ids=["kv", "reads_states"])
+def test_the_kv_manager_keeps_a_leaving_rows_blocks_for_the_next_prompt(
+    tiny_model_dir: Path, reads_states: bool
+) -> None:
+    """A finished request's full blocks go to the prefix cache as its row is freed, and the
+    next prompt that starts the same way starts from them (`KVManager.start`); a preempted
+    one's too. Under a drafter that reads the target's states nothing is kept or loaded."""
+    from specdecode.cache.attention_metadata import AttentionMetadata
+    from specdecode.engine.kv_manager import KVManager
+    from specdecode.engine.request import Request
+
+    model = load_model(tiny_model_dir, dtype="float32")
+    config = SchedulerConfig(kv_cache_tokens=16 * BLOCK_TOKENS)
+    kv = KVManager(model, config, reads_states)
+    context = model.config.max_position_embeddings
+
+    def request(name: str, tail: list[int]) -> Request:
+        return Request(name, None, [*SYSTEM, *tail], GREEDY, (), context)
+
+    def prefill(req: Request, row: int) -> None:
+        assert kv.cache is not None
+        left = kv.start(req, row)
+        view = kv.cache.row(row)
+        done = view.lengths[0]
+        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [done], [left], "cpu")
+        model(torch.tensor([req.prefill_ids[done:]]), meta, view)
+        kv.cache.set_length(row, view.lengths[0])
+
+    first, second = request("a", [1, 2]), request("b", [3])
+    assert kv.usage() == 0.0
+    kv.add_rows(2)
+    prefill(first, 0)
+    prefill(second, 1)
+    assert first.num_cached_tokens == 0 and kv.usage() == 8 / 16  # 3 + 1 blocks each
+    first.finish("abort", None)
+    assert kv.keep([first, second]) == [1] and kv.usage() == 4 / 16
+    third = request("c", [4, 5])
+    kv.add_rows(1)
+    hit = 0 if reads_states else 3 * BLOCK_TOKENS
+    assert kv.start(third, 1) == len(third.prompt_ids) - hit
+    assert third.num_cached_tokens == hit
+    kv.preempt([third], running=2)  # the newest, the last row, goes back to the queue
+    assert kv.cache is not None and kv.cache.batch_size == 1 and kv.usage() == 4 / 16
+    assert kv.prefix_cache is not None  # kept under both; filled only where prompts read it
+    assert kv.prefix_cache.num_tokens == (0 if reads_states else 3 * BLOCK_TOKENS)

@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from specdecode.energy import cpu_seconds
 from specdecode.errors import UserError, prompt_too_long
 from specdecode.metrics import SpecCounters
 from specdecode.sampling_params import SamplingParams
@@ -138,3 +139,11 @@ class Request:
     def finish(self, reason: str, stop_reason: str | int | None) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason
         self.t_end = time.perf_counter()
+
+
+def charge(reqs: Seq[Request], since: float) -> None:
+    """Share the CPU seconds spent since `since` (a `cpu_seconds()` reading) evenly among
+    `reqs` (their `cpu_s`)."""
+    share = (cpu_seconds() - since) / len(reqs)
+    for req in reqs:
+        req.cpu_s += share

@@ -22,6 +22,7 @@ from torch import Tensor
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter, DrafterNeeds, check_drafts
+from specdecode.drafters.plain import EMPTY_DRAFT
 from specdecode.engine.draft_length import DraftLength
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.request import Request
@@ -110,6 +111,71 @@ def target_outputs(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Fed:
+    """The rows a target pass verifies: their requests and drafts (`draft_tokens` [B, K] and
+    `num_draft` [B] as `pad_tokens` stacks them; `trees` per row when any draft is one, else
+    None), where each row's fed tokens start in its cache row (`starts`) and how many of
+    them come before its draft (`lead`: 1, the last committed token, in a decoding step; the
+    chunk of prompt tokens in a prefill)."""
+
+    reqs: Seq[Request]
+    drafts: Seq[Draft]
+    draft_tokens: Tensor
+    num_draft: Tensor
+    trees: list[TokenTree] | None
+    starts: Seq[int]
+    lead: Seq[int]
+
+    @staticmethod
+    def prompts(
+        reqs: Seq[Request], starts: Seq[int], chunks: Seq[int], device: torch.device
+    ) -> Fed:
+        """Prefill rows: request b fed `chunks[b]` prompt tokens from index `starts[b]` and
+        drafts nothing (the pass draws its first token)."""
+        drafts = [EMPTY_DRAFT] * len(reqs)
+        none, zero = pad_tokens(drafts, device)  # [B, 0], [B]
+        return Fed(reqs, drafts, none, zero, None, starts, chunks)
+
+
+def settle(
+    fed: Fed,
+    logits: Tensor,
+    hidden: Tensor | None,
+    st: SamplingTensors,
+    needs: DrafterNeeds,
+    masks: Seq[Tensor | None] | None,
+) -> tuple[VerifyOutput, list[int] | list[list[int]]]:
+    """After the target's pass over `fed`: ready its logits [B, K + 1, V] (`score`: bias,
+    penalties, the grammars' `masks`), decide each row (`decide`), and hand back the
+    `VerifyOutput` (verdicts, what the drafter's `needs` asked of `hidden` [B, T, F], the
+    log-probabilities) with each row's kept fed positions: a count (`lead` + accepted) for
+    chains, the offsets of the accepted path for trees. A prefill is a settle of empty
+    drafts (`Fed.prompts`), so the first token and every later one take the same path."""
+    raw = score(logits, fed.reqs, fed.drafts, masks)
+    generators = [r.generator for r in fed.reqs]
+    decision = decide(
+        logits,
+        fed.drafts,
+        fed.draft_tokens,
+        fed.num_draft,
+        fed.trees,
+        st,
+        generators,
+        needs.target_argmax,
+    )
+    kept: list[int] | list[list[int]]
+    if decision.paths is None:
+        accepted = decision.num_accepted.tolist()
+        kept = [n + a for n, a in zip(fed.lead, accepted, strict=True)]
+    else:
+        kept = kept_offsets(decision.paths)
+    lengths = [int(d.tokens.numel()) for d in fed.drafts]
+    targets = target_outputs(needs, fed.starts, kept, hidden, decision, lengths)
+    verdicts = decision.verdicts
+    return VerifyOutput(verdicts, targets, token_logprobs(raw, fed.reqs, verdicts)), kept
+
+
 def verify(
     model: Transformer,
     cache: KVCache,
@@ -119,11 +185,10 @@ def verify(
     needs: DrafterNeeds,
     masks: Seq[Tensor | None] | None = None,
 ) -> VerifyOutput:
-    """Run [last token, draft...] of every row through the target, verify the drafts (chains,
-    or trees when any draft is one; `decide`) and keep what each drafter `needs`; with `masks`
-    (`constrain_drafts`), p is the grammar's masked one."""
+    """Run [last token, draft...] of every row through the target, `settle` the drafts
+    (chains, or trees when any draft is one) and keep each row's accepted tokens in its
+    cache row; with `masks` (`constrain_drafts`), p is the grammar's masked one."""
     device = model.device
-    lengths = [int(d.tokens.numel()) for d in drafts]
     draft_tokens, num_draft = pad_tokens(drafts, device)  # [B, K], [B]
     last = torch.tensor([r.output_ids[-1] for r in reqs], device=device)  # [B]
     tokens = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, K + 1]
@@ -133,27 +198,19 @@ def verify(
         trees = [d.tree or TokenTree.chain(int(d.tokens.numel())) for d in drafts]
         meta = tree_metadata(starts, trees, tokens.shape[1], device, limit)
     else:
-        sizes = [1 + n for n in lengths]
+        sizes = [1 + int(d.tokens.numel()) for d in drafts]
         meta = AttentionMetadata.contiguous(
             AttentionMode.DECODE, starts, sizes, device, tokens.shape[1], limit
         )
     layers = needs.hidden_layers or None
     logits, hidden = model(tokens, meta, cache, hidden_layers=layers)  # [B, K + 1, V]
-    raw = score(logits, reqs, drafts, masks)
-    generators = [r.generator for r in reqs]
-    decision = decide(
-        logits, drafts, draft_tokens, num_draft, trees, st, generators, needs.target_argmax
-    )
-    kept: list[int] | list[list[int]]
-    if decision.paths is None:
-        kept = [1 + a for a in decision.num_accepted.tolist()]
+    fed = Fed(reqs, drafts, draft_tokens, num_draft, trees, meta.starts, [1] * len(reqs))
+    verified, kept = settle(fed, logits, hidden, st, needs, masks)
+    if trees is None:
         cache.truncate([s + k for s, k in zip(meta.starts, kept, strict=True)])
     else:
-        kept = kept_offsets(decision.paths)
         cache.compact(meta.starts, kept)
-    targets = target_outputs(needs, meta.starts, kept, hidden, decision, lengths)
-    verdicts = decision.verdicts
-    return VerifyOutput(verdicts, targets, token_logprobs(raw, reqs, verdicts))
+    return verified
 
 
 def final_kind(draft: Draft, verdict: Verdict) -> str:
