@@ -41,14 +41,17 @@ def _config_dict(spec: str) -> dict[str, Any] | None:
     method and the fields that differ from their defaults."""
     from specdecode.bench.methods import MethodSpec
 
-    config = MethodSpec.parse(spec).config
-    if config is None:
+    parsed = MethodSpec.parse(spec).config
+    if parsed is None:
         return None
+    config = parsed.drafter
     out: dict[str, Any] = {"method": config.method}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if f.default is dataclasses.MISSING or value != f.default:
             out[f.name] = str(value) if isinstance(value, Path) else value
+    if parsed.draft_length != config.default_draft_length:
+        out["draft_length"] = parsed.draft_length
     return out
 
 

@@ -17,6 +17,7 @@ from spec_cases import GREEDY, PROMPTS
 
 from specdecode.bench import methods
 from specdecode.drafters import registry
+from specdecode.drafters.base import SpeculativeConfig
 from specdecode.llm import LLM
 
 DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
@@ -54,6 +55,7 @@ def test_the_walkthroughs_drafter_runs_as_written(
     assert llm.spec_metrics.num_drafts > 0  # it drafted
     assert set(entry.bench_options) == {"k", "dl"}  # each tried here
     (bench,) = methods.parse_methods("repeat:k=4:dl=cost")
-    assert bench.config == namespace["RepeatConfig"](num_speculative_tokens=4, draft_length="cost")
+    repeat4 = namespace["RepeatConfig"](num_speculative_tokens=4)
+    assert bench.config == SpeculativeConfig(repeat4, "cost")
     with pytest.raises(AssertionError, match="give the new drafter 'repeat' an example config"):
         example_config("repeat", tiny_model_dir)  # step 3: the contract tests ask for one

@@ -10,8 +10,9 @@ import pytest
 import torch
 from spec_cases import GREEDY, PROMPTS, FakeSeq, budgets
 
+from specdecode.drafters.base import SpeculativeConfig
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.registry import parse_speculative_config
+from specdecode.drafters.registry import as_speculative_config, parse_speculative_config
 from specdecode.engine.costs import PassCosts, expected_tokens, nondecreasing
 from specdecode.engine.draft_length import PROBE_EVERY, DraftLength
 from specdecode.errors import UserError
@@ -224,6 +225,23 @@ def test_the_policy_is_validated() -> None:
                                   "draft_length": "auto"})  # fmt: skip
     with pytest.raises(UserError, match="draft_length must be one of"):
         DraftLength("sometimes", 3)
+
+
+def test_the_policy_travels_beside_the_drafters_config_not_in_it() -> None:
+    """`parse_speculative_config` takes "draft_length" out of vLLM's dict into the envelope
+    (default: the method's own), and `as_speculative_config` puts it back."""
+    ngram = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
+    draft = parse_speculative_config({"model": "m", "num_speculative_tokens": 3})
+    assert (ngram.draft_length, draft.draft_length) == ("fixed", "cost")  # each method's default
+    assert not hasattr(ngram.drafter, "draft_length")  # the drafter's config has no such field
+    asked = {"method": "ngram", "num_speculative_tokens": 3, "draft_length": "heuristic"}
+    spec = parse_speculative_config(asked)
+    assert spec == SpeculativeConfig(ngram.drafter, "heuristic")
+    assert parse_speculative_config(as_speculative_config(spec)) == spec  # a round trip
+    assert parse_speculative_config(spec) is spec
+    assert parse_speculative_config(draft.drafter) == draft  # a bare config: its default
+    with pytest.raises(UserError, match=r"allowed: .*'draft_length'"):
+        parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "dl": 1})
 
 
 class LimitSpy:

@@ -149,7 +149,7 @@ def test_draft_vocab_size_below_tree_width_or_above_the_vocabulary_is_refused(
 
 def test_the_bench_option_v_sets_draft_vocab_size() -> None:
     spec = MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=3:v=32768")
-    assert spec.config.draft_vocab_size == 32768
+    assert spec.config.drafter.draft_vocab_size == 32768
     assert spec.speculative_config()["draft_vocab_size"] == 32768
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.base import Drafter, check_drafter, default_draft_length, grows_trees
+from specdecode.drafters.base import Drafter, SpeculativeConfig, check_drafter, grows_trees
 from specdecode.drafters.mux import DrafterMux
 from specdecode.drafters.registry import (
     DrafterConfig,
@@ -75,9 +75,7 @@ class LLM:
     ) -> None:
         if speculative_config is not None and drafter is not None:
             raise UserError("give either speculative_config or drafter, not both")
-        config = (
-            None if speculative_config is None else parse_speculative_config(speculative_config)
-        )
+        spec = None if speculative_config is None else parse_speculative_config(speculative_config)
         path = resolve_model(model)
         self.model_name = model  # as given: an alias, a folder or a .gguf file
         self.model_path = path
@@ -94,24 +92,23 @@ class LLM:
         self._loaded: dict[tuple[Path, str | None], tuple[Transformer, Tokenizer]] = {}
         if drafter is not None:
             check_drafter(drafter, self.model.config.num_layers)
-        self._use_drafter(config, drafter)
+        self._use_drafter(spec, drafter)
         self._ids = itertools.count()
 
     def with_speculative_config(
-        self, speculative_config: Mapping[str, Any] | DrafterConfig | None
+        self, speculative_config: Mapping[str, Any] | SpeculativeConfig | DrafterConfig | None
     ) -> LLM:
         """Another LLM on this one's loaded target and tokenizer, with its own drafter.
 
         Nothing is loaded twice: the target's weights are shared, and so is every draft model
         that this LLM or one derived from it has loaded. Metrics start from zero. Used to compare
         methods on one set of weights (the bench). `speculative_config` may also be an
-        already validated config of the registry (`DrafterConfig`).
+        already validated `SpeculativeConfig`, or a registry config (`DrafterConfig`, under its
+        method's default draft length).
         """
         other = copy.copy(self)
-        config = (
-            None if speculative_config is None else parse_speculative_config(speculative_config)
-        )
-        other._use_drafter(config, None)
+        spec = None if speculative_config is None else parse_speculative_config(speculative_config)
+        other._use_drafter(spec, None)
         other._ids = itertools.count()
         return other
 
@@ -131,28 +128,23 @@ class LLM:
                 raise UserError(f"speculative_config must be a dict, got {type(raw).__name__}")
             given = dict(raw)
             name = given.pop("name", None)
-            config = parse_speculative_config(given)
-            name = name or drafter_name(config)
+            spec = parse_speculative_config(given)
+            name = name or drafter_name(spec.drafter)
             if not isinstance(name, str) or name in named:
                 raise UserError(
                     f"drafter name {name!r} is taken or not a string; give each "
                     'speculative_config its own "name"'
                 )
-            if len(configs) > 1 and config.draft_length not in (
-                "fixed",
-                default_draft_length(config),
-            ):
+            default = type(spec.drafter).default_draft_length
+            if len(configs) > 1 and spec.draft_length not in ("fixed", default):
                 raise UserError(
-                    f"drafter {name!r}: draft_length {config.draft_length!r} needs the "
+                    f"drafter {name!r}: draft_length {spec.draft_length!r} needs the "
                     'drafter alone; drafters served together use "fixed"'
                 )
-            named[name] = (other._build_drafter(config), config.num_speculative_tokens)
-            parsed.append(config)
-        most = max(k for _, k in named.values())
-        policy = parsed[0].draft_length if len(parsed) == 1 else "fixed"
-        trees = len(parsed) == 1 and grows_trees(parsed[0])
+            named[name] = (other._build_drafter(spec.drafter), spec.drafter.num_speculative_tokens)
+            parsed.append(spec)
         served = tuple((name, k) for name, (_, k) in named.items())
-        other._use_drafter(parsed[0], DrafterMux(named), DraftLength(policy, most, trees), served)
+        other._use_drafter(parsed[0], DrafterMux(named), _draft_length(parsed), served)
         other._ids = itertools.count()
         return other
 
@@ -163,24 +155,22 @@ class LLM:
 
     def _use_drafter(
         self,
-        config: DrafterConfig | None,
+        spec: SpeculativeConfig | None,
         drafter: Drafter | None,
         draft_length: DraftLength | None = None,
         served: tuple[tuple[str, int], ...] = (),
     ) -> None:
         """Build the engine around `drafter` (with `draft_length`; `served`: the names and K
-        of the drafters it muxes, the default first), or the one `config` describes
-        (neither: plain decoding); metrics start from zero."""
-        self.drafter_config = config  # the validated speculative_config, or None
+        of the drafters it muxes, the default first), or the one `spec` describes (neither:
+        plain decoding); metrics start from zero."""
+        self.speculative_config = spec  # the validated speculative_config, or None
         # the drafters a request may name (`SamplingParams.drafter`) and their K, the default
         # first; empty for one drafter without names
         self.served_drafters = served
         self.draft_model: Transformer | None = None  # the draft model the drafter runs, if any
-        if config is not None and drafter is None:
-            drafter = self._build_drafter(config)
-            draft_length = DraftLength(
-                config.draft_length, config.num_speculative_tokens, grows_trees(config)
-            )
+        if spec is not None and drafter is None:
+            drafter = self._build_drafter(spec.drafter)
+            draft_length = _draft_length([spec])
         self.engine = Engine(self.model, self.tokenizer, drafter, draft_length, self.scheduler)
         self.spec_metrics = SpecCounters()  # all requests of this LLM added together
 
@@ -314,3 +304,13 @@ class LLM:
         dtype = str(self.model.dtype).removeprefix("torch.")
         fmt = self.model.quantization
         return dtype if fmt is None else f"{fmt} ({dtype} activations)"
+
+
+def _draft_length(specs: Sequence[SpeculativeConfig]) -> DraftLength:
+    """The engine's draft length policy for the drafters of `specs` behind one engine: one
+    drafter's own policy (its trees priced whole: `grows_trees`), else "fixed" at the
+    largest K (`LLM.with_drafters` refuses another policy for several)."""
+    most = max(spec.drafter.num_speculative_tokens for spec in specs)
+    if len(specs) > 1:
+        return DraftLength("fixed", most)
+    return DraftLength(specs[0].draft_length, most, grows_trees(specs[0].drafter))

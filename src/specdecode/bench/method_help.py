@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.bench.methods import EXAMPLES, FORMATS, KINDS, OUR_OPTIONS, OURS, Kind
@@ -41,26 +42,39 @@ SET_NOTES = {
 }
 
 
-def _fields(method: DrafterMethod) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(method.config)}
+@dataclass(frozen=True, slots=True)
+class _Key:
+    """A speculative_config key of a method: its name, default (MISSING: required) and type."""
+
+    name: str
+    default: object
+    type: str
+
+
+def _keys(method: DrafterMethod) -> dict[str, _Key]:
+    """`method`'s speculative_config keys: its config's fields and the engine's draft_length
+    (default: the method's `default_draft_length`)."""
+    keys = {f.name: _Key(f.name, f.default, str(f.type)) for f in dataclasses.fields(method.config)}
+    keys["draft_length"] = _Key("draft_length", method.config.default_draft_length, "str")
+    return keys
 
 
 def option_value(method: DrafterMethod, key: str) -> str:
-    """What `key=` takes in `method`'s spec: "K" for k, the values of a field with a fixed set
-    (its default first), else the field's default, else N (an int) or X (a number)."""
+    """What `key=` takes in `method`'s spec: "K" for k, the values of a key with a fixed set
+    (its default first), else the key's default, else N (an int) or X (a number)."""
     if key == "k":
         return "K"
-    spec = _fields(method)[method.bench_options[key]]
+    spec = _keys(method)[method.bench_options[key]]
     default = _default(spec)
     if spec.name in CHOICES:
         return "|".join(sorted(CHOICES[spec.name], key=lambda v: v != default))
     if default is not None:
         return default
-    return "X" if "float" in str(spec.type) else "N"
+    return "X" if "float" in spec.type else "N"
 
 
-def _default(spec: dataclasses.Field) -> str | None:
-    """A config field's default as a bench spec writes it ("1", "0.1", "false"), or None."""
+def _default(spec: _Key) -> str | None:
+    """A key's default as a bench spec writes it ("1", "0.1", "false"), or None."""
     default = spec.default
     if default is dataclasses.MISSING or default is None:
         return None
@@ -159,18 +173,18 @@ def methods_help(prompt_sets: list[str], presets: str) -> str:
 def methods_table() -> str:
     """The markdown table of every method spec (docs/drafters.md)."""
     rows = [
-        "| bench spec | runs | options: key = speculative_config field |",
+        "| bench spec | runs | options: key = speculative_config key |",
         "|---|---|---|",
         f"| `{kind_spec('plain', KINDS['plain'])}` | {KINDS['plain'].about} | |",
     ]
     for method in OURS.values():
-        fields = _fields(method)
+        keys = _keys(method)
         options = []
         for key, name in method.bench_options.items():
             if key == "k":
                 continue
             values = f": {', '.join(CHOICES[name])}" if name in CHOICES else ""
-            default = _default(fields[name])
+            default = _default(keys[name])
             shown = "" if default is None else f" (default {default})"
             options.append(f"`{key}` = {name}{values}{shown}")
         spec = our_spec(method).split(" ")[0]

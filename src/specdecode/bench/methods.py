@@ -3,12 +3,13 @@
 
 The grammar has one source: our speculative methods are the drafter registry's
 (`specdecode.drafters.registry`: each entry's `bench_name`, its `bench_options`, short key ->
-config field, `k` = num_speculative_tokens for all, and its `model_field`, which a positional
-MODEL fills), and their config is validated by the same dataclass the API uses; plain decoding
-and the peers are `KINDS` below, and `OUR_OPTIONS` are the options every method of ours takes
-besides its drafter's (`q=`: the target's weight format for this method; `schema=off`: run a
-prompt's JSON schema unconstrained). `specdecode bench --help` and the table in
-docs/drafters.md are generated from these tables (`bench/method_help.py`).
+speculative_config key, `k` = num_speculative_tokens for all, `dl` = draft_length, and its
+`model_field`, which a positional MODEL fills), and their config is validated as the API
+validates it; plain decoding and the peers are `KINDS` below, and `OUR_OPTIONS` are the
+options every method of ours takes besides its drafter's (`q=`: the target's weight format for
+this method; `schema=off`: run a prompt's JSON schema unconstrained). `specdecode bench
+--help` and the table in docs/drafters.md are generated from these tables
+(`bench/method_help.py`).
 
 Example: `MethodSpec.parse("draft:qwen2.5-coder-0.5b:k=4").speculative_config()` is
 `{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4, ...}`
@@ -21,9 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdecode.drafters.base import SpeculativeConfig
 from specdecode.drafters.registry import (
     DRAFTERS,
-    DrafterConfig,
     as_speculative_config,
     parse_speculative_config,
 )
@@ -148,7 +149,8 @@ class MethodSpec:
     options: a peer's integer options, e.g. {"k": 8, "max": 4}; ours: as written.
     quantization: our target's weight format for this method ("none", "int8", "gguf", "q4_0" ...);
         None = the run's.
-    config: our speculative method's validated drafter config (None for plain and peers).
+    config: our speculative method's validated config and draft length (None for plain and
+        peers).
     constrained: whether a prompt's JSON schema constrains this method's output (`schema=off`
         says no; peers never are).
     """
@@ -158,7 +160,7 @@ class MethodSpec:
     model: str | None = None
     options: dict[str, bool | int | float | str] = field(default_factory=dict)
     quantization: str | None = None
-    config: DrafterConfig | None = None
+    config: SpeculativeConfig | None = None
     constrained: bool = True
 
     @classmethod
@@ -228,7 +230,7 @@ class MethodSpec:
     def num_speculative_tokens(self) -> int:
         """K of a speculative method of ours or of a peer's (0 for plain decoding)."""
         if self.config is not None:
-            return self.config.num_speculative_tokens
+            return self.config.drafter.num_speculative_tokens
         return int(self.options.get("k", 0))
 
     def option(self, key: str) -> int | None:
@@ -298,8 +300,8 @@ def _number(value: str) -> bool | int | float | str:
 
 def _drafter_config(
     kind: str, model: str | None, options: dict[str, bool | int | float | str], text: str
-) -> DrafterConfig:
-    """The registry's validated config for our speculative method `kind`."""
+) -> SpeculativeConfig:
+    """The registry's validated config (and draft length) for our speculative method `kind`."""
     method = OURS[kind]
     cfg: dict[str, Any] = {"method": method.name}
     if method.model_field is not None:

@@ -125,13 +125,16 @@ def _shape_rows(llm: LLM, config: PlanConfig, target_ms: Sequence[float]) -> lis
     texts = greedy_texts(llm, config)
     base = parse_speculative_config(config.speculative_config)
     rows = []
-    shapes = candidates(base, config.max_k)
+    shapes = candidates(base.drafter, config.max_k)
     for shape in tqdm(shapes, desc="plan: replays", unit="shape", disable=not config.progress):
-        drafter = llm.with_speculative_config(shape).engine.drafter
+        spec = dataclasses.replace(base, drafter=shape)
+        drafter = llm.with_speculative_config(spec).engine.drafter
         stats = replay(drafter, texts, config.max_tokens)
         rows.append(
             {
-                "speculative_config": as_speculative_config(shape),
+                "speculative_config": as_speculative_config(
+                    dataclasses.replace(base, drafter=shape)
+                ),
                 "k": shape.num_speculative_tokens,
                 "tree_width": getattr(shape, "tree_width", 1),
                 "tree_depth": getattr(shape, "tree_depth", None),

@@ -139,7 +139,7 @@ class ChatSession:
                 continue
             write("\n")
             if out is not None and out.metrics is not None:
-                speculative = self.llm.drafter_config is not None
+                speculative = self.llm.speculative_config is not None
                 note = "stopped (Ctrl-C), " if stopped else ""
                 report(f"[{note}{summary(out, speculative)}]")
             elif stopped:

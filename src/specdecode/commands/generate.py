@@ -87,7 +87,7 @@ def run_generate(args: argparse.Namespace) -> int:
         printed = len(out.text)
     assert out is not None and out.metrics is not None
     label = "speculative: " if args.compare else ""
-    line = summary(out, llm.drafter_config is not None)
+    line = summary(out, llm.speculative_config is not None)
     print(f"\n[{label}{llm.weight_format}: {line}]", file=sys.stderr)
     if args.compare:
         plain = _comparison(llm, prompt, params, out)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
@@ -70,13 +70,6 @@ def check_draft_length_policy(policy: object) -> None:
         raise UserError(f"draft_length must be one of {choices}, got {policy!r}")
 
 
-def default_draft_length(config: object) -> str:
-    """The draft_length a drafter config takes when none is given (its dataclass field's
-    default: "cost" for a draft model, "fixed" for the others)."""
-    named = {f.name: f for f in fields(config)}  # type: ignore[arg-type]
-    return str(named["draft_length"].default)
-
-
 def check_tree_shape(width: object, depth: object, k: int) -> None:
     """Refuse a tree_width that is not an int in 1..64, or a tree_depth that is not None or an
     int in 1..k (a tree cannot be deeper than its node count), or one given for a chain."""
@@ -108,25 +101,22 @@ class ModelDrafterConfig:
         type to requantize into: "q4_0", "q4_1", "q5_0", "q5_1", "q8_0"); None = the target's.
     tree_width: children per expanded node of a dynamic tree (1 = a chain).
     tree_depth: levels of the tree, one drafting pass each (default: K).
-    draft_length: how many of the K tokens a step drafts ("fixed", "heuristic", "cost"; see
-        `specdecode.engine.draft_length`).
     """
 
     WHAT: ClassVar[str] = "a drafter config"
+    default_draft_length: ClassVar[str] = "fixed"
 
     model: str
     num_speculative_tokens: int
     quantization: str | None = None
     tree_width: int = 1
     tree_depth: int | None = None
-    draft_length: str = "fixed"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise UserError(f"{self.WHAT} needs 'model' (alias or path), got {self.model!r}")
         check_draft_length(self.num_speculative_tokens)
         check_tree_shape(self.tree_width, self.tree_depth, self.num_speculative_tokens)
-        check_draft_length_policy(self.draft_length)
         if self.quantization is not None:
             parse_quantization(self.quantization)
 
@@ -271,17 +261,37 @@ def grows_trees(config: object) -> bool:
 
 class DrafterConfig(Protocol):
     """What every method's config has (each is a frozen dataclass that validates itself and
-    names its registry entry in `method`)."""
+    names its registry entry in `method`; `default_draft_length`: the draft length policy a
+    `SpeculativeConfig` of it takes when none is given)."""
 
     method: ClassVar[str]
+    default_draft_length: ClassVar[str]
 
     @property
     def num_speculative_tokens(self) -> int: ...
 
-    @property
-    def draft_length(self) -> str:
-        """The draft length policy ("fixed", "heuristic", "cost")."""
-        ...
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """A drafter's config and the engine's draft length policy for it: what
+    `parse_speculative_config` makes of vLLM's speculative_config dict (its "draft_length"
+    key is the engine's, every other key the drafter's).
+
+    drafter: the method's validated config.
+    draft_length: how many of the K tokens a step drafts ("fixed", "heuristic", "cost"; see
+        `specdecode.engine.draft_length`); default: the method's `default_draft_length`.
+    """
+
+    drafter: DrafterConfig
+    draft_length: str
+
+    def __post_init__(self) -> None:
+        check_draft_length_policy(self.draft_length)
+
+    @staticmethod
+    def of(drafter: DrafterConfig) -> SpeculativeConfig:
+        """`drafter` under its method's default policy."""
+        return SpeculativeConfig(drafter, type(drafter).default_draft_length)
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,8 +80,6 @@ class CrossTokenizerConfig(ModelDrafterConfig):
         `model.quant`); None = the target's.
     tree_width: must be 1 (the draft is a chain).
     tree_depth: must be None.
-    draft_length: how many of the K tokens a step drafts ("fixed", "heuristic", "cost"; see
-        `specdecode.engine.draft_length`).
     """
 
     method: ClassVar[str] = "cross_tokenizer"

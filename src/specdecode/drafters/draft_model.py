@@ -126,17 +126,18 @@ class DraftModelConfig(ModelDrafterConfig):
         speculative decoding, `drafters.overlap`; chains, greedy requests, K <= 63).
     confidence_threshold: stop a chain after a token the draft model gives a probability below
         this (0..1; HF's assistant_confidence_threshold); None = always K tokens.
-    draft_length: as for every drafter, but "cost" by default: a draft model costs enough
-        that a fixed K loses where its drafts are rarely accepted (docs/drafters.md).
     prompt_window: the draft model reads only the last this many tokens of a prompt and its
         first generated token together (fixed then; everything after them too), so its
         prefill costs at most that many (`drafters.window`); None = the whole prompt.
+
+    Its draft length policy is "cost" by default (`default_draft_length`): a draft model
+    costs enough that a fixed K loses where its drafts are rarely accepted (docs/drafters.md).
     """
 
     method: ClassVar[str] = "draft_model"
     WHAT: ClassVar[str] = "a draft_model"
+    default_draft_length: ClassVar[str] = "cost"
 
-    draft_length: str = "cost"
     draft_vocab_size: int | None = None
     staged: str | None = None
     ssd: bool = False

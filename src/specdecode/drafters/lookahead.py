@@ -45,7 +45,6 @@ from specdecode.drafters.base import (
     DrafterContext,
     DrafterNeeds,
     SeqView,
-    check_draft_length_policy,
     draft_limits,
     is_positive_int,
 )
@@ -64,17 +63,15 @@ class LookaheadConfig:
     num_speculative_tokens: the most tree nodes per step; default (N - 1) x (W + G), which must
         be <= 64. Where a step's limit is lower, the window is left out (it waits) and the
         guesses fill the limit.
-    draft_length: how many nodes a step may draft ("fixed", "heuristic", "cost"; see
-        `specdecode.engine.draft_length`).
     """
 
     method: ClassVar[str] = "lookahead"
+    default_draft_length: ClassVar[str] = "fixed"
 
     window_size: int = 4
     ngram_size: int = 3
     guess_set_size: int = 4
     num_speculative_tokens: int | None = None
-    draft_length: str = "fixed"
 
     def __post_init__(self) -> None:
         w, n, g = self.window_size, self.ngram_size, self.guess_set_size
@@ -93,7 +90,6 @@ class LookaheadConfig:
                 f"(W + G) = {full}), must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}; "
                 "use a smaller W, N or G"
             )
-        check_draft_length_policy(self.draft_length)
 
 
 class _Trie:

@@ -20,7 +20,6 @@ from specdecode.drafters.base import (
     DrafterContext,
     SeqView,
     check_draft_length,
-    check_draft_length_policy,
     check_tree_shape,
     draft_limits,
     is_positive_int,
@@ -40,22 +39,19 @@ class NgramConfig:
     prompt_lookup_min: the shortest suffix looked up; tried last (default min(2, max)).
     tree_width: continuations merged into a tree draft (1 = a chain, the one continuation).
     tree_depth: tokens per continuation (default: K).
-    draft_length: how many of the K tokens a step drafts ("fixed", "heuristic", "cost"; see
-        `specdecode.engine.draft_length`).
     """
 
     method: ClassVar[str] = "ngram"
+    default_draft_length: ClassVar[str] = "fixed"
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int | None = None
     tree_width: int = 1
     tree_depth: int | None = None
-    draft_length: str = "fixed"
 
     def __post_init__(self) -> None:
         check_draft_length(self.num_speculative_tokens)
-        check_draft_length_policy(self.draft_length)
         check_tree_shape(self.tree_width, self.tree_depth, self.num_speculative_tokens)
         if self.prompt_lookup_min is None and is_positive_int(self.prompt_lookup_max):
             object.__setattr__(self, "prompt_lookup_min", min(2, self.prompt_lookup_max))

@@ -6,9 +6,9 @@ config dataclass, validated in `__post_init__`, and its `Drafter`) plus one `Dra
 line in `DRAFTERS`.
 
 Example: `parse_speculative_config({"method": "ngram", "num_speculative_tokens": 8})` is
-`NgramConfig(num_speculative_tokens=8, prompt_lookup_max=4, prompt_lookup_min=2)`, and
-`{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 3}` (a model without a method, as in
-vLLM) is a `DraftModelConfig`.
+`SpeculativeConfig(NgramConfig(num_speculative_tokens=8, prompt_lookup_max=4,
+prompt_lookup_min=2), "fixed")`, and `{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens":
+3}` (a model without a method, as in vLLM) is a `DraftModelConfig` under "cost".
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.drafters.base import Drafter, DrafterConfig, DrafterContext
+from specdecode.drafters.base import Drafter, DrafterConfig, DrafterContext, SpeculativeConfig
 from specdecode.drafters.cross_tokenizer import CrossTokenizerConfig, build_cross_tokenizer_drafter
 from specdecode.drafters.draft_model import DraftModelConfig
 from specdecode.drafters.draft_model_build import build_draft_model_drafter
@@ -165,16 +165,22 @@ def _entry_of(config: object) -> DrafterMethod | None:
     return entry if entry is not None and type(config) is entry.config else None
 
 
-def parse_speculative_config(cfg: Mapping[str, Any] | DrafterConfig) -> DrafterConfig:
-    """vLLM's speculative_config dict -> the method's validated config (UserError if bad); a
-    config of a registered method (validated when it was built) is returned as it is.
+def parse_speculative_config(
+    cfg: Mapping[str, Any] | SpeculativeConfig | DrafterConfig,
+) -> SpeculativeConfig:
+    """vLLM's speculative_config dict -> the method's validated config in its envelope, with
+    the draft length policy (UserError if bad). A `SpeculativeConfig` is returned as it is, a
+    registered method's config (validated when it was built) under its default policy.
 
-    "method" picks the entry; a "model" without a "method" means "draft_model". Every other key
+    "method" picks the entry; a "model" without a "method" means "draft_model"; "draft_length"
+    is the engine's policy (default: the method's `default_draft_length`). Every other key
     must be a field of that method's config; fields without a default are required.
     """
+    if isinstance(cfg, SpeculativeConfig):
+        return cfg
     if not isinstance(cfg, Mapping):
         if _entry_of(cfg) is not None:
-            return cfg  # a registered method's config, validated when it was built
+            return SpeculativeConfig.of(cfg)  # validated when it was built
         raise UserError(f"speculative_config must be a dict, got {type(cfg).__name__}")
     name = cfg.get("method", "draft_model" if "model" in cfg else None)
     if name not in DRAFTERS:
@@ -182,14 +188,15 @@ def parse_speculative_config(cfg: Mapping[str, Any] | DrafterConfig) -> DrafterC
             f"speculative_config method {name!r} is not supported; use one of "
             f"{', '.join(DRAFTERS)} (or give 'model' for a draft model)"
         )
-    fields = dataclasses.fields(DRAFTERS[name].config)
+    config = DRAFTERS[name].config
+    fields = dataclasses.fields(config)
     allowed = {f.name for f in fields}
-    given = {k: v for k, v in cfg.items() if k != "method"}
+    given = {k: v for k, v in cfg.items() if k not in ("method", "draft_length")}
     unknown = sorted(set(given) - allowed)
     if unknown:
         raise UserError(
             f"unknown speculative_config keys {unknown} for method {name!r}; "
-            f"allowed: {sorted(allowed | {'method'})}"
+            f"allowed: {sorted(allowed | {'method', 'draft_length'})}"
         )
     missing = [
         f.name
@@ -202,14 +209,17 @@ def parse_speculative_config(cfg: Mapping[str, Any] | DrafterConfig) -> DrafterC
         raise UserError(
             f"a {name!r} speculative_config needs {', '.join(repr(m) for m in missing)}"
         )
-    return DRAFTERS[name].config(**given)
+    policy = cfg.get("draft_length", config.default_draft_length)
+    return SpeculativeConfig(config(**given), policy)
 
 
-def as_speculative_config(config: DrafterConfig) -> dict[str, Any]:
-    """A validated config back in vLLM's form: "method" and every field that is not None (the
-    inverse of `parse_speculative_config`)."""
-    fields = dataclasses.asdict(config)  # type: ignore[call-overload]
-    return {"method": method_of(config).name, **{k: v for k, v in fields.items() if v is not None}}
+def as_speculative_config(spec: SpeculativeConfig) -> dict[str, Any]:
+    """A validated config back in vLLM's form: "method", every field of its drafter's config
+    that is not None and "draft_length" (the inverse of `parse_speculative_config`)."""
+    fields = dataclasses.asdict(spec.drafter)  # type: ignore[call-overload]
+    method = method_of(spec.drafter).name
+    given = {k: v for k, v in fields.items() if v is not None}
+    return {"method": method, **given, "draft_length": spec.draft_length}
 
 
 def drafter_name(config: DrafterConfig) -> str:

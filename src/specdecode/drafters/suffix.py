@@ -26,7 +26,6 @@ from specdecode.drafters.base import (
     DrafterBase,
     DrafterContext,
     SeqView,
-    check_draft_length_policy,
     draft_limits,
     is_positive_int,
 )
@@ -65,11 +64,10 @@ class SuffixConfig:
         of frequency ratios along their path) is at least this (0..1).
     tree_width: children per draft token (1 = a chain: the most frequent continuation; more
         = a best-first tree of continuations).
-    draft_length: how many of the K tokens a step may draft ("fixed", "heuristic", "cost";
-        see `specdecode.engine.draft_length`).
     """
 
     method: ClassVar[str] = "suffix"
+    default_draft_length: ClassVar[str] = "fixed"
 
     num_speculative_tokens: int | None = None
     suffix_decoding_max_tree_depth: int = 24
@@ -77,10 +75,8 @@ class SuffixConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     tree_width: int = 1
-    draft_length: str = "fixed"
 
     def __post_init__(self) -> None:
-        check_draft_length_policy(self.draft_length)
         depth = self.suffix_decoding_max_tree_depth
         if not is_positive_int(depth) or depth > MAX_TREE_DEPTH:
             raise UserError(
