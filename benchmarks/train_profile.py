@@ -40,8 +40,8 @@ from specdecode.train.exit_model import TrainableExitHead
 from specdecode.train.feature_store import FeatureStore
 from specdecode.train.init import target_output
 from specdecode.train.objective import Batch, Teacher, batch_loss, packed_batch
+from specdecode.train.start import default_examples, encoded_examples, new_head
 from specdecode.train.target_pass import TargetPass, run_target
-from specdecode.train.trainer import _encoded, _new_head, default_examples
 
 PARTS = ("target passes", "head forward + loss", "backward", "optimizer")
 READ = "store read (later epochs)"
@@ -76,7 +76,7 @@ def main() -> None:
     compute = head_compute_dtype(config.head_dtype)
     llm = LLM(config.model, dtype=config.dtype, quantization=config.quantization)
     stream, _, bench = default_examples()
-    encoded = _encoded(stream, llm.tokenizer, config.max_length, bench)
+    encoded = encoded_examples(stream, llm.tokenizer, config.max_length, bench)
     first = list(itertools.islice(encoded, 200))
     vocab = llm.model.config.vocab_size
     draft_ids = draft_vocabulary(
@@ -85,7 +85,7 @@ def main() -> None:
         vocab,
         llm.tokenizer.eos_token_ids,
     )
-    head = _new_head(config, llm, draft_ids)
+    head = new_head(config, llm, draft_ids)
     final = llm.model.config.num_layers
     layers = (*head.feature_layers, final)
     teacher = Teacher(target_output(llm.model_path, draft_ids)[0], draft_ids, final)

@@ -38,8 +38,9 @@ from specdecode.train.config import TrainConfig
 from specdecode.train.eagle3_model import TrainableEagle3
 from specdecode.train.init import target_output
 from specdecode.train.objective import Teacher, batch_loss, packed_batch
+from specdecode.train.start import new_head
 from specdecode.train.target_pass import run_target
-from specdecode.train.trainer import _new_head, train
+from specdecode.train.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +320,7 @@ def test_the_loss_is_the_same_in_either_compute_dtype(
     model_dir, _ = trained
     llm = LLM(str(model_dir), dtype="float32")
     config = train_config(model_dir, Path("unused"))
-    head = _new_head(config, llm, torch.arange(120))
+    head = new_head(config, llm, torch.arange(120))
     ids = chat_prompts(model_dir, examples(2, 3000))
     final = llm.model.config.num_layers
     layers = (*head.feature_layers, final)

@@ -15,11 +15,12 @@ from train_cases import chat_prompts, examples, train_config
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.train.batches import epoch_batches
+from specdecode.train.checkpoint import TrainState
 from specdecode.train.compute import head_compute_dtype, training_device
 from specdecode.train.config import TrainConfig
 from specdecode.train.feature_store import INDEX, FeatureStore, store_key
 from specdecode.train.target_pass import NO_ARGMAX, PADDING, row_groups, run_target, run_targets
-from specdecode.train.trainer import TrainState, train
+from specdecode.train.trainer import train
 
 
 @pytest.fixture(scope="module")

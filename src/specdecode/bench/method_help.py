@@ -22,7 +22,7 @@ from pathlib import Path
 
 from specdecode.bench.methods import EXAMPLES, FORMATS, KINDS, OUR_OPTIONS, OURS, Kind
 from specdecode.drafters.base import DRAFT_LENGTH_POLICIES
-from specdecode.drafters.draft_model import STAGERS
+from specdecode.drafters.draft_model_build import STAGERS
 from specdecode.drafters.registry import DrafterMethod
 
 WIDTH = 100  # columns of the help text

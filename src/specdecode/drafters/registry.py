@@ -20,8 +20,7 @@ from typing import Any
 
 from specdecode.drafters.base import Drafter, DrafterConfig, DrafterContext, SpeculativeConfig
 from specdecode.drafters.cross_tokenizer import CrossTokenizerConfig, build_cross_tokenizer_drafter
-from specdecode.drafters.draft_model import DraftModelConfig
-from specdecode.drafters.draft_model_build import build_draft_model_drafter
+from specdecode.drafters.draft_model_build import DraftModelConfig, build_draft_model_drafter
 from specdecode.drafters.eagle3 import Eagle3Config, build_eagle3_drafter
 from specdecode.drafters.eagle3_parallel import (
     Eagle3ParallelConfig,

@@ -8,10 +8,11 @@ from pathlib import Path
 
 from specdecode.model.loading import DTYPES
 from specdecode.model.quant import QUANTIZATIONS
+from specdecode.train.checkpoint import LOG
 from specdecode.train.compute import HEAD_DTYPES
 from specdecode.train.config import METHODS, RESPONSES, TrainConfig
 from specdecode.train.init import INITS
-from specdecode.train.trainer import LOG, train
+from specdecode.train.trainer import train
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 

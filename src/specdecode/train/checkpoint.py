@@ -1,0 +1,125 @@
+"""A training run's state on disk: where it stands (`TrainState`), the checkpoint a stopped run
+resumes from (`CHECKPOINT` in the output folder, written atomically), and what a finished run
+leaves (the head folder and `LOG`, its evaluations)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from specdecode.errors import UserError
+from specdecode.model.loading import parse_dtype
+from specdecode.train.compute import head_compute_dtype, training_device
+from specdecode.train.config import TrainConfig
+from specdecode.train.eagle3_model import TrainableEagle3
+from specdecode.train.exit_model import TrainableExitHead
+from specdecode.train.objective import Evaluation
+
+CHECKPOINT = "checkpoint.pt"
+LOG = "train_log.json"
+
+
+@dataclass
+class TrainState:
+    """Where a run stands (saved in checkpoints)."""
+
+    step: int = 0
+    epoch: int = 0  # 0: reading the stream; e > 0: the e-th pass over the stored examples
+    examples: int = 0  # examples consumed from the stream (skipped ones included)
+    position: int = 0  # batches of this epoch trained on (epochs > 0)
+    tokens: int = 0  # sequence tokens the head trained on
+    answer_tokens: int = 0  # of which answer tokens (the loss covers these)
+    seconds: float = 0.0
+    history: list[dict[str, float]] = field(default_factory=list)  # evaluations
+
+
+def load_checkpoint(config: TrainConfig) -> dict | None:
+    """The checkpoint to resume from (None for a fresh run)."""
+    if not config.resume:
+        return None
+    path = config.out / CHECKPOINT
+    if not path.is_file():
+        raise UserError(f"nothing to resume: {path} does not exist")
+    return torch.load(path, weights_only=False, map_location="cpu")
+
+
+def save_checkpoint(
+    path: Path,
+    head: TrainableEagle3 | TrainableExitHead,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    draft_ids: Tensor,
+) -> None:
+    """Write the run's state atomically (a stop mid-write leaves the old checkpoint)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {
+            "head": head.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "state": asdict(state),
+            "draft_ids": draft_ids,
+        },
+        tmp,
+    )
+    tmp.replace(path)
+
+
+def save_head(
+    config: TrainConfig,
+    head: TrainableEagle3 | TrainableExitHead,
+    state: TrainState,
+    ev: Evaluation,
+    computed: int,
+) -> None:
+    """Write the head folder (weights in save_dtype, a summary in config.json) and the log;
+    `computed`: the target passes this run ran (the rest were read from the store)."""
+    dtype = parse_dtype(config.save_dtype)
+    weights = {
+        n: (t.to(dtype) if t.is_floating_point() else t).cpu()
+        for n, t in head.head_weights().items()
+    }
+    summary = {
+        "method": config.method,
+        "steps": state.step,
+        "examples": state.examples,
+        "epoch": state.epoch,
+        "passes_run": computed,
+        "tokens": state.tokens,
+        "answer_tokens": state.answer_tokens,
+        "minutes": round(state.seconds / 60, 2),
+        "held_out_agreement": list(ev.agreement),
+        "held_out_tau": ev.tau,
+        "responses": config.responses,
+        "head_dtype": str(
+            head_compute_dtype(config.head_dtype, device=training_device(config.device))
+        ).removeprefix("torch."),
+        "device": config.device,
+        "parameters": sum(p.numel() for p in head.parameters()),
+    }
+    head.save(config.out, weights, summary)
+    log = {"config": _jsonable(asdict(config)), "summary": summary, "history": state.history}
+    (config.out / LOG).write_text(json.dumps(log, indent=2) + "\n")
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+
+
+def record(state: TrainState, ev: Evaluation, seconds: float) -> None:
+    """Add an evaluation, made `seconds` into the run, to `state.history` (the log's rows)."""
+    state.history.append(
+        {
+            "step": state.step,
+            "tokens": state.tokens,
+            "answer_tokens": state.answer_tokens,
+            "minutes": round(seconds / 60, 3),
+            "loss": round(ev.loss, 4),
+            "tau": round(ev.tau, 4),
+            **{f"agree_{j}": round(a, 4) for j, a in enumerate(ev.agreement)},
+        }
+    )
