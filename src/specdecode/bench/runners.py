@@ -17,6 +17,7 @@ from specdecode.bench.llamacpp import LlamaCppRunner
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.openvino import OpenVinoRunner
 from specdecode.bench.records import Timing
+from specdecode.bench.vllm_peer import VllmRunner
 from specdecode.engine.scheduler import ONE_PASS_PREFILL
 from specdecode.errors import MissingDependencyError
 from specdecode.llm import LLM
@@ -189,8 +190,10 @@ def build_runners(
 def _peer_runner(spec: MethodSpec, llm: LLM, hf: Any, eos: list[int], n_ctx: int) -> Runner:
     if spec.engine == "llamacpp":
         return LlamaCppRunner(spec, llm.model_name, llm.model_path, n_ctx, eos)
+    draft = resolve_model(spec.model) if spec.model is not None else None
     if spec.engine == "openvino":
-        draft = resolve_model(spec.model) if spec.model is not None else None
         return OpenVinoRunner(spec, llm.model_path, eos, draft)
+    if spec.engine == "vllm":
+        return VllmRunner(spec, llm.model_path, n_ctx, eos, draft)
     assistant = hf(spec.model) if spec.model is not None else None
     return HFRunner(spec, hf(llm.model_path), eos, assistant)

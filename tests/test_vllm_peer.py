@@ -1,0 +1,133 @@
+"""The vLLM peer of `specdecode bench`: its specs, the speculative_config it hands vLLM, the
+worker's environment, what happens without vLLM's venv or when its worker cannot start, and
+(where `make vllm-peer` has built `.venv-vllm`) a real run on SmolLM2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdecode.bench import vllm_peer
+from specdecode.bench.harness import LoopConfig
+from specdecode.bench.methods import MethodSpec, parse_methods
+from specdecode.bench.run import BenchConfig, run_bench
+from specdecode.bench.vllm_peer import VllmRunner, speculative_config, vllm_python, worker_env
+from specdecode.errors import MissingDependencyError, UserError
+
+
+def test_vllm_specs_parse_and_pair_with_ours() -> None:
+    ours = parse_methods("plain,ngram:k=8,draft:m05:k=3")
+    plain = MethodSpec.parse("vllm")
+    assert plain.is_peer and plain.engine == "vllm" and plain.peer_of(ours).name == "plain"
+    ngram = MethodSpec.parse("vllm-ngram:k=8")
+    assert ngram.peer_of(ours).name == "ngram:k=8" and ngram.option("max") == 4
+    draft = MethodSpec.parse("vllm-draft:m05:k=3")
+    assert draft.peer_of(ours).name == "draft:m05:k=3"
+    specs = parse_methods("vllm,vllm-draft:m05:k=3")
+    assert specs[1].plain_of_engine(specs).name == "vllm"  # checked against vLLM's own plain
+    with pytest.raises(UserError, match="needs a model"):
+        MethodSpec.parse("vllm-draft:k=3")
+    with pytest.raises(UserError, match="needs k=N"):
+        MethodSpec.parse("vllm-ngram")
+
+
+def test_the_speculative_config_vllm_gets(tmp_path: Path) -> None:
+    assert speculative_config(MethodSpec.parse("vllm"), None) is None
+    ngram = speculative_config(MethodSpec.parse("vllm-ngram:k=6:max=3"), None)
+    assert ngram == {
+        "method": "ngram",
+        "num_speculative_tokens": 6,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 2,
+    }
+    draft = speculative_config(MethodSpec.parse("vllm-draft:m05:k=3"), tmp_path)
+    assert draft == {"model": str(tmp_path), "num_speculative_tokens": 3}
+
+
+def test_the_worker_binds_our_threads_and_keeps_stdout_for_answers(tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    python = tmp_path / "bin" / "python"
+    python.touch()
+    (tmp_path / "lib" / "libiomp5.so").touch()
+    env = worker_env(str(python), 2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(vllm_peer.KV_CACHE_GIB)
+    assert env["VLLM_LOGGING_STREAM"] == "ext://sys.stderr" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["LD_PRELOAD"].endswith(str(tmp_path / "lib" / "libiomp5.so"))
+
+
+def test_vllms_python_is_found_or_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(vllm_peer.PYTHON_VARIABLE, raising=False)
+    with pytest.raises(MissingDependencyError, match="make vllm-peer"):
+        vllm_python()
+    monkeypatch.setenv(vllm_peer.PYTHON_VARIABLE, str(tmp_path / "nothing"))
+    with pytest.raises(UserError, match="which is not a file"):
+        vllm_python()
+    monkeypatch.delenv(vllm_peer.PYTHON_VARIABLE)
+    local = tmp_path / ".venv-vllm" / "bin" / "python"
+    local.parent.mkdir(parents=True)
+    local.touch()
+    assert vllm_python() == ".venv-vllm/bin/python"
+
+
+def test_a_worker_that_cannot_load_vllm_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real worker, run by a Python without vLLM: it exits at `import vllm`, and the
+    runner says so with the worker's own last lines (never a hang)."""
+    monkeypatch.setenv(vllm_peer.PYTHON_VARIABLE, sys.executable)  # ours has no vllm
+    with pytest.raises(UserError, match=r"(?s)did not start: .*No module named 'vllm'"):
+        VllmRunner(MethodSpec.parse("vllm"), tmp_path, 64, [0], None)
+
+
+def test_without_vllms_venv_the_peer_is_skipped_with_how_to_build_it(
+    tiny_model_dir: Path, tiny_prompts: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(vllm_peer.PYTHON_VARIABLE, raising=False)
+    report = run_bench(
+        _config(str(tiny_model_dir), "plain,vllm", (str(tiny_prompts),), 4), log=False
+    )
+    assert {r.method for r in report["runs"]} == {"plain"}
+    (skip,) = report["skipped"]
+    assert skip["method"] == "vllm" and "make vllm-peer" in skip["reason"]
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_vllm_peers_run_on_the_real_model(
+    smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = Path(__file__).resolve().parent.parent
+    python = root / vllm_peer.VLLM_VENV / "bin" / "python"
+    if not python.is_file():
+        pytest.skip("no vLLM venv (make vllm-peer)")
+    monkeypatch.setenv(vllm_peer.PYTHON_VARIABLE, str(python))
+    methods = "plain,vllm,vllm-ngram:k=4,vllm-draft:smollm2-135m:k=2"
+    report = run_bench(_config("smollm2-135m", methods, ("qa",), 16, dtype="auto"), log=False)
+    assert report["skipped"] == []
+    runs = {r.method: r for r in report["runs"]}
+    assert {r.num_tokens for r in runs.values()} == {16}
+    assert len(runs["vllm-draft:smollm2-135m:k=2"].arrivals) < 16  # several tokens a step
+    exact = {n: m["exactness"] for n, m in report["summary"]["methods"].items()}
+    assert exact["vllm-draft:smollm2-135m:k=2"]["versus"] == "vllm"
+    assert exact["vllm-draft:smollm2-135m:k=2"]["share_identical"] == 1.0
+
+
+def _config(
+    model: str, methods: str, prompts: tuple[str, ...], tokens: int, dtype: str = "float32"
+) -> BenchConfig:
+    return BenchConfig(
+        model=model,
+        methods=methods,
+        prompt_sets=prompts,
+        per_set=1,
+        max_tokens=tokens,
+        ignore_eos=True,
+        dtype=dtype,
+        loop=LoopConfig(repeats=1, retries=0, quiet_wait_s=0, progress=False),
+    )
