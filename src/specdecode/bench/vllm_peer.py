@@ -35,7 +35,7 @@ VLLM_VENV = Path(".venv-vllm")  # what `make vllm-peer` builds
 PYTHON_VARIABLE = "SPECDECODE_VLLM_PYTHON"
 WORKER = Path(__file__).with_name("vllm_worker.py")
 READY = "vllm_worker ready"  # the worker's line once its engine is loaded (vllm_worker.READY)
-KV_CACHE_GIB = 4  # VLLM_CPU_KVCACHE_SPACE: room for the bench's one request at a time
+KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: ~37k tokens of the 1.5B, for one request at a time
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's
 
 
@@ -134,7 +134,7 @@ class VllmRunner:
     def _tail(self) -> str:
         """The last lines the worker logged."""
         self._log.seek(0)
-        return "\n".join(self._log.read().splitlines()[-8:])
+        return "\n".join(self._log.read().splitlines()[-40:])
 
     @staticmethod
     def _pipe(stream: IO[str] | None) -> IO[str]:
