@@ -11,8 +11,11 @@ import pytest
 
 from specdecode.bench import vllm_peer
 from specdecode.bench.harness import LoopConfig
-from specdecode.bench.methods import MethodSpec, parse_methods
+from specdecode.bench.methods import KINDS, MethodSpec, parse_methods
+from specdecode.bench.records import Run
+from specdecode.bench.report import ENGINES, best_table
 from specdecode.bench.run import BenchConfig, run_bench
+from specdecode.bench.stats import summarize
 from specdecode.bench.vllm_peer import VllmRunner, speculative_config, vllm_python, worker_env
 from specdecode.errors import MissingDependencyError, UserError
 
@@ -31,6 +34,20 @@ def test_vllm_specs_parse_and_pair_with_ours() -> None:
         MethodSpec.parse("vllm-draft:k=3")
     with pytest.raises(UserError, match="needs k=N"):
         MethodSpec.parse("vllm-ngram")
+
+
+def test_vllms_best_method_is_reported_beside_ours() -> None:
+    """Every peer library has its row in the best-method table (vLLM's was left out once)."""
+    assert {kind.engine for kind in KINDS.values()} <= set(ENGINES)
+    specs = parse_methods("plain,vllm,vllm-draft:m05:k=3")
+    runs = [
+        _run("plain", [1, 2, 3, 4], 1.0),
+        _run("vllm", [1, 2, 3, 4], 4.0),
+        _run("vllm-draft:m05:k=3", [1, 2, 3, 4], 2.0),
+    ]
+    lines = best_table(summarize(runs, specs, greedy=True))
+    best = "2.00 (vllm-draft:m05:k=3)"
+    assert f"| vLLM (CPU) | {best} | {best} |" in lines
 
 
 def test_the_speculative_config_vllm_gets(tmp_path: Path) -> None:
@@ -131,3 +148,11 @@ def _config(
         dtype=dtype,
         loop=LoopConfig(repeats=1, retries=0, quiet_wait_s=0, progress=False),
     )
+
+
+def _run(method: str, tokens: list[int], wall: float) -> Run:
+    return Run(
+        wall_s=wall, ttft_s=0.1, token_ids=tuple(tokens), method=method, prompt_id="a",
+        category="code", repeat=0, attempt=0, num_prompt_tokens=8, foreign_cores=0.0,
+        disturbed=False,
+    )  # fmt: skip

@@ -181,6 +181,7 @@ ENGINES = {
     "hf": "HF transformers",
     "llamacpp": "llama.cpp",
     "openvino": "OpenVINO GenAI",
+    "vllm": "vLLM (CPU)",
 }
 
 
