@@ -132,9 +132,7 @@ def _shape_rows(llm: LLM, config: PlanConfig, target_ms: Sequence[float]) -> lis
         stats = replay(drafter, texts, config.max_tokens)
         rows.append(
             {
-                "speculative_config": as_speculative_config(
-                    dataclasses.replace(base, drafter=shape)
-                ),
+                "speculative_config": as_speculative_config(spec),
                 "k": shape.num_speculative_tokens,
                 "tree_width": getattr(shape, "tree_width", 1),
                 "tree_depth": getattr(shape, "tree_depth", None),

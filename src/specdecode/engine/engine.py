@@ -72,9 +72,7 @@ class Engine:
         self.draft_length = draft_length or DraftLength("fixed", most)
         self.outputs = OutputProcessor(tokenizer)
         self.grammars = Grammars(tokenizer, model.config.vocab_size)
-        self.scheduler = Scheduler(scheduler or SchedulerConfig())
-        self.kv = KVManager(model, self.scheduler.config, bool(self.drafter.needs.hidden_layers))
-        self.prefiller = Prefiller(model, self.kv, self.drafter, self.outputs)
+        self._limit(scheduler or SchedulerConfig())
         self.num_preemptions = 0  # requests preempted so far (`_preempt`)
         self._ids: set[str] = set()  # requests added and not yet released
 
@@ -90,8 +88,13 @@ class Engine:
         """Set the running batch's limits; refused while a request is in flight."""
         if self.has_unfinished():
             raise UserError("the scheduler's limits change only while no request is in flight")
+        self._limit(scheduler)
+
+    def _limit(self, scheduler: SchedulerConfig) -> None:
+        """A scheduler, KV manager (no rows yet) and prefiller under `scheduler`'s limits."""
         self.scheduler = Scheduler(scheduler)
-        self.kv = KVManager(self.model, scheduler, bool(self.drafter.needs.hidden_layers))
+        reads_states = bool(self.drafter.needs.hidden_layers)
+        self.kv = KVManager(self.model, scheduler, reads_states)
         self.prefiller = Prefiller(self.model, self.kv, self.drafter, self.outputs)
 
     def kv_cache_usage(self) -> float:

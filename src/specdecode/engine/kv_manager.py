@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specdecode.cache.block_pool import BLOCK_TOKENS
 from specdecode.cache.kv_cache import KVCache
 from specdecode.cache.prefix_cache import PrefixCache
 from specdecode.engine.request import Request
@@ -56,8 +55,7 @@ class KVManager:
         `kv_cache_tokens` allows, or over the pool's blocks without a limit."""
         if self.cache is None:
             return 0.0
-        tokens = self.config.kv_cache_tokens
-        limit = self.cache.pool.num_blocks if tokens is None else tokens // BLOCK_TOKENS
+        limit = self.config.max_blocks or self.cache.pool.num_blocks
         return self.cache.num_blocks / limit if limit else 0.0
 
     def add_rows(self, count: int) -> None:

@@ -81,6 +81,12 @@ class SchedulerConfig:
                 f"got {cached!r}"
             )
 
+    @property
+    def max_blocks(self) -> int | None:
+        """KV blocks the running requests may hold (None: no limit)."""
+        tokens = self.kv_cache_tokens
+        return None if tokens is None else tokens // BLOCK_TOKENS
+
 
 def kv_need(request: Request) -> int:
     """KV slots a request may fill: its prompt, every token it may generate, and a draft's
@@ -126,7 +132,7 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens - len(self.running) * (1 + draft_tokens)
         blocks = self.blocks(draft_tokens)
-        max_blocks = self.max_blocks
+        max_blocks = cfg.max_blocks
         admitted: list[Request] = []
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             head = self.waiting[0]
@@ -143,12 +149,6 @@ class Scheduler:
             blocks += need
         return admitted
 
-    @property
-    def max_blocks(self) -> int | None:
-        """KV blocks the running requests may hold (None: no limit)."""
-        tokens = self.config.kv_cache_tokens
-        return None if tokens is None else tokens // BLOCK_TOKENS
-
     def blocks(self, draft_tokens: int) -> int:
         """KV blocks the running requests hold through the next step (`step_blocks`)."""
         return sum(step_blocks(r, draft_tokens) for r in self.running)
@@ -158,7 +158,7 @@ class Scheduler:
         newest one back to the head of the queue (`Request.preempt`); the oldest always
         stays. Returns those taken, newest first (their rows are the batch's last)."""
         taken: list[Request] = []
-        limit = self.max_blocks
+        limit = self.config.max_blocks
         if limit is None:
             return taken
         blocks = self.blocks(draft_tokens)
