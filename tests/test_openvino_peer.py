@@ -9,14 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from peer_cases import peer_config, peer_run
 
 from specdecode.bench import openvino
-from specdecode.bench.harness import LoopConfig
 from specdecode.bench.methods import MethodSpec, parse_methods
 from specdecode.bench.openvino import export_command, exported, optimum_cli
-from specdecode.bench.records import Run
 from specdecode.bench.report import best_table, markdown
-from specdecode.bench.run import BenchConfig, run_bench
+from specdecode.bench.run import run_bench
 from specdecode.bench.stats import summarize
 from specdecode.errors import MissingDependencyError, UserError
 
@@ -47,11 +46,11 @@ def test_a_peers_speculative_method_is_checked_against_its_own_plain_run() -> No
     assert specs[4].plain_of_engine(specs) is None  # no hf in the run
     assert specs[1].plain_of_engine(specs) is None  # a plain method has none
     runs = [
-        _run("plain", [1, 2, 3, 4], 4.0),
-        _run("openvino", [1, 2, 5, 5], 2.0),
-        _run("openvino:bits=8", [1, 2, 3, 6], 2.0),
-        _run("openvino-lookup:k=2:bits=8", [1, 2, 3, 6], 1.0),
-        _run("hf-lookup:k=2", [1, 2, 3, 4], 8.0),
+        peer_run("plain", [1, 2, 3, 4], 4.0),
+        peer_run("openvino", [1, 2, 5, 5], 2.0),
+        peer_run("openvino:bits=8", [1, 2, 3, 6], 2.0),
+        peer_run("openvino-lookup:k=2:bits=8", [1, 2, 3, 6], 1.0),
+        peer_run("hf-lookup:k=2", [1, 2, 3, 4], 8.0),
     ]
     methods = summarize(runs, specs, greedy=True)["methods"]
     assert methods["openvino-lookup:k=2:bits=8"]["exactness"]["versus"] == "openvino:bits=8"
@@ -62,14 +61,6 @@ def test_a_peers_speculative_method_is_checked_against_its_own_plain_run() -> No
     lines = best_table(summarize(runs, specs, greedy=True))
     best = "4.00 (openvino-lookup:k=2:bits=8)"
     assert lines[4] == f"| OpenVINO GenAI | {best} | {best} |"
-
-
-def _run(method: str, tokens: list[int], wall: float) -> Run:
-    return Run(
-        wall_s=wall, ttft_s=0.1, token_ids=tuple(tokens), method=method, prompt_id="a",
-        category="code", repeat=0, attempt=0, num_prompt_tokens=8, foreign_cores=0.0,
-        disturbed=False,
-    )  # fmt: skip
 
 
 def _fake_cli(path: Path, body: str) -> Path:
@@ -136,26 +127,11 @@ def test_the_exporter_is_found_or_named(tmp_path: Path, monkeypatch: pytest.Monk
         optimum_cli()
 
 
-def _config(
-    model: str, methods: str, prompts: tuple[str, ...], tokens: int, dtype: str
-) -> BenchConfig:
-    return BenchConfig(
-        model=model,
-        methods=methods,
-        prompt_sets=prompts,
-        per_set=1,
-        max_tokens=tokens,
-        ignore_eos=True,
-        dtype=dtype,
-        loop=LoopConfig(repeats=1, retries=0, quiet_wait_s=0, progress=False),
-    )
-
-
 def test_without_openvino_genai_the_peer_is_skipped_with_what_to_install(
     tiny_model_dir: Path, tiny_prompts: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "openvino_genai", None)
-    config = _config(str(tiny_model_dir), "plain,openvino", (str(tiny_prompts),), 4, "float32")
+    config = peer_config(str(tiny_model_dir), "plain,openvino", (str(tiny_prompts),), 4, "float32")
     report = run_bench(config, log=False)
     assert {r.method for r in report["runs"]} == {"plain"}
     (skip,) = report["skipped"]
@@ -172,7 +148,7 @@ def test_without_an_exporter_the_peer_is_skipped_with_how_to_build_one(
     monkeypatch.delenv(openvino.CLI_VARIABLE, raising=False)
     methods = "plain,openvino-lookup:k=2"
     report = run_bench(
-        _config(str(tiny_model_dir), methods, (str(tiny_prompts),), 4, "float32"), log=False
+        peer_config(str(tiny_model_dir), methods, (str(tiny_prompts),), 4, "float32"), log=False
     )
     (skip,) = report["skipped"]
     assert skip["method"] == "openvino-lookup:k=2"
@@ -188,7 +164,7 @@ def test_openvino_peers_run_on_the_real_model(smollm2_dir: Path) -> None:
         if not (smollm2_dir / "openvino-int4" / "openvino_model.xml").is_file():
             pytest.skip("no optimum-cli to export the model with (make openvino-exporter)")
     methods = "plain,openvino,openvino-lookup:k=4,openvino-draft:smollm2-135m:k=2"
-    report = run_bench(_config("smollm2-135m", methods, ("qa",), 16, "auto"), log=False)
+    report = run_bench(peer_config("smollm2-135m", methods, ("qa",), 16, "auto"), log=False)
     assert report["skipped"] == []
     runs = {r.method: r for r in report["runs"]}
     assert {r.num_tokens for r in runs.values()} == {16}

@@ -8,13 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from peer_cases import peer_config, peer_run
 
 from specdecode.bench import vllm_peer
-from specdecode.bench.harness import LoopConfig
 from specdecode.bench.methods import KINDS, MethodSpec, parse_methods
-from specdecode.bench.records import Run
 from specdecode.bench.report import ENGINES, best_table
-from specdecode.bench.run import BenchConfig, run_bench
+from specdecode.bench.run import run_bench
 from specdecode.bench.stats import summarize
 from specdecode.bench.vllm_peer import VllmRunner, speculative_config, vllm_python, worker_env
 from specdecode.errors import MissingDependencyError, UserError
@@ -41,9 +40,9 @@ def test_vllms_best_method_is_reported_beside_ours() -> None:
     assert {kind.engine for kind in KINDS.values()} <= set(ENGINES)
     specs = parse_methods("plain,vllm,vllm-draft:m05:k=3")
     runs = [
-        _run("plain", [1, 2, 3, 4], 1.0),
-        _run("vllm", [1, 2, 3, 4], 4.0),
-        _run("vllm-draft:m05:k=3", [1, 2, 3, 4], 2.0),
+        peer_run("plain", [1, 2, 3, 4], 1.0),
+        peer_run("vllm", [1, 2, 3, 4], 4.0),
+        peer_run("vllm-draft:m05:k=3", [1, 2, 3, 4], 2.0),
     ]
     lines = best_table(summarize(runs, specs, greedy=True))
     best = "2.00 (vllm-draft:m05:k=3)"
@@ -107,7 +106,8 @@ def test_without_vllms_venv_the_peer_is_skipped_with_how_to_build_it(
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(vllm_peer.PYTHON_VARIABLE, raising=False)
     report = run_bench(
-        _config(str(tiny_model_dir), "plain,vllm", (str(tiny_prompts),), 4), log=False
+        peer_config(str(tiny_model_dir), "plain,vllm", (str(tiny_prompts),), 4, "float32"),
+        log=False,
     )
     assert {r.method for r in report["runs"]} == {"plain"}
     (skip,) = report["skipped"]
@@ -125,7 +125,7 @@ def test_vllm_peers_run_on_the_real_model(
         pytest.skip("no vLLM venv (make vllm-peer)")
     monkeypatch.setenv(vllm_peer.PYTHON_VARIABLE, str(python))
     methods = "plain,vllm,vllm-ngram:k=4,vllm-draft:smollm2-135m:k=2"
-    report = run_bench(_config("smollm2-135m", methods, ("qa",), 16, dtype="auto"), log=False)
+    report = run_bench(peer_config("smollm2-135m", methods, ("qa",), 16, "auto"), log=False)
     assert report["skipped"] == []
     runs = {r.method: r for r in report["runs"]}
     assert {r.num_tokens for r in runs.values()} == {16}
@@ -133,26 +133,3 @@ def test_vllm_peers_run_on_the_real_model(
     exact = {n: m["exactness"] for n, m in report["summary"]["methods"].items()}
     assert exact["vllm-draft:smollm2-135m:k=2"]["versus"] == "vllm"
     assert exact["vllm-draft:smollm2-135m:k=2"]["share_identical"] == 1.0
-
-
-def _config(
-    model: str, methods: str, prompts: tuple[str, ...], tokens: int, dtype: str = "float32"
-) -> BenchConfig:
-    return BenchConfig(
-        model=model,
-        methods=methods,
-        prompt_sets=prompts,
-        per_set=1,
-        max_tokens=tokens,
-        ignore_eos=True,
-        dtype=dtype,
-        loop=LoopConfig(repeats=1, retries=0, quiet_wait_s=0, progress=False),
-    )
-
-
-def _run(method: str, tokens: list[int], wall: float) -> Run:
-    return Run(
-        wall_s=wall, ttft_s=0.1, token_ids=tuple(tokens), method=method, prompt_id="a",
-        category="code", repeat=0, attempt=0, num_prompt_tokens=8, foreign_cores=0.0,
-        disturbed=False,
-    )  # fmt: skip
