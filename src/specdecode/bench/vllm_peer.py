@@ -7,7 +7,8 @@ vLLM pins packages of its own, so it lives in a venv of its own (`make vllm-peer
 and answers one request at a time. The worker gets our chat-templated prompt's token ids, so
 both engines see the same prompt; vLLM's greedy output is compared with its own plain run
 (`stats._plain_of`). The folder is the one ours loads (for a pulled alias, the GGUF's weights
-written as safetensors), run in bf16, vLLM's CPU default.
+written as safetensors), run in bf16, vLLM's CPU default, or with bits=4 as the 4-bit GPTQ
+checkpoint `bench/gptq.py` writes from it (vLLM's CPU build reads no GGUF).
 
 What vLLM's CPU build wants around it (its docs): tcmalloc and Intel's OpenMP preloaded, a KV
 cache size (`VLLM_CPU_KVCACHE_SPACE`, GiB; else it takes most of the memory) and the cores its
@@ -20,11 +21,13 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
+from specdecode.bench import gptq
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.records import Timing
 from specdecode.errors import MissingDependencyError, UserError
@@ -35,6 +38,7 @@ VLLM_VENV = Path(".venv-vllm")  # what `make vllm-peer` builds
 PYTHON_VARIABLE = "SPECDECODE_VLLM_PYTHON"
 WORKER = Path(__file__).with_name("vllm_worker.py")
 READY = "vllm_worker ready"  # the worker's line once its engine is loaded (vllm_worker.READY)
+LOAD_TIMEOUT_S = 900.0  # a worker not loaded by then is ended (a 1.5B and its draft load in ~5 min)
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: ~37k tokens of the 1.5B, for one request at a time
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's
 
@@ -101,11 +105,23 @@ class VllmRunner:
     """
 
     def __init__(
-        self, spec: MethodSpec, folder: Path, n_ctx: int, eos: list[int], draft: Path | None
+        self,
+        spec: MethodSpec,
+        folder: Path,
+        n_ctx: int,
+        eos: list[int],
+        draft: Path | None,
+        load_timeout_s: float = LOAD_TIMEOUT_S,
     ) -> None:
         """Start the worker on `folder` (a model folder vLLM reads; `draft`'s for vllm-draft)
-        with a context of `n_ctx` tokens, and wait until it has loaded."""
+        with a context of `n_ctx` tokens, and wait until it has loaded (ended, and UserError,
+        past `load_timeout_s`). bits=4: both folders
+        as 4-bit GPTQ checkpoints (`gptq.exported`, written on first use), run with bf16
+        activations."""
         python = vllm_python()
+        if spec.option("bits") == 4:
+            folder = gptq.exported(folder)
+            draft = None if draft is None else gptq.exported(draft)
         job = {
             "model": str(folder),
             "dtype": "bfloat16",
@@ -124,12 +140,24 @@ class VllmRunner:
             text=True,
             env=worker_env(python, torch.get_num_threads()),
         )
-        for line in self._pipe(self._proc.stdout):
-            if line.strip() == READY:
-                return
+        late = threading.Event()
+
+        def end() -> None:
+            late.set()
+            self._proc.kill()
+
+        deadline = threading.Timer(load_timeout_s, end)
+        deadline.start()
+        try:
+            for line in self._pipe(self._proc.stdout):
+                if line.strip() == READY:
+                    return
+        finally:
+            deadline.cancel()
         tail = self._tail()
         self.close()
-        raise UserError(f"vLLM's worker for {spec.name!r} did not start: {tail}")
+        within = f" within {load_timeout_s:g} s" if late.is_set() else ""
+        raise UserError(f"vLLM's worker for {spec.name!r} did not start{within}: {tail}")
 
     def _tail(self) -> str:
         """The last lines the worker logged."""
