@@ -216,3 +216,14 @@ def tiny_prompts(tmp_path: Path) -> Path:
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 model (a context long enough for the tools' JSON in bytes) with a chat
+    template that renders tools (hermes style)."""
+    from tool_cases import TOOLS_TEMPLATE
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("tools"), "qwen2", context=1024)
+    (folder / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    return folder

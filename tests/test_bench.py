@@ -47,6 +47,7 @@ from specdecode.engine.costs import expected_tokens
 from specdecode.metrics import SpecCounters
 from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
+from specdecode.tool_calls.tools import parse_tools
 
 SHIPPED = [
     "chat",
@@ -58,6 +59,7 @@ SHIPPED = [
     "edit",
     "multiturn",
     "extraction",
+    "tools",
 ]
 
 
@@ -153,6 +155,35 @@ def test_extraction_prompts_carry_their_schema() -> None:
         schema = json.loads(prompt.schema)
         jsonschema.Draft202012Validator.check_schema(schema)
         assert json.dumps(schema, indent=2) in prompt.messages[-1]["content"], prompt.id
+
+
+def test_tool_prompts_offer_tools_and_say_which_call_is_right() -> None:
+    """Every tools prompt offers valid function tools, among them its expected call's, whose
+    arguments validate against that function's parameters, the strings among them (but ISO
+    codes and enums) copied from the prompt."""
+    jsonschema = pytest.importorskip("jsonschema")
+    prompts = load_prompts(["tools"], per_set=1000)
+    assert len(prompts) == 10
+    for prompt in prompts:
+        tools = {t.name: t for t in parse_tools(json.loads(prompt.tools))}
+        expected = json.loads(prompt.expected_call)
+        function = tools[expected["name"]]
+        jsonschema.Draft202012Validator.check_schema(dict(function.parameters))
+        arguments = expected["arguments"]
+        if set(function.parameters["required"]) <= set(arguments):
+            jsonschema.validate(arguments, dict(function.parameters))
+        for key, value in arguments.items():
+            schema = function.parameters["properties"][key]
+            if isinstance(value, str) and "enum" not in schema and "ISO" not in str(schema):
+                assert value in prompt.messages[-1]["content"], (prompt.id, key)
+
+
+def test_bad_tools_in_a_prompt_file_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    row = {"id": "b-1", "category": "b", "messages": [{"role": "user", "content": "x"}]}
+    path.write_text(json.dumps({**row, "tools": {}}) + "\n")
+    with pytest.raises(ValueError, match="'tools' must be a non-empty list"):
+        load_prompts([str(path)], per_set=1)
 
 
 def test_a_schema_that_is_not_an_object_is_refused(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing
@@ -31,12 +32,14 @@ from specdecode.model.quant import parse_quantization
 from specdecode.model.registry import resolve_model
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer
-from specdecode.sampling_params import SamplingParams
+from specdecode.sampling_params import SamplingParams, StructuredOutputsParams
+from specdecode.tool_calls.request import ToolRequest, tool_request
+from specdecode.tool_calls.tools import template_messages
 from specdecode.types import RequestOutput
 
 # A prompt: text, or vLLM's tokens form {"prompt_token_ids": [...]}.
 Prompt = str | Mapping[str, Any]
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
 class LLM:
@@ -277,21 +280,65 @@ class LLM:
                 yield event.output
         self.spec_metrics += req.spec
 
-    def chat_prompt(self, messages: Messages) -> dict[str, list[int]]:
-        """Render one conversation with the model's chat template into a tokens prompt."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def chat_prompt(
+        self, messages: Messages, tools: ToolRequest | None = None
+    ) -> dict[str, list[int]]:
+        """Render one conversation (assistant tool calls and tool results included) and the
+        tools it offers with the model's chat template into a tokens prompt."""
+        offered = None if tools is None else tools.template_tools()
+        text = self.tokenizer.apply_chat_template(
+            template_messages(messages), add_generation_prompt=True, tools=offered
+        )
         return {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+    def tool_request(
+        self,
+        tools: Sequence[Mapping[str, Any]] | None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        tool_call_parser: str | None = None,
+    ) -> ToolRequest | None:
+        """A chat's tools checked against this model's chat template (None without tools);
+        UserError says what is wrong (`tool_calls.request.tool_request`)."""
+        return tool_request(
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            self.tokenizer.chat_template,
+            self.model_name,
+            tool_call_parser,
+        )
 
     def chat(
         self,
         messages: Messages | list[Messages],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        tool_call_parser: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate the assistant's reply to one conversation or to each of several."""
+        """Generate the assistant's reply to one conversation or to each of several.
+
+        tools: functions the model may call, in OpenAI's shape ({"type": "function",
+        "function": {"name", "description", "parameters"}}); tool_choice: "auto" (default
+        with tools: the model decides, its calls read by its family's parser, which
+        `tool_call_parser` may name: hermes, llama3_json, mistral), "none", "required" (at
+        least one call) or {"type": "function", "function": {"name": ...}} (that function);
+        the last two constrain the output, so the calls always parse. Each output's
+        `tool_calls` holds the calls its `text` makes.
+        """
         if not isinstance(messages, list) or not messages:
             raise UserError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        return self.generate([self.chat_prompt(c) for c in conversations], sampling_params)
+        request = self.tool_request(tools, tool_choice, parallel_tool_calls, tool_call_parser)
+        prompts = [self.chat_prompt(c, request) for c in conversations]
+        if request is None:
+            return self.generate(prompts, sampling_params)
+        rule = request.constraint()
+        if rule is not None:
+            sampling_params = _constrained(sampling_params, rule)
+        return [request.apply(out) for out in self.generate(prompts, sampling_params)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -304,6 +351,20 @@ class LLM:
         dtype = str(self.model.dtype).removeprefix("torch.")
         fmt = self.model.quantization
         return dtype if fmt is None else f"{fmt} ({dtype} activations)"
+
+
+def _constrained(
+    params: SamplingParams | list[SamplingParams] | None, rule: StructuredOutputsParams
+) -> SamplingParams | list[SamplingParams]:
+    """`params` with the tool choice's constraint (UserError if one has its own)."""
+    many = params if isinstance(params, list) else [params or SamplingParams()]
+    if any(p.structured_outputs is not None for p in many):
+        raise UserError(
+            'tool_choice "required" or a named function constrains the output itself; drop '
+            "the sampling params' structured_outputs"
+        )
+    out = [dataclasses.replace(p, structured_outputs=rule) for p in many]
+    return out if isinstance(params, list) else out[0]
 
 
 def _draft_length(specs: Sequence[SpeculativeConfig]) -> DraftLength:

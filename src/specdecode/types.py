@@ -5,6 +5,7 @@ hands a drafter, step events and outputs (the request's parameters:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -204,6 +205,20 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call an output holds: the function's name and its arguments as JSON text of
+    an object (OpenAI's `function.arguments`), e.g. ToolCall("get_weather", '{"city": "Oslo"}')."""
+
+    name: str
+    arguments: str
+
+    def as_openai(self, call_id: str) -> dict[str, Any]:
+        """OpenAI's `tool_calls` entry, with the id `call_id`."""
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": call_id, "type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
 class CompletionOutput:
     """One generated continuation (vLLM's `CompletionOutput`)."""
 
@@ -214,6 +229,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or EOS id that ended it
     steps: tuple[StepEvent, ...] = ()  # with SamplingParams(step_events=True): every step so far
     logprobs: tuple[TokenLogprob, ...] | None = None  # with SamplingParams(logprobs=n): per token
+    tool_calls: tuple[ToolCall, ...] = ()  # LLM.chat with tools: the calls `text` holds
 
 
 @dataclass(frozen=True, slots=True)

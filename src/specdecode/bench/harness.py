@@ -11,6 +11,7 @@ attempt is kept whatever its load, and marked "disturbed").
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -23,6 +24,7 @@ from specdecode.bench.records import Run
 from specdecode.bench.runners import Runner
 from specdecode.corpus.prompts import BenchPrompt
 from specdecode.energy import cpu_seconds
+from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
 
 WARMUP_TOKENS = 16  # new tokens of each method's untimed warm-up run
@@ -48,6 +50,13 @@ def method_order(names: Sequence[str], shift: int) -> list[str]:
     """`names` rotated left by `shift` places: shift 1 of [a, b, c] gives b, c, a."""
     shift = shift % len(names)
     return list(names[shift:]) + list(names[:shift])
+
+
+def chat_ids(llm: LLM, prompt: BenchPrompt) -> list[int]:
+    """The prompt's token ids: its messages, and the tools it offers, through `llm`'s chat
+    template (every engine of the bench gets these ids)."""
+    tools = None if prompt.tools is None else llm.tool_request(json.loads(prompt.tools))
+    return llm.chat_prompt(list(prompt.messages), tools)["prompt_token_ids"]
 
 
 def prompt_params(spec: MethodSpec, prompt: BenchPrompt, params: SamplingParams) -> SamplingParams:

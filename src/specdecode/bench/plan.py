@@ -33,6 +33,7 @@ from specdecode.bench.costs import (
     pass_table_text,
     predicted_from_costs,
 )
+from specdecode.bench.harness import chat_ids
 from specdecode.bench.replay import ReplayStats, replay
 from specdecode.bench.roofline import measure_bandwidth, roofline, roofline_text
 from specdecode.bench.runners import measured_target
@@ -106,7 +107,7 @@ def greedy_texts(target: LLM, config: PlanConfig) -> list[tuple[list[int], list[
     """(prompt ids, the target's greedy continuation ids) on the configured prompts."""
     prompts = load_prompts(list(config.prompt_sets), config.per_set)
     params = SamplingParams(temperature=0.0, max_tokens=config.max_tokens)
-    chats = [target.chat_prompt(list(p.messages)) for p in prompts]
+    chats = [{"prompt_token_ids": chat_ids(target, p)} for p in prompts]
     outs = target.generate(chats, params)
     return [(c["prompt_token_ids"], list(o.token_ids)) for c, o in zip(chats, outs, strict=True)]
 

@@ -12,7 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from specdecode.bench.costs import bench_costs
-from specdecode.bench.harness import WARMUP_TOKENS, LoopConfig, run_interleaved
+from specdecode.bench.harness import WARMUP_TOKENS, LoopConfig, chat_ids, run_interleaved
 from specdecode.bench.machine import machine_facts, wait_until_quiet
 from specdecode.bench.methods import parse_methods
 from specdecode.bench.records import Run
@@ -80,7 +80,7 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
     )
     llm = measured_target(config.model, config.dtype, config.device, config.quantization)
     config = replace(config, quantization=_format(llm))  # "auto" as it resolved
-    rendered = [(p, llm.chat_prompt(list(p.messages))["prompt_token_ids"]) for p in prompts]
+    rendered = [(p, chat_ids(llm, p)) for p in prompts]
     n_ctx = max(len(ids) for _, ids in rendered) + config.max_tokens + WARMUP_TOKENS
     runners, skipped = build_runners(specs, llm, n_ctx)
     for skip in skipped:

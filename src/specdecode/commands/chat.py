@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 from specdecode.cli_args import (
     add_sampling_flags,
@@ -25,6 +28,7 @@ from specdecode.commands.generate import summary
 from specdecode.errors import UserError
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
+from specdecode.tool_calls.request import ToolRequest
 from specdecode.types import RequestOutput
 
 PROMPT = ">>> "
@@ -44,6 +48,18 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-tokens", type=int, default=1024, help="new tokens per answer at most (default 1024)"
     )
+    p.add_argument(
+        "--tools",
+        type=Path,
+        default=None,
+        help="a JSON file of OpenAI function tools ([{'type': 'function', 'function': {...}}]) "
+        "the model may call; each answer's calls are shown after it",
+    )
+    p.add_argument(
+        "--tool-choice",
+        default=None,
+        help="auto (default with --tools), required, none, or a function's name",
+    )
     add_sampling_flags(p)
     add_weight_flags(p)
     add_speculative_flag(p)
@@ -52,7 +68,15 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     """`specdecode chat`: load the model, then converse until /exit or end of input."""
     llm = llm_from_args(args)
-    session = ChatSession(llm, sampling_from_args(args), args.system)
+    tools = None
+    if args.tools is not None:
+        choice = args.tool_choice
+        if choice not in (None, "auto", "required", "none"):
+            choice = {"type": "function", "function": {"name": choice}}
+        tools = llm.tool_request(_read_tools(args.tools), choice)
+    elif args.tool_choice is not None:
+        raise UserError("--tool-choice needs --tools FILE")
+    session = ChatSession(llm, sampling_from_args(args), args.system, tools)
     if sys.stdin.isatty():
         importlib.import_module("readline")  # line editing and history for input()
     print(f"specdecode chat: {args.model} ({llm.weight_format}). {HELP}.", file=sys.stderr)
@@ -62,17 +86,27 @@ def run_chat(args: argparse.Namespace) -> int:
 
 class ChatSession:
     """A conversation with `llm`: its messages so far (the `system` one first, if any), each
-    answer generated under `params` (its max_tokens capped to the context left)."""
+    answer generated under `params` (its max_tokens capped to the context left), with the
+    functions of `tools` offered (each answer's calls read out of it)."""
 
-    def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None) -> None:
+    def __init__(
+        self,
+        llm: LLM,
+        params: SamplingParams,
+        system: str | None = None,
+        tools: ToolRequest | None = None,
+    ) -> None:
         if llm.tokenizer.chat_template is None:
             raise UserError(
                 "this model has no chat template: `specdecode chat` needs one; use "
                 "`specdecode generate --prompt ...` for plain completion"
             )
-        self.llm, self.params = llm, params
+        self.llm, self.params, self.tools = llm, params, tools
         self.opening = [] if system is None else [{"role": "system", "content": system}]
-        self.messages: list[dict[str, str]] = list(self.opening)
+        self.messages: list[dict[str, Any]] = list(self.opening)
+        rule = None if tools is None else tools.constraint()
+        if rule is not None:
+            self.params = replace(params, structured_outputs=rule)
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays)."""
@@ -82,7 +116,7 @@ class ChatSession:
         """Say `text` and stream the answer to `write`; (its output, whether Ctrl-C stopped it).
         The answer, whole or stopped, joins the conversation."""
         self.messages.append({"role": "user", "content": text})
-        prompt = self.llm.chat_prompt(self.messages)
+        prompt = self.llm.chat_prompt(self.messages, self.tools)
         context = self.llm.model.config.max_position_embeddings
         room = context - len(prompt["prompt_token_ids"])
         if room < 1:
@@ -100,8 +134,24 @@ class ChatSession:
                     printed = len(out.text)
         except KeyboardInterrupt:  # the stream's close aborted the request
             stopped = True
-        self.messages.append({"role": "assistant", "content": "" if out is None else out.text})
+        if out is not None and self.tools is not None and not stopped:
+            out = self.tools.apply(out)
+        self.messages.append(self._said(out))
         return out, stopped
+
+    def _said(self, out: RequestOutput | None) -> dict[str, Any]:
+        """The answer as the conversation keeps it: its text, or, when it calls tools, the
+        text around the calls and the calls."""
+        calls = () if out is None else out.outputs[0].tool_calls
+        if out is None or not calls or self.tools is None:
+            return {"role": "assistant", "content": "" if out is None else out.text}
+        content = self.tools.read(out.text).content
+        ids = [f"call_{len(self.messages)}_{i}" for i in range(len(calls))]
+        return {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [c.as_openai(i) for c, i in zip(calls, ids, strict=True)],
+        }
 
     def run(
         self,
@@ -138,12 +188,22 @@ class ChatSession:
                 report(f"[error: {error}]")
                 continue
             write("\n")
+            for call in () if out is None else out.outputs[0].tool_calls:
+                report(f"[tool call: {call.name}({call.arguments})]")
             if out is not None and out.metrics is not None:
                 speculative = self.llm.speculative_config is not None
                 note = "stopped (Ctrl-C), " if stopped else ""
                 report(f"[{note}{summary(out, speculative)}]")
             elif stopped:
                 report("[stopped (Ctrl-C) before the first token]")
+
+
+def _read_tools(path: Path) -> Any:
+    """The tools file's JSON (UserError naming the file when it cannot be read)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(f"--tools {path}: {error}") from None
 
 
 def _write(text: str) -> None:

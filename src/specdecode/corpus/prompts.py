@@ -40,12 +40,18 @@ class BenchPrompt:
     messages: the conversation, rendered with the model's own chat template by the harness.
     schema: a JSON schema (as JSON text) the reply must follow, or None; our methods run the
         prompt under it as a structured-output constraint (the "extraction" set).
+    tools: the functions the prompt offers (OpenAI's `tools`, as JSON text), rendered by the
+        model's chat template; None for none (the "tools" set).
+    expected_call: the call a right answer makes (JSON text of {"name", "arguments"}: the
+        arguments a right call must have, others may follow), or None.
     """
 
     id: str
     category: str
     messages: tuple[dict[str, str], ...]
     schema: str | None = None
+    tools: str | None = None
+    expected_call: str | None = None
 
 
 def available_sets() -> list[str]:
@@ -116,7 +122,19 @@ def _check_row(row: Any, where: str) -> BenchPrompt:
     if schema is not None and not isinstance(schema, dict):
         raise UserError(f"{where}: 'schema' must be a JSON schema object, got {schema!r}")
     text = None if schema is None else json.dumps(schema)
-    return BenchPrompt(str(row["id"]), str(row["category"]), tuple(messages), text)
+    tools, expected = row.get("tools"), row.get("expected_call")
+    if tools is not None and not (isinstance(tools, list) and tools):
+        raise UserError(f"{where}: 'tools' must be a non-empty list of OpenAI function tools")
+    if expected is not None and not (isinstance(expected, dict) and "name" in expected):
+        raise UserError(f"{where}: 'expected_call' must be an object with a 'name'")
+    return BenchPrompt(
+        str(row["id"]),
+        str(row["category"]),
+        tuple(messages),
+        text,
+        None if tools is None else json.dumps(tools),
+        None if expected is None else json.dumps(expected),
+    )
 
 
 def load_jsonl(path: Path | Any) -> list[BenchPrompt]:

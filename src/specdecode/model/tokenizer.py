@@ -231,11 +231,16 @@ class Tokenizer:
         return token
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` (dicts with str 'role' and 'content') to prompt text.
+        """Render `messages` (dicts with str 'role' and 'content', and whatever else the
+        template reads, e.g. an assistant's 'tool_calls') to prompt text; `tools`: the
+        functions offered, in OpenAI's request shape (the template's `tools`).
 
-        Same output as transformers' `apply_chat_template(..., tokenize=False)`.
+        Same output as transformers' `apply_chat_template(..., tools=tools, tokenize=False)`.
         """
         _check_messages(messages)
         special = {"bos_token": self.bos_token_id, "pad_token": self.pad_token_id}
@@ -243,7 +248,10 @@ class Tokenizer:
         names = {name: self.id_to_token(i) for name, i in special.items() if i is not None}
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **names
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **names,
             )
         except jinja2.TemplateError as error:
             raise UserError(f"the chat template rejected these messages: {error}") from error
@@ -429,7 +437,7 @@ def _named_template(template: str | list[dict[str, str]] | None) -> str | None:
     return named["default"]
 
 
-def _check_messages(messages: list[dict[str, str]]) -> None:
+def _check_messages(messages: list[dict[str, Any]]) -> None:
     if not isinstance(messages, list) or not messages:
         raise UserError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
     for index, message in enumerate(messages):

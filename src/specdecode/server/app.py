@@ -41,6 +41,8 @@ class ServeConfig:
         carries it in the `x-specdecode-replica` header.
     public_paths: the paths open without the key (default /health and /metrics).
     max_body_bytes: the largest request body the server reads; a longer one is a 413.
+    tool_call_parser: the format tool calls are read in (`tool_calls.parsers.PARSERS`; None:
+        the one the model's chat template shows).
     """
 
     served_model_name: str
@@ -48,6 +50,7 @@ class ServeConfig:
     replica_id: str | None = None
     public_paths: tuple[str, ...] = PUBLIC_PATHS
     max_body_bytes: int = MAX_BODY_BYTES
+    tool_call_parser: str | None = None
 
     def guard(self) -> GuardConfig:
         """The middleware's part of this config."""
@@ -64,7 +67,7 @@ def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
     metrics = ServerMetrics(config.served_model_name)
     state: dict[str, AsyncEngine] = {}
     runs = Runs(lambda: state["runner"], metrics)
-    api = Handlers(llm, engine, config.served_model_name, runs)
+    api = Handlers(llm, engine, config.served_model_name, runs, config.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -15,6 +15,7 @@ from specdecode.server.spec import (
     DEFAULT_SCHEDULER,
     ServeSpec,
 )
+from specdecode.tool_calls.parsers import PARSERS
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +51,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=MAX_BODY_BYTES / 2**20,
         help="the largest request body read, in MiB; a longer one gets a 413 before it is read "
         f"(default {MAX_BODY_BYTES / 2**20:g})",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="how the model writes tool calls (vLLM's names); default: the format its chat "
+        "template shows (<tool_call>: hermes, [TOOL_CALLS]: mistral, <|python_tag|>: "
+        "llama3_json)",
     )
     p.add_argument(
         "--speculative-config",
@@ -121,6 +130,7 @@ def serve_spec(args: argparse.Namespace) -> ServeSpec:
         api_key=args.api_key,
         public_paths=args.public_paths,
         max_body_bytes=_mib_bytes(args.max_body_mib),
+        tool_call_parser=args.tool_call_parser,
     )
 
 

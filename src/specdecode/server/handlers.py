@@ -24,6 +24,7 @@ from specdecode.engine.engine import Engine
 from specdecode.engine.request import Request as EngineRequest
 from specdecode.errors import UserError
 from specdecode.llm import LLM
+from specdecode.sampling_params import StructuredOutputsParams
 from specdecode.server.errors import APIError, bad_request
 from specdecode.server.logprobs import chat_logprobs, completion_logprobs
 from specdecode.server.protocol import (
@@ -35,6 +36,7 @@ from specdecode.server.protocol import (
     usage,
 )
 from specdecode.server.streams import Runs
+from specdecode.tool_calls.request import ToolRequest
 from specdecode.types import RequestOutput
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -49,8 +51,16 @@ def sse(payload: dict[str, Any] | str) -> str:
 class Handlers:
     """What the routes do, over `llm`'s engine, serving it as `served_model_name`."""
 
-    def __init__(self, llm: LLM, engine: Engine, served_model_name: str, runs: Runs) -> None:
+    def __init__(
+        self,
+        llm: LLM,
+        engine: Engine,
+        served_model_name: str,
+        runs: Runs,
+        tool_call_parser: str | None = None,
+    ) -> None:
         self.llm, self.engine, self.name, self.runs = llm, engine, served_model_name, runs
+        self.tool_call_parser = tool_call_parser
         self.context = llm.model.config.max_position_embeddings
         self.created = int(time.time())
 
@@ -77,10 +87,21 @@ class Handlers:
             raise bad_request(str(error), param) from error
         return ids
 
-    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        """The conversation's prompt ids, its chat template applied and checked."""
+    def tools(self, body: ChatCompletionRequest) -> ToolRequest | None:
+        """The body's tools, checked against the model (400 naming the field)."""
         try:
-            ids = self.llm.chat_prompt(body.conversation())["prompt_token_ids"]
+            return self.llm.tool_request(
+                body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser
+            )
+        except UserError as error:
+            field = "tool_choice" if "tool_choice" in str(error) else "tools"
+            raise bad_request(str(error), field) from error
+
+    def chat_ids(self, body: ChatCompletionRequest, tools: ToolRequest | None) -> list[int]:
+        """The conversation's prompt ids, its chat template applied (with the tools offered)
+        and checked."""
+        try:
+            ids = self.llm.chat_prompt(body.conversation(), tools)["prompt_token_ids"]
         except UserError as error:
             raise bad_request(str(error), "messages") from error
         return self.prompt_ids(ids, "messages")
@@ -105,17 +126,22 @@ class Handlers:
         return asked
 
     async def requests(
-        self, ids: list[int], body: CompletionRequest | ChatCompletionRequest, max_tokens: int
+        self,
+        ids: list[int],
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int,
+        rule: StructuredOutputsParams | None = None,
     ) -> list[EngineRequest]:
         """The engine's requests for a body, one per choice, checked (`Engine.check`: one
-        that cannot fit, a bad drafter name or constraint is a 400 before any stream starts).
-        A constraint compiles on a worker thread: a schema can take seconds."""
+        that cannot fit, a bad drafter name or constraint is a 400 before any stream starts);
+        `rule`: the tool choice's constraint. A constraint compiles on a worker thread: a
+        schema can take seconds."""
         kind = "cmpl" if isinstance(body, CompletionRequest) else "chatcmpl"
         request_id = f"{kind}-{uuid.uuid4().hex}"
         requests = []
         try:
             for choice in range(body.n):
-                params = body.sampling_params(max_tokens, choice)
+                params = body.sampling_params(max_tokens, choice, rule)
                 name = request_id if body.n == 1 else f"{request_id}-{choice}"
                 request = self.llm.make_request({"prompt_token_ids": ids}, params, name)
                 await asyncio.to_thread(self.engine.check, request)
@@ -131,7 +157,7 @@ class Handlers:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give either 'prompt' or 'messages'", "prompt")
         if body.messages is not None:
-            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+            conversation = [m.as_template() for m in body.messages]
             ids = self.llm.chat_prompt(conversation)["prompt_token_ids"]
         else:
             ids = self.llm.tokenizer.encode(body.prompt or "", body.add_special_tokens)
@@ -156,11 +182,13 @@ class Handlers:
 
     async def chat(self, body: ChatCompletionRequest, http: HTTPRequest) -> Response:
         self.check_model(body.model)
-        ids = await asyncio.to_thread(self.chat_ids, body)
+        tools = self.tools(body)
+        ids = await asyncio.to_thread(self.chat_ids, body, tools)
         asked = body.max_completion_tokens or body.max_tokens
         limit = self.max_tokens(asked, len(ids), None)
-        requests = await self.requests(ids, body, limit)
-        return await self._respond(requests, body, http, _ChatShape(self._decode_one))
+        rule = None if tools is None else tools.constraint()
+        requests = await self.requests(ids, body, limit, rule)
+        return await self._respond(requests, body, http, _ChatShape(self._decode_one, tools))
 
     # -- responses --------------------------------------------------------------------------
 
@@ -206,17 +234,18 @@ class Handlers:
         include_usage: bool,
         shape: _Shape,
     ) -> AsyncIterator[str]:
-        """SSE chunks: each choice's opening chunk (if the shape has one), then one chunk per
-        event of any choice; then, with `include_usage`, a chunk with the usage and no
-        choices; then [DONE]."""
+        """SSE chunks: one chunk per event of any choice, a choice's first one preceded by
+        its opening chunk (if the shape has one: sent with the first token, as vLLM and OpenAI
+        do, so a client's time to first token counts the prefill); then, with
+        `include_usage`, a chunk with the usage and no choices; then [DONE]."""
         extra = {"usage": None} if include_usage else {}
-        for index in range(len(requests)):
-            opening = shape.opening(index)
-            if opening is not None:
-                yield sse({**head, "choices": [opening], **extra})
         outs: list[RequestOutput | None] = [None] * len(requests)
         steps_sent = [0] * len(requests)
         async for event in self.runs.stream(requests):
+            if outs[event.index] is None:
+                opening = shape.opening(event.index)
+                if opening is not None:
+                    yield sse({**head, "choices": [opening], **extra})
             outs[event.index] = event.output
             choice = shape.delta(event.index, event.text, event.output)
             steps = self.steps(requests[event.index], event.output, steps_sent[event.index])
@@ -300,17 +329,32 @@ class _CompletionShape(_Shape):
 
 class _ChatShape(_Shape):
     """/v1/chat/completions: `message` choices, streamed as `delta`s after one announcing
-    the assistant's role."""
+    the assistant's role. With tools, the calls an output holds are read out of its text
+    (`tools.read`) into `tool_calls` (finish_reason "tool_calls"); a stream holds back what
+    may still become a call and sends each call whole once read."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, decode: Callable[[int], str], tools: ToolRequest | None = None) -> None:
+        super().__init__(decode)
+        self.tools = tools
+        self.calls_sent: dict[int, int] = {}  # choice -> tool calls sent
+
     def choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
         entries = out.outputs[0].logprobs
+        reason = out.outputs[0].finish_reason
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        if self.tools is not None:
+            parsed = self.tools.read(out.text)
+            if parsed.calls:
+                message["content"] = parsed.content if parsed.content.strip() else None
+                message["tool_calls"] = [c.as_openai(_call_id()) for c in parsed.calls]
+                reason = _calls_reason(reason)
         return {
             "index": index,
-            "message": {"role": "assistant", "content": out.text},
-            "finish_reason": out.outputs[0].finish_reason,
+            "message": message,
+            "finish_reason": reason,
             "logprobs": None if entries is None else chat_logprobs(entries, self.decode),
         }
 
@@ -321,12 +365,44 @@ class _ChatShape(_Shape):
     def delta(self, index: int, text: str, out: RequestOutput) -> dict[str, Any]:
         entries = self.new_logprobs(index, out)
         logprobs = None if entries is None else chat_logprobs(entries, self.decode)
-        return {
-            "index": index,
-            "delta": {"content": text} if text else {},
-            "finish_reason": out.outputs[0].finish_reason,
-            "logprobs": logprobs,
-        }
+        reason = out.outputs[0].finish_reason
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if self.tools is not None:
+            delta, reason = self._tool_delta(index, out, reason)
+        return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+
+    def _tool_delta(
+        self, index: int, out: RequestOutput, reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """The delta of choice `index`'s content and calls not sent yet, read from its whole
+        text so far (trailing blanks held until more text follows), and its finish reason."""
+        assert self.tools is not None
+        parsed = self.tools.read(out.text, final=reason is not None)
+        content = parsed.content if reason is not None else parsed.content.rstrip()
+        sent, calls_sent = self.chars.get(index, 0), self.calls_sent.get(index, 0)
+        delta: dict[str, Any] = {}
+        if len(content) > sent and (content.strip() or not parsed.calls):
+            delta["content"] = content[sent:]
+            self.chars[index] = len(content)
+        new = parsed.calls[calls_sent:]
+        if new:
+            delta["tool_calls"] = [
+                {"index": calls_sent + i, **call.as_openai(_call_id())}
+                for i, call in enumerate(new)
+            ]
+            self.calls_sent[index] = len(parsed.calls)
+        if parsed.calls and reason is not None:
+            reason = _calls_reason(reason)
+        return delta, reason
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _calls_reason(reason: str | None) -> str | None:
+    """An answer that calls tools ends with "tool_calls" (OpenAI's), unless cut by length."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 async def _guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -165,10 +165,20 @@ class _Sampling(_Body):
                 "logit_bias",
             ) from None
 
-    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, choice: int = 0, rule: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
         """The engine's parameters for choice number `choice` (its seed is `seed + choice`,
-        as vLLM's), with `max_tokens` already resolved."""
+        as vLLM's), with `max_tokens` already resolved; `rule`: the tool choice's constraint
+        (400 when the body gives its own too)."""
         self.refuse_unsupported()
+        own = self.constraint()
+        if rule is not None and own is not None:
+            raise bad_request(
+                'tool_choice "required" or a named function constrains the output itself; '
+                "drop response_format, structured_outputs and guided_*",
+                "tool_choice",
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
@@ -184,7 +194,7 @@ class _Sampling(_Body):
                 num_speculative_tokens=self.num_speculative_tokens,
                 drafter=self.drafter,
                 step_events=self.step_events,
-                structured_outputs=self.constraint(),
+                structured_outputs=rule or own,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
@@ -230,10 +240,22 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(_Body):
-    """One message of a conversation: a text, or a list of text parts."""
+    """One message of a conversation: a text, or a list of text parts; an assistant's may
+    hold the `tool_calls` it made, a `tool` message answers one (`tool_call_id`)."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def as_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it (fields left unset are left out)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
     def text(self) -> str:
         """The message's text (a list of parts must hold only text parts)."""
@@ -257,14 +279,40 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+    # OpenAI's fields we do not implement, refused by name (the rest of what we do not read,
+    # e.g. `user`, `metadata`, `store`, is accepted and ignored: docs/serving.md lists it).
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        for field, instead in (
+            ("functions", "tools"),
+            ("function_call", "tool_choice"),
+            ("prediction", "a drafter (--speculative-config)"),
+            ("audio", "text"),
+        ):
+            if getattr(self, field) is not None:
+                raise bad_request(f"{field} is not supported; use {instead}", field)
+        if self.modalities not in (None, ["text"]):
+            raise bad_request(
+                f'only the "text" modality is served, got {self.modalities}', "modalities"
+            )
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.as_template() for m in self.messages]
 
 
 class TokenizeRequest(_Body):

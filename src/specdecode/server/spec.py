@@ -34,7 +34,8 @@ class ServeSpec:
     kv_cache_gib: GiB of KV cache the running batch may take.
     prefix_cache_gib: GiB of earlier sequences' keys and values kept for prompts that start
         the same way (0 = no prefix caching).
-    served_model_name, api_key, public_paths, max_body_bytes: as `ServeConfig` has them.
+    served_model_name, api_key, public_paths, max_body_bytes, tool_call_parser: as
+        `ServeConfig` has them.
     """
 
     model: str
@@ -50,6 +51,7 @@ class ServeSpec:
     api_key: str | None = None
     public_paths: tuple[str, ...] = PUBLIC_PATHS
     max_body_bytes: int = MAX_BODY_BYTES
+    tool_call_parser: str | None = None
 
     @property
     def name(self) -> str:
@@ -74,7 +76,12 @@ class ServeSpec:
             )
         )
         config = ServeConfig(
-            self.name, self.api_key, replica_id, self.public_paths, self.max_body_bytes
+            self.name,
+            self.api_key,
+            replica_id,
+            self.public_paths,
+            self.max_body_bytes,
+            self.tool_call_parser,
         )
         return llm, config
 
