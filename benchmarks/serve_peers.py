@@ -4,7 +4,7 @@ model and prompts, driven by vLLM's own load generator (`vllm bench serve`).
     python benchmarks/serve_peers.py --model qwen2.5-coder-1.5b \\
         --methods plain,draft:qwen2.5-coder-0.5b:k=3,vllm:bits=4,vllm-draft:\\
 qwen2.5-coder-0.5b:k=3:bits=4 \\
-        --concurrency 1,4,16 --prompts chat,code,qa,math --out bench_out/serve_peers
+        --concurrency 1,4,16 --prompts code,qa,math --out bench_out/serve_peers
 
 `--methods` are bench method specs (`specdecode bench --help`): ours (plain or a drafter, `q=`
 for a weight format) and vLLM's (`vllm`, `vllm-ngram`, `vllm-draft`; `bits=4`: the GPTQ
@@ -147,6 +147,9 @@ def _dataset(args: argparse.Namespace, out: Path) -> tuple[Path, int]:
         for b in group
         if len(b.messages) == 1 and b.messages[0]["role"] == "user"
     ]
+    skipped = sum(len(group) for group in sets) - len(rows)
+    if skipped:
+        print(f"{skipped} prompts are conversations, which vllm bench serve cannot send: left out")
     path = out / "prompts.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path, len(rows)
@@ -158,7 +161,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--quantization", default="gguf", help="our methods' format (q= overrides)")
     p.add_argument("--methods", required=True, help="bench specs: ours and vllm*")
     p.add_argument("--concurrency", default="1,4,16")
-    p.add_argument("--prompts", default="chat,code,qa,math")
+    p.add_argument("--prompts", default="code,qa,math", help="sets; single messages only")
     p.add_argument("--per-set", type=int, default=8)
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=4, help="per run, at least")

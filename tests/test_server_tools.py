@@ -92,6 +92,31 @@ def test_calls_in_free_text_are_read_out_of_it(served) -> None:
     assert none.choices[0].message.content.startswith("Checking.\n<tool_call>")
 
 
+def test_langchain_and_litellm_get_the_calls(served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agent libraries as people use them: langchain's `bind_tools` and litellm's
+    `completion`, each forcing the forecast call, read it as the Python API wrote it."""
+    llm, base = served
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+    (want,) = llm.chat(MESSAGES, params, tools=TOOLS, tool_choice=FORECAST_CHOICE)
+    arguments = json.loads(want.outputs[0].tool_calls[0].arguments)
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        model="m", base_url=f"{base}/v1", api_key="none", temperature=0, max_tokens=96
+    )
+    answer = chat.bind_tools(TOOLS, tool_choice="forecast").invoke(MESSAGES[0]["content"])
+    assert [(c["name"], c["args"]) for c in answer.tool_calls] == [("forecast", arguments)]
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list
+    import litellm
+
+    reply = litellm.completion(
+        model="openai/m", api_base=f"{base}/v1", api_key="none", messages=MESSAGES,
+        tools=TOOLS, tool_choice=FORECAST_CHOICE, temperature=0, max_tokens=96,
+    )  # fmt: skip
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "forecast" and json.loads(call.function.arguments) == arguments
+
+
 def test_a_history_of_calls_and_results_is_rendered(served) -> None:
     _, base = served
     history = [
