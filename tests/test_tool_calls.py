@@ -26,6 +26,7 @@ from specdecode.tool_calls.parsers import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,
+    Parsed,
     parser_name,
 )
 from specdecode.tool_calls.request import tool_request
@@ -54,6 +55,9 @@ def test_hermes_calls_and_the_text_around_them() -> None:
     [
         (HermesParser(), 'Sure: <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call> ok'),
         (HermesParser(), "a < b, and <tool_ is not <tool_call> closed"),
+        (HermesParser(frozenset({"now"})), '```json\n{"name": "now", "arguments": {}}\n```'),
+        (HermesParser(frozenset({"now"})), '{"name": "later", "arguments": {}}'),
+        (HermesParser(frozenset({"now"})), "```python\nprint(1)\n```"),
         (Llama3JsonParser(), '<|python_tag|>{"name": "now", "parameters": {"a": 1}}'),
         (Llama3JsonParser(), "The answer is {1, 2}."),
         (MistralParser(), 'Here [TOOL_CALLS][{"name": "now", "arguments": {}}]'),
@@ -69,6 +73,21 @@ def test_a_stream_sends_content_that_stays_and_no_call_early(parser, text: str) 
         partial = parser.parse(text[:cut], final=False)
         assert final.content.startswith(partial.content), (cut, partial.content)
         assert final.calls[: len(partial.calls)] == partial.calls
+
+
+def test_a_call_without_its_tags_is_read_only_when_it_is_the_whole_answer() -> None:
+    """Small models often answer with the call's JSON alone (bare or fenced): read as a call
+    of an offered function; another name, or JSON inside other text, stays content."""
+    hermes = HermesParser(frozenset({"now", "forecast"}))
+    call = '{"name": "forecast", "arguments": {"days": 2}}'
+    assert hermes.parse(f"\n```json\n{call}\n```", True) == Parsed(
+        "", (ToolCall("forecast", '{"days": 2}'),)
+    )
+    assert hermes.parse(call, True).calls == (ToolCall("forecast", '{"days": 2}'),)
+    unknown = '{"name": "rm", "arguments": {}}'
+    assert hermes.parse(unknown, True) == Parsed(unknown)
+    assert hermes.parse(f"Here: {call}", True) == Parsed(f"Here: {call}")
+    assert HermesParser().parse(call, True) == Parsed(call)  # no names offered: no guessing
 
 
 def test_llama3_mistral_and_the_constrained_formats() -> None:

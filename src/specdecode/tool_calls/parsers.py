@@ -2,7 +2,10 @@
 (vLLM's `--tool-call-parser` names), and out of the constrained formats of `tools.constraint`.
 
 - hermes (Qwen2.5, Qwen3, Hermes, ...): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n
-  </tool_call>` blocks, anywhere in the text; the text around them is the content.
+  </tool_call>` blocks, anywhere in the text; the text around them is the content. Small
+  models often leave the tags out and answer with the call's JSON alone, bare or in a
+  ```json fence (Qwen2.5-Coder-1.5B in gguf does on all 10 of the bench's tools prompts): a
+  whole answer that is such a call (or several) of an offered function is read as one too.
 - llama3_json (Llama 3.1+): the whole output is one or more `{"name": ..., "parameters":
   {...}}` objects (`;`-separated), optionally after `<|python_tag|>`.
 - mistral: `[TOOL_CALLS]` followed by a JSON array of `{"name", "arguments"}` objects; the text
@@ -64,9 +67,13 @@ def _partial_marker(text: str, marker: str) -> int:
 
 
 class ToolParser(ABC):
-    """Reads the calls out of one format's text (module docstring)."""
+    """Reads the calls out of one format's text (module docstring); `names`: the functions
+    offered (a format that guesses reads only calls of these)."""
 
     name: ClassVar[str]
+
+    def __init__(self, names: frozenset[str] = frozenset()) -> None:
+        self.names = names
 
     @abstractmethod
     def parse(self, text: str, final: bool) -> Parsed:
@@ -77,7 +84,13 @@ class HermesParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
+    FENCE = "```json"
+
     def parse(self, text: str, final: bool) -> Parsed:
+        if self.OPEN not in text and self.names:
+            bare = self._bare(text.strip(), final)
+            if bare is not None:
+                return bare
         content: list[str] = []
         calls: list[ToolCall] = []
         at = 0
@@ -109,6 +122,19 @@ class HermesParser(ToolParser):
             return _call(json.loads(body))
         except json.JSONDecodeError:
             return None
+
+    def _bare(self, body: str, final: bool) -> Parsed | None:
+        """A whole answer that is a call's JSON without the tags (bare or fenced), or, while
+        not final, may still become one (held); None: read it the usual way."""
+        if not final:
+            maybe = body.startswith(("{", self.FENCE)) or self.FENCE.startswith(body)
+            return Parsed("") if maybe and body else None
+        if body.startswith(self.FENCE) and body.endswith("```"):
+            body = body[len(self.FENCE) : -3].strip()
+        calls = _objects(body, ("arguments", "parameters")) if body.startswith("{") else ()
+        if calls and all(c.name in self.names for c in calls):
+            return Parsed("", calls)
+        return None
 
 
 class Llama3JsonParser(ToolParser):
@@ -160,6 +186,7 @@ class ArgumentsParser(ToolParser):
     name = "named"
 
     def __init__(self, function: str) -> None:
+        super().__init__(frozenset({function}))
         self.function = function
 
     def parse(self, text: str, final: bool) -> Parsed:

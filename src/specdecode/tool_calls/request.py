@@ -87,7 +87,7 @@ def tool_request(
         assert choice.name is not None
         reader = ArgumentsParser(choice.name)
     elif choice.mode == "required":
-        reader = CallArrayParser()
+        reader = CallArrayParser(frozenset(t.name for t in offered))
     elif choice.mode == "auto":
         name = parser_name(template, parser)
         if name is None:
@@ -96,5 +96,5 @@ def tool_request(
                 f"{', '.join(PARSERS)}); name one (--tool-call-parser / tool_call_parser=), or "
                 'ask for tool_choice "required" or a named function, which need none'
             )
-        reader = PARSERS[name]()
+        reader = PARSERS[name](frozenset(t.name for t in offered))
     return ToolRequest(offered, choice, parallel, reader)
