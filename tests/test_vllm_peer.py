@@ -169,7 +169,7 @@ def test_vllm_peers_run_on_the_real_model(
     if not python.is_file():
         pytest.skip("no vLLM venv (make vllm-peer)")
     monkeypatch.setenv(vllm_peer.PYTHON_VARIABLE, str(python))
-    methods = "plain,vllm,vllm-ngram:k=4,vllm-draft:smollm2-135m:k=2,vllm:bits=4"
+    methods = "plain,vllm,vllm-ngram:k=4,vllm-suffix:k=4,vllm-draft:smollm2-135m:k=2,vllm:bits=4"
     report = run_bench(peer_config("smollm2-135m", methods, ("qa",), 16, "auto"), log=False)
     assert report["skipped"] == []
     runs = {r.method: r for r in report["runs"]}
@@ -178,4 +178,5 @@ def test_vllm_peers_run_on_the_real_model(
     exact = {n: m["exactness"] for n, m in report["summary"]["methods"].items()}
     assert exact["vllm-draft:smollm2-135m:k=2"]["versus"] == "vllm"
     assert exact["vllm-draft:smollm2-135m:k=2"]["share_identical"] == 1.0
+    assert exact["vllm-suffix:k=4"]["share_identical"] == 1.0
     assert exact["vllm:bits=4"]["versus"] == "plain"  # its 4-bit GPTQ checkpoint ran
