@@ -175,6 +175,57 @@ def build_tiny_eagle3_head(
     return out
 
 
+def build_tiny_mtp(model_dir: Path, out: Path, layout: str = "deepseek_v3", seed: int = 0) -> Path:
+    """Save an untrained MTP layer for the tiny model in `model_dir` into folder `out` (once),
+    named as the checkpoints of `layout` (`heads.mtp.LAYOUTS`) name theirs: the model's
+    config.json with `num_nextn_predict_layers` 1, and a model.safetensors holding the layer
+    alone. Its weights are the model's own, perturbed: its block the model's first block with
+    noise, its projection passing the next token's embedding on (plus noise) and mixing in the
+    state at random, its output norm the model's at a fifth of its scale (and DeepSeek-V3's own
+    `shared_head.head` the model's head). So its q resembles the target's p in part (drafts
+    are accepted at times, not always) and is flatter than p (a verifier that treats q as
+    one-hot shows in `certify`)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from specdecode.heads.mtp import LAYOUTS, OWN_HEAD
+    from specdecode.model.config import ModelConfig
+
+    if (out / "config.json").is_file():
+        return out
+    cfg = ModelConfig.from_folder(model_dir)
+    lay = next(lay for lay in LAYOUTS if lay.name == layout)
+    block, parts = lay.names(cfg.num_layers)
+    gen = torch.Generator().manual_seed(seed)
+    h = cfg.hidden_size
+
+    def noisy(t: torch.Tensor, scale: float = 0.2) -> torch.Tensor:
+        return t.float() + scale * t.float().std() * torch.randn(t.shape, generator=gen)
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as own:
+        model = {name: own.get_tensor(name) for name in own.keys()}  # noqa: SIM118
+    tensors = {
+        block + name.removeprefix("model.layers.0."): noisy(t)
+        for name, t in model.items()
+        if name.startswith("model.layers.0.")
+    }
+    tensors[parts["embed_norm"]] = 1.0 + 0.1 * torch.randn(h, generator=gen)
+    tensors[parts["hidden_norm"]] = 1.0 + 0.1 * torch.randn(h, generator=gen)
+    mix = torch.randn(h, h, generator=gen) * 0.3 * h**-0.5
+    passed = torch.eye(h) + torch.randn(h, h, generator=gen) * 0.1 * h**-0.5
+    halves = (mix, passed) if lay.hidden_first else (passed, mix)
+    tensors[parts["proj"]] = torch.cat(halves, dim=1)  # [h, 2h]
+    tensors[parts["out_norm"]] = model["model.norm.weight"].float() * 0.2  # q flatter than p
+    if OWN_HEAD in parts:
+        head = model.get("lm_head.weight", model["model.embed_tokens.weight"])
+        tensors[parts[OWN_HEAD]] = head.float()
+    out.mkdir(parents=True)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return out
+
+
 def build_tiny_exit_head(
     model_dir: Path,
     out: Path,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import build_tiny_eagle3_head, build_tiny_exit_head
+from conftest import build_tiny_eagle3_head, build_tiny_exit_head, build_tiny_mtp
 from test_cross_tokenizer import build_tiny_cross_draft
 
 
@@ -32,6 +32,10 @@ def example_config(method: str, model_dir: Path) -> dict[str, object]:
             "model": str(
                 build_tiny_eagle3_head(model_dir, model_dir / "eagle3_parallel", parallel_tokens=3)
             ),
+            "num_speculative_tokens": 3,
+        },
+        "mtp": {
+            "model": str(build_tiny_mtp(model_dir, model_dir / "mtp")),
             "num_speculative_tokens": 3,
         },
         **{

@@ -373,7 +373,7 @@ def test_llama3_scaling_keeps_slows_and_blends_the_three_bands() -> None:
         ),
         (
             {"model_type": "gemma"},
-            "supported: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3",
+            "supported: llama, mistral, qwen2, mimo, qwen3, gemma2, gemma3_text, phi3",
         ),
         ({"model_type": "gemma2", "attn_logit_softcapping": 0.0}, "attn_softcap must be > 0"),
         ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),

@@ -39,7 +39,7 @@ def _entries(text: str) -> dict[str, str]:
     name = None
     for line in text.splitlines():
         if re.match(r"^  \S", line) and not line.startswith("  -"):
-            name = line.split()[0].split(":")[0]
+            name = re.split(r"[:\[]", line.split()[0])[0]
             entries[name] = line.strip()
         elif name is not None and line.startswith("      "):
             entries[name] += " " + line.strip()
@@ -55,7 +55,8 @@ def test_help_names_every_registered_key_and_peer(bench_help: str) -> None:
         entry = entries.get(bench_name)
         assert entry is not None, f"bench --help has no entry for {bench_name!r}"
         assert f"({method.name})" in entry
-        assert entry.startswith(f"{bench_name}:MODEL:k=" if method.model_field else bench_name)
+        model = ":MODEL" if method.model_required else "[:MODEL]" if method.model_field else ""
+        assert entry.startswith(f"{bench_name}{model}:k=")
         for key, field in method.bench_options.items():
             assert f":{key}=" in entry, f"{bench_name}'s key {key!r} is missing from the help"
             assert f"{key}={field}" in flat, f"the help does not say {key!r} sets {field}"

@@ -153,7 +153,9 @@ class LLM:
 
     def _build_drafter(self, config: DrafterConfig) -> Drafter:
         """The drafter `config` describes, on this LLM's target (draft models shared)."""
-        context = DrafterContext(self.model, self.tokenizer, self._load_draft_model)
+        context = DrafterContext(
+            self.model, self.tokenizer, self._load_draft_model, self.model_path
+        )
         return build_drafter(config, context)
 
     def _use_drafter(

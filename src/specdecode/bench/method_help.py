@@ -85,10 +85,11 @@ def _default(spec: _Key) -> str | None:
 
 def our_spec(method: DrafterMethod) -> str:
     """`method`'s grammar: "draft:MODEL:k=K [:dq=none|int8|int4|gguf] [:w=1] ..."."""
-    head = [method.bench_name] + (["MODEL"] if method.model_field is not None else [])
+    head = [method.bench_name] + (["MODEL"] if method.model_required else [])
     head.append("k=K")
+    optional = "[:MODEL]" if method.model_field is not None and not method.model_required else ""
     rest = [f"[:{key}={option_value(method, key)}]" for key in method.bench_options if key != "k"]
-    return " ".join([":".join(head), *rest])
+    return " ".join([head[0] + optional + ":" + ":".join(head[1:]), *rest])
 
 
 def kind_spec(name: str, kind: Kind) -> str:

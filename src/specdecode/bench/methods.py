@@ -206,16 +206,17 @@ class MethodSpec:
         ours = kind in OURS
         if ours:
             takes_model = OURS[kind].model_field is not None
+            needs_model = OURS[kind].model_required
             allowed, required = frozenset(OURS[kind].bench_options), frozenset({"k"})
         else:
-            takes_model = KINDS[kind].takes_model
+            takes_model = needs_model = KINDS[kind].takes_model
             allowed = frozenset(KINDS[kind].options)
             required = frozenset(k for k, v in KINDS[kind].options.items() if v is None)
         model = None
-        if takes_model:
-            if not fields or "=" in fields[0] or not fields[0]:
-                raise UserError(f"method {kind!r} needs a model: {kind}:MODEL:k=4, got {text!r}")
+        if takes_model and fields and fields[0] and "=" not in fields[0]:
             model, *fields = fields
+        elif needs_model:
+            raise UserError(f"method {kind!r} needs a model: {kind}:MODEL:k=4, got {text!r}")
         options: dict[str, bool | int | float | str] = {}
         quantization = None
         constrained = kind not in PEER_OF
@@ -337,7 +338,7 @@ def _drafter_config(
     """The registry's validated config (and draft length) for our speculative method `kind`."""
     method = OURS[kind]
     cfg: dict[str, Any] = {"method": method.name}
-    if method.model_field is not None:
+    if method.model_field is not None and model is not None:
         cfg[method.model_field] = model
     cfg.update({method.bench_options[key]: value for key, value in options.items()})
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Protocol
 
 import torch
@@ -115,6 +116,10 @@ class ModelDrafterConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise UserError(f"{self.WHAT} needs 'model' (alias or path), got {self.model!r}")
+        self.check_drafting()
+
+    def check_drafting(self) -> None:
+        """Refuse a bad num_speculative_tokens, tree shape or quantization."""
         check_draft_length(self.num_speculative_tokens)
         check_tree_shape(self.tree_width, self.tree_depth, self.num_speculative_tokens)
         if self.quantization is not None:
@@ -302,11 +307,13 @@ class DrafterContext:
     tokenizer: the target's tokenizer (EOS ids, the vocabulary a draft model must share).
     load_model: (name, weight format or None for the target's) -> a loaded model and its
         tokenizer; the caller shares loaded models between drafters.
+    target_path: the target's model folder (None: a target built in memory).
     """
 
     target: Transformer
     tokenizer: Tokenizer
     load_model: Callable[[str, str | None], tuple[Transformer, Tokenizer]]
+    target_path: Path | None = None
 
 
 def check_drafter(drafter: object, num_layers: int) -> None:

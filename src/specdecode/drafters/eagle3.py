@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -49,7 +49,8 @@ from specdecode.drafters.base import (
 )
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, reduced_log_confidence
 from specdecode.errors import UserError
-from specdecode.heads.eagle3 import Eagle3Head, load_eagle3_head, mask_token
+from specdecode.heads.eagle3 import load_eagle3_head, mask_token
+from specdecode.model.rope import Rotary
 from specdecode.sampling.argmax import argmax
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
@@ -87,6 +88,40 @@ def build_eagle3_drafter(config: Eagle3Config, context: DrafterContext) -> Draft
     return Eagle3Drafter(head, config.num_speculative_tokens, config.tree_width, config.tree_depth)
 
 
+class StateHead(Protocol):
+    """What the drafter drives: a one-layer head over the target's states (`Eagle3Head`, or a
+    checkpoint's MTP layer, `heads.mtp.MtpHead`).
+
+    kind: its name in messages. feature_layers: the target states it reads
+    (`DrafterNeeds.hidden_layers`). vocab_size: the target's. draft_to_target: [Vd] target id
+    of each row of its logits. rotary: its RoPE tables (their length bounds the positions).
+    fuse: target states -> its input feature. Calling it runs entries (tokens, features, meta,
+    cache, logits_index) -> (logits [B, N, Vd], the feature a drafted next entry reads).
+    """
+
+    kind: str
+    feature_layers: tuple[int, ...]
+    vocab_size: int
+    draft_to_target: Tensor
+    rotary: Rotary
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache: ...
+
+    def fuse(self, features: Tensor) -> Tensor: ...
+
+    def __call__(
+        self,
+        tokens: Tensor,
+        hidden: Tensor,
+        meta: AttentionMetadata,
+        cache: KVCache,
+        logits_index: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]: ...
+
+
 @dataclass
 class HeadRow:
     """One sequence's head state: its cache (made at its first draft) and the target states
@@ -103,7 +138,8 @@ class HeadRow:
 
 
 class Eagle3Drafter(DrafterBase):
-    """Proposes up to K tokens per sequence with an EAGLE-3 head (module docstring).
+    """Proposes up to K tokens per sequence with an EAGLE-3 head (module docstring), or any
+    `StateHead` fed the same way (a checkpoint's MTP layer: `drafters.mtp`).
 
     Args:
         head: the loaded head (for the target whose states it reads).
@@ -114,7 +150,7 @@ class Eagle3Drafter(DrafterBase):
 
     def __init__(
         self,
-        head: Eagle3Head,
+        head: StateHead,
         num_speculative_tokens: int,
         tree_width: int = 1,
         tree_depth: int | None = None,
@@ -122,11 +158,11 @@ class Eagle3Drafter(DrafterBase):
         check_draft_length(num_speculative_tokens)
         check_tree_shape(tree_width, tree_depth, num_speculative_tokens)
         self.head = head
-        self.needs = DrafterNeeds(hidden_layers=head.config.aux_layers)
+        self.needs = DrafterNeeds(hidden_layers=head.feature_layers)
         self.num_speculative_tokens = num_speculative_tokens
         self.tree_width = tree_width
         self.tree_depth = tree_depth or num_speculative_tokens
-        self.vocab_size = head.config.layer.vocab_size
+        self.vocab_size = head.vocab_size
         self._draft_ids = head.draft_to_target.cpu()  # [Vd] draft row -> target id (host)
         self._rows: dict[str, HeadRow] = {}
 
@@ -158,8 +194,8 @@ class Eagle3Drafter(DrafterBase):
         if features.start + len(features.hidden) > row.known:
             if features.start > row.known:
                 raise ValueError(
-                    f"eagle3: target states for tokens {row.known}..{features.start - 1} of "
-                    f"request {seq.request_id} never arrived"
+                    f"{self.head.kind}: target states for tokens {row.known}.."
+                    f"{features.start - 1} of request {seq.request_id} never arrived"
                 )
             row.pending.append(features.hidden[row.known - features.start :])
 
@@ -230,9 +266,9 @@ class Eagle3Drafter(DrafterBase):
         ids = seq.token_ids
         if row.known != len(ids) - 1 or not row.pending:
             raise ValueError(
-                f"eagle3: request {seq.request_id} has {len(ids)} tokens but target states for "
-                f"{row.known} and {sum(len(p) for p in row.pending)} new ones; the engine gives "
-                "the states of every committed token but the last"
+                f"{self.head.kind}: request {seq.request_id} has {len(ids)} tokens but target "
+                f"states for {row.known} and {sum(len(p) for p in row.pending)} new ones; the "
+                "engine gives the states of every committed token but the last"
             )
         head, device = self.head, self.head.device
         fused = head.fuse(torch.cat(row.pending).to(device))  # [n, h]

@@ -29,6 +29,7 @@ from specdecode.drafters.eagle3_parallel import (
 from specdecode.drafters.layer_skip import LayerSkipConfig, build_layer_skip_drafter
 from specdecode.drafters.lookahead import LookaheadConfig, build_lookahead_drafter
 from specdecode.drafters.medusa import MedusaConfig, build_medusa_drafter
+from specdecode.drafters.mtp import MtpConfig, build_mtp_drafter
 from specdecode.drafters.ngram import NgramConfig, build_ngram_drafter
 from specdecode.drafters.suffix import SuffixConfig, build_suffix_drafter
 from specdecode.errors import UserError
@@ -54,6 +55,15 @@ class DrafterMethod:
     bench_name: str
     bench_options: Mapping[str, str]
     model_field: str | None = None
+
+    @property
+    def model_required(self) -> bool:
+        """Whether a bench spec must give MODEL (its config field has no default; "mtp"'s
+        defaults to the target's own folder)."""
+        if self.model_field is None:
+            return False
+        field = next(f for f in dataclasses.fields(self.config) if f.name == self.model_field)
+        return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
 
 
 # bench spec options of the trained heads (HEAD is the positional folder)
@@ -144,6 +154,7 @@ DRAFTERS: dict[str, DrafterMethod] = {
                 ("eagle3_parallel", Eagle3ParallelConfig, build_eagle3_parallel_drafter),
                 ("medusa", MedusaConfig, build_medusa_drafter),
                 ("layer_skip", LayerSkipConfig, build_layer_skip_drafter),
+                ("mtp", MtpConfig, build_mtp_drafter),
             )
         ),
     )

@@ -148,6 +148,19 @@ class Eagle3Head(nn.Module):
             dtype=self.norm.weight.dtype,
         )
 
+    kind = "eagle3"
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs the head reads (`Transformer.forward`'s
+        `hidden_layers`)."""
+        return self.config.aux_layers
+
+    @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary size."""
+        return self.config.layer.vocab_size
+
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype

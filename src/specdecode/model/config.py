@@ -61,6 +61,8 @@ ARCHITECTURES = {
     "llama": Architecture("LlamaForCausalLM"),  # Llama 2, 3.x (RoPE scaling "llama3"), SmolLM2
     "mistral": Architecture("MistralForCausalLM", windows="all"),  # Llama's block
     "qwen2": Architecture("Qwen2ForCausalLM", qkv_bias=True, windows="from_max_window_layers"),
+    # MiMo-7B: Qwen2's decoder, with an MTP layer (`heads.mtp`) the "mtp" method drafts with
+    "mimo": Architecture("MiMoForCausalLM", qkv_bias=True, windows="from_max_window_layers"),
     "qwen3": Architecture("Qwen3ForCausalLM", qk_norm=True, windows="from_max_window_layers"),
     "gemma2": Architecture("Gemma2ForCausalLM", gemma=True, windows="pattern", global_every=2),
     "gemma3_text": Architecture(

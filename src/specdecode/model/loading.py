@@ -59,14 +59,20 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
-    per_layer = list(LAYER_TENSORS)
-    if cfg.qkv_bias:
-        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-    if cfg.qk_norm:
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    if cfg.gemma:
-        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
+    per_layer = layer_tensor_names(cfg)
     names += [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer]
+    return names
+
+
+def layer_tensor_names(cfg: ModelConfig) -> list[str]:
+    """Names of one decoder block's tensors (under its `model.layers.<i>.`), biases included."""
+    names = list(LAYER_TENSORS)
+    if cfg.qkv_bias:
+        names += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if cfg.qk_norm:
+        names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if cfg.gemma:
+        names += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     return names
 
 
