@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -939,3 +940,25 @@ def test_llamacpp_peers_run_on_the_real_gguf(smollm2_dir: Path) -> None:
     assert all(0 <= t < 49152 for r in runs.values() for t in r.token_ids)
     assert all(median_itl_ms(r) is not None for r in runs.values())  # llama.cpp streams too
     assert [p["peer"] for p in report["summary"]["peers"]] == ["llamacpp"]  # no ngram:k=4 here
+
+
+def test_a_peers_worker_process_is_ours_not_a_foreign_load() -> None:
+    """vLLM runs in a worker process (and its engine core in a grandchild): the CPU they use
+    counts as ours, or every vLLM run would read as disturbed by another process."""
+    burn = (
+        "import os, sys\n"
+        "x = 0\n"
+        "for i in range(3_000_000): x += i\n"
+        "t = os.times(); print(t.user + t.system, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    before = machine.descendants_cpu_s()
+    child = subprocess.Popen(
+        [sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        burned = float(child.stdout.readline())
+        assert burned > 0.05
+        assert machine.descendants_cpu_s() - before >= burned - 0.02
+    finally:
+        child.communicate("")

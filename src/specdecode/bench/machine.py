@@ -59,17 +59,44 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
+def descendants_cpu_s() -> float:
+    """CPU seconds (user + system) that this process's living descendants have used: a
+    peer's worker processes (vLLM's worker and its engine core), which run on our behalf."""
+    children: dict[int, list[int]] = {}
+    used: dict[int, float] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                text = f.read()
+        except OSError:  # it ended meanwhile
+            continue
+        fields = text[text.rindex(")") + 2 :].split()  # state, ppid, ..., utime (11), stime (12)
+        pid = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        used[pid] = (int(fields[11]) + int(fields[12])) / _CLK
+    total, todo = 0.0, list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        total += used[pid]
+        todo += children.get(pid, [])
+    return total
+
+
 class ForeignLoad:
-    """CPU used by *other* processes, in cores, between `start()` and `stop()`."""
+    """CPU used by *other* processes, in cores, between `start()` and `stop()`: neither this
+    process nor its descendants (`descendants_cpu_s`)."""
 
     @staticmethod
     def _sample() -> tuple[float, float, float]:
-        """(wall s, whole-machine busy s, this process's CPU s) now."""
+        """(wall s, whole-machine busy s, this process's and its descendants' CPU s) now."""
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:]]
         busy = (sum(fields[:8]) - fields[3] - fields[4]) / _CLK  # minus idle and iowait
-        own = os.times()
-        return time.perf_counter(), busy, own.user + own.system
+        own = os.times()  # children_*: descendants that ended and were waited for
+        ours = own.user + own.system + own.children_user + own.children_system
+        return time.perf_counter(), busy, ours + descendants_cpu_s()
 
     def start(self) -> None:
         """Begin a window."""
