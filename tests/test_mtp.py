@@ -22,13 +22,19 @@ from head_cases import check_certify
 from safetensors import safe_open
 from safetensors.torch import save_file
 from spec_cases import GREEDY, PROMPTS, FakeSeq
+from train_cases import chat_prompts, examples, train_config
 
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.drafters.eagle3 import Eagle3Drafter
 from specdecode.errors import UserError
 from specdecode.heads.mtp import load_mtp_head
 from specdecode.llm import LLM
+from specdecode.model.config import ModelConfig
 from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
+from specdecode.train.init import target_output
+from specdecode.train.mtp_model import TrainableMtp, initial_mtp_weights, target_config_json
+from specdecode.train.trainer import train
 from specdecode.types import DraftBudget, TargetFeatures, TargetOutputs, Verdict
 
 LAYOUTS = ("deepseek_v3", "qwen3_next", "mimo")
@@ -166,8 +172,6 @@ def test_each_layout_drafts_what_the_published_equations_give(
 
 
 def _prefill(head, n: int):
-    from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
-
     meta = AttentionMetadata.contiguous(AttentionMode.PREFILL, [0], [n], head.device)
     return meta, head.new_cache(1, n)
 
@@ -246,3 +250,80 @@ def test_a_folder_without_an_mtp_layer_or_of_another_model_is_refused(
         _mtp(tiny_model_dir, layer)
     with pytest.raises(UserError, match="'model' must be a folder's path"):
         _mtp(tiny_model_dir, None, model="")
+
+
+def test_the_trainable_layer_equals_the_inference_layer(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """TTT step j of `train --method mtp`'s module gives, for the last committed entry, the
+    logits (over the draft vocabulary) the drafter computes for its (j + 1)-th token, once
+    saved and loaded as a DeepSeek-V3-named layer (fp32)."""
+    target = load_model(tiny_model_dir, dtype="float32")
+    cfg = target.config
+    ids = torch.arange(0, cfg.vocab_size, 3)  # a draft vocabulary of every third token
+    weights = initial_mtp_weights(cfg, tiny_model_dir, ids, "target", 0)
+    rows = target_output(tiny_model_dir, ids)[0]
+    trainable = TrainableMtp(
+        cfg, weights, target.embed_tokens.weight, rows, target_config_json(tiny_model_dir)
+    )
+    with torch.no_grad():  # not the saved form's starting point: train-like weights
+        for param in trainable.parameters():
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    trainable.save(tmp_path / "layer", trainable.head_weights(), {"steps": 0})
+    head = load_mtp_head(tmp_path / "layer", target, None)
+    assert head.layout.name == "deepseek_v3" and head.own_head is None
+    tokens = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    meta = AttentionMetadata.prefill([20], "cpu")
+    _, states = target(tokens, meta, target.new_cache(1, 20), hidden_layers=(cfg.num_layers,))
+    with torch.no_grad():
+        steps = [trainable.logits(h) for h in trainable(states, tokens, 3)]
+    n = 12  # committed entries 0..11
+    cache = head.new_cache(1, 32)
+    logits, out = head(
+        tokens[:, 1 : n + 1], states[:, :n], AttentionMetadata.prefill([n], "cpu"), cache
+    )
+    torch.testing.assert_close(logits[0][:, ids], steps[0][0, :n], atol=1e-5, rtol=1e-5)
+    out = out[:, -1:]
+    for j in (1, 2):
+        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [n + j - 1], [1], "cpu")
+        logits, out = head(tokens[:, n + j : n + j + 1], out, meta, cache)
+        torch.testing.assert_close(logits[0, 0, ids], steps[j][0, n - 1], atol=1e-5, rtol=1e-5)
+
+
+def test_training_a_layer_helps_and_it_drafts_losslessly(tmp_path: Path) -> None:
+    """`train --method mtp` on a tiny Llama: the loss falls and agreement rises, and the saved
+    folder drafts through method "mtp" with output equal to plain decoding, its drafts
+    accepted far more often than its starting point's."""
+    model_dir = build_tiny_model(tmp_path / "target", "llama")
+    out = tmp_path / "layer"
+    train(
+        train_config(model_dir, out, method="mtp"), examples(200), examples(4, 1000), progress=False
+    )
+    log = json.loads((out / "train_log.json").read_text())
+    first, last = log["history"][0], log["history"][-1]
+    assert last["loss"] < first["loss"] - 0.3 and last["agree_0"] > first["agree_0"]
+    prompts = chat_prompts(model_dir, examples(6, 2000))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(model_dir), dtype="float32").generate(prompts, params)]
+    untrained = tmp_path / "untrained"  # its starting point ("random"), saved the same way
+    cfg = ModelConfig.from_folder(model_dir)
+    ids = torch.arange(cfg.vocab_size)
+    start = TrainableMtp(
+        cfg,
+        initial_mtp_weights(cfg, model_dir, ids, "random", 0),
+        torch.zeros(cfg.vocab_size, cfg.hidden_size),  # the embedding: read in training only
+        target_output(model_dir, ids)[0],
+        target_config_json(model_dir),
+    )
+    start.save(untrained, start.head_weights(), {})
+    rates = []
+    for layer in (untrained, out):
+        outs = _mtp(model_dir, layer).generate(prompts, params)
+        assert [o.token_ids for o in outs] == plain
+        drafted = sum(o.metrics.spec.num_draft_tokens for o in outs)
+        rates.append(sum(o.metrics.spec.num_accepted_tokens for o in outs) / drafted)
+    print(
+        f"loss {first['loss']:.3f} -> {last['loss']:.3f}, agree_0 {first['agree_0']:.3f} -> "
+        f"{last['agree_0']:.3f}, acceptance {rates}"
+    )
+    assert rates[1] > rates[0] + 0.1, rates

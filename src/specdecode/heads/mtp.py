@@ -24,12 +24,14 @@ attention) does not load here, while MiMo-7B (a Qwen2 decoder) does.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from specdecode.cache.attention_metadata import AttentionMetadata
@@ -46,6 +48,7 @@ from specdecode.model.transformer import HEAD_FORMAT, Block, Transformer, at_pos
 PARTS = ("embed_norm", "hidden_norm", "proj", "out_norm")
 OWN_HEAD = "head"
 BLOCK = "model.layers.0."
+WEIGHTS = "model.safetensors"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,46 @@ LAYOUTS = (
 )
 
 
+DEEPSEEK_V3 = LAYOUTS[0]  # the layout `train --method mtp` writes
+
+
+def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """One decoder block's tensor names (`model.loading.layer_tensor_names`) -> shapes."""
+    h, inter, dim = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * dim, cfg.num_kv_heads * dim
+    shapes = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (dim,),
+        "self_attn.k_norm.weight": (dim,),
+        "pre_feedforward_layernorm.weight": (h,),
+        "post_feedforward_layernorm.weight": (h,),
+    }
+    return {name: shapes[name] for name in layer_tensor_names(cfg)}
+
+
+def save_mtp_folder(
+    path: Path, config: Mapping[str, object], tensors: Mapping[str, Tensor]
+) -> None:
+    """Write an MTP layer as a folder method "mtp" reads (`"model": path`): `config` (the
+    target's config.json, with `num_nextn_predict_layers` 1) and `tensors` (the layer's, under
+    a layout's names) as model.safetensors."""
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, str(path / WEIGHTS))
+    text = json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2)
+    (path / "config.json").write_text(text + "\n")
+
+
 def find_layout(names: set[str], num_layers: int) -> MtpLayout | None:
     """The layout whose projection `names` (a checkpoint's tensor names) hold, or None."""
     for layout in LAYOUTS:
@@ -184,8 +227,10 @@ def read_mtp_weights(path: Path, cfg: ModelConfig) -> tuple[MtpLayout, dict[str,
                 weights[canonical] = tensors.get_tensor(name)
     h = cfg.hidden_size
     expected = {part: (h,) for part in PARTS} | {"proj": (h, 2 * h), OWN_HEAD: (cfg.vocab_size, h)}
+    expected |= {BLOCK + name: shape for name, shape in block_shapes(cfg).items()}
+    named = {canonical: checkpoint for checkpoint, canonical in wanted.items()}
     wrong = [
-        f"{parts[part]} {tuple(weights[part].shape)} (needs {shape})"
+        f"{named[part]} {tuple(weights[part].shape)} (needs {shape})"
         for part, shape in expected.items()
         if part in weights and tuple(weights[part].shape) != shape
     ]

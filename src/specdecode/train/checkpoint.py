@@ -15,7 +15,7 @@ from specdecode.errors import UserError
 from specdecode.model.loading import parse_dtype
 from specdecode.train.compute import head_compute_dtype, training_device
 from specdecode.train.config import TrainConfig
-from specdecode.train.eagle3_model import TrainableEagle3
+from specdecode.train.eagle3_model import TrainableStateHead
 from specdecode.train.exit_model import TrainableExitHead
 from specdecode.train.objective import Evaluation
 
@@ -49,7 +49,7 @@ def load_checkpoint(config: TrainConfig) -> dict | None:
 
 def save_checkpoint(
     path: Path,
-    head: TrainableEagle3 | TrainableExitHead,
+    head: TrainableStateHead | TrainableExitHead,
     optimizer: torch.optim.Optimizer,
     state: TrainState,
     draft_ids: Tensor,
@@ -71,7 +71,7 @@ def save_checkpoint(
 
 def save_head(
     config: TrainConfig,
-    head: TrainableEagle3 | TrainableExitHead,
+    head: TrainableStateHead | TrainableExitHead,
     state: TrainState,
     ev: Evaluation,
     computed: int,

@@ -11,7 +11,7 @@ from specdecode.model.quant import parse_quantization
 from specdecode.train.compute import HEAD_DTYPES
 from specdecode.train.init import INITS
 
-METHODS = ("eagle3", "eagle3_parallel", "medusa", "layer_skip")
+METHODS = ("eagle3", "eagle3_parallel", "medusa", "layer_skip", "mtp")
 EAGLE3 = ("eagle3", "eagle3_parallel")
 RESPONSES = ("dataset", "target")
 
@@ -21,8 +21,8 @@ class TrainConfig:
     """What `specdecode train` does (its flags, one to one).
 
     model: the target (alias, folder or .gguf). out: the head's folder.
-    method: "eagle3", "eagle3_parallel" (drafts `unroll` tokens in one pass), "medusa" or
-        "layer_skip".
+    method: "eagle3", "eagle3_parallel" (drafts `unroll` tokens in one pass), "medusa",
+        "layer_skip" or "mtp" (an MTP layer in DeepSeek-V3's form, `train.mtp_model`).
     budget_minutes / budget_examples: stop at whichever comes first (at least one given).
     responses: "dataset" (teacher forcing on the dataset's answers) or "target" (the target
         answers each prompt greedily, up to max_answer_tokens: self-distillation, slower).

@@ -1,4 +1,5 @@
-"""A trainable EAGLE-3 head with training-time test (TTT) unrolling.
+"""A trainable EAGLE-3 head with training-time test (TTT) unrolling, on a base that a
+checkpoint-style MTP layer shares (`train.mtp_model`).
 
 The same layer as `specdecode.heads.eagle3.Eagle3Head`, in plain torch ops with fp32 master
 weights, run over whole sequences. Step 0 reads the target's fused states: column t reads
@@ -18,6 +19,7 @@ which is what the drafter's one pass holds: the newest entry, then its mask entr
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from torch import Tensor
 
 from specdecode.heads.eagle3 import LAYER, head_tensor_shapes, save_eagle3_head
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
+from specdecode.model.config import ModelConfig
 from specdecode.model.rope import base_frequencies
 from specdecode.train.head_params import HeadParameters, param_key, rms_norm
 
@@ -37,33 +40,49 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-class TrainableEagle3(HeadParameters):
-    """EAGLE-3 head parameters (speculators' names) and the TTT forward.
+class TrainableStateHead(HeadParameters, ABC):
+    """One decoder layer over (token, state) entries with EAGLE-3's TTT unrolling (module
+    docstring): the loop, the attention and the MLP that an EAGLE-3 head and an MTP layer
+    share. A subclass says what the target's states become (`_fuse`), what an entry's q/k/v
+    and residual read (`_inputs`), its logits, its saved form and the layers it reads.
 
     Args:
-        cfg: the head's shape.
-        weights: initial tensors (`head_tensor_shapes` names; "d2t" int64), copied as fp32.
+        shapes: the head's tensor names -> shapes ("d2t" included).
+        weights: initial tensors under those names, copied as fp32.
         embed: the target's token embedding ([V, h]; frozen, not saved).
+        shape: the layer's sizes (heads, key/value heads, head_dim, rms_norm_eps, rope_theta).
+        prefix: where the layer's attention and MLP tensors sit among the names.
+        parallel: a parallel head's levels (0: drafts token by token).
     """
 
-    def __init__(self, cfg: Eagle3HeadConfig, weights: Mapping[str, Tensor], embed: Tensor):
-        super().__init__(head_tensor_shapes(cfg), weights)
-        self.config = cfg
+    shift = 1  # step j of column t predicts token t + j + 2
+    gathers = True  # steps j > 0 run only for the columns the loss reads
+
+    def __init__(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        weights: Mapping[str, Tensor],
+        embed: Tensor,
+        shape: ModelConfig,
+        prefix: str,
+        parallel: int = 0,
+    ) -> None:
+        super().__init__(shapes, weights)
+        self.shape, self.prefix, self.parallel = shape, prefix, parallel
         self.register_buffer("embed", embed.detach(), persistent=False)
-        self.shift = 1  # step j of column t predicts token t + j + 2
-        self.gathers = True  # steps j > 0 run only for the columns the loss reads
-        lay = cfg.layer
-        inv = base_frequencies(lay.rope_theta, lay.head_dim)
+        inv = base_frequencies(shape.rope_theta, shape.head_dim)
         self.register_buffer("inv_freq", inv.float(), persistent=False)
 
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """The target layers whose inputs the head fuses."""
-        return self.config.aux_layers
+    @abstractmethod
+    def _fuse(self, features: Tensor) -> Tensor:
+        """The target's states [B, T, F] -> the entries' features [B, T, h]."""
 
-    def save(self, path: Path, weights: Mapping[str, Tensor], extra: dict[str, object]) -> None:
-        """Write the head folder with `weights` (`head_weights()`, cast) and `extra`."""
-        save_eagle3_head(path, self.config, weights, extra)
+    @abstractmethod
+    def _inputs(
+        self, token_embeds: Tensor, hidden: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(what q, k and v read [B, N, *], the residual stream [B, N, h]) of entries with
+        these token embeddings, features ([B, N, h]) and positions ([B, N])."""
 
     def _linear(self, x: Tensor, weight: str) -> Tensor:
         """x @ W^T (+ the bias where the head has one), W named `weight`."""
@@ -105,14 +124,14 @@ class TrainableEagle3(HeadParameters):
         causal = None
         if bool(starts.any()):
             causal = (here <= here[:, None]) & (here >= starts[..., None])  # [B, T, T]
-        fused = self._linear(features.to(self.p("fc.weight").dtype), "fc.weight")  # [B,T,h]
+        fused = self._fuse(features)  # [B, T, h]
         hidden = fused
         keys: list[Tensor] = []
         values: list[Tensor] = []
         outputs: list[Tensor] = []
         for step in range(steps):
             cols = here.expand(batch, length) if step == 0 else columns
-            if step and self.config.parallel_tokens:  # mask entries of level `step`
+            if step and self.parallel:  # mask entries of level `step`
                 token_embeds = self.p("mask_embed")[step - 1].expand(*cols.shape, -1)
                 offset = self.p("mask_hidden")[step - 1].to(fused.dtype)  # [h]
                 hidden = fused[rows, cols] + offset  # [B, A, h]: anchored at column t's feature
@@ -144,17 +163,13 @@ class TrainableEagle3(HeadParameters):
         at `positions` [B, N]), its keys and values appended to `keys` / `values`; the entries
         see step 0's entries where `seen` ([B, N, T] bool; None: step 0, plain causal) says,
         and a later step's entries also their own column's later steps (`_ttt_attention`)."""
-        lay = self.config.layer
-        eps = lay.rms_norm_eps
+        lay, at = self.shape, self.prefix
         batch, count, _ = hidden.shape
         heads, kv_heads, dim = lay.num_heads, lay.num_kv_heads, lay.head_dim
-        embeds = rms_norm(token_embeds, self.p(f"{LAYER}input_layernorm.weight"), eps)
-        normed = rms_norm(hidden, self.p(f"{LAYER}hidden_norm.weight"), eps)
-        residual = normed if self.config.norm_before_residual else hidden
-        x = torch.cat([embeds.to(normed.dtype), normed], dim=-1)  # [B, N, 2h]
-        q = self._linear(x, f"{LAYER}self_attn.q_proj.weight")
-        k = self._linear(x, f"{LAYER}self_attn.k_proj.weight")
-        v = self._linear(x, f"{LAYER}self_attn.v_proj.weight")
+        x, residual = self._inputs(token_embeds, hidden, positions)  # [B, N, *], [B, N, h]
+        q = self._linear(x, f"{at}self_attn.q_proj.weight")
+        k = self._linear(x, f"{at}self_attn.k_proj.weight")
+        v = self._linear(x, f"{at}self_attn.v_proj.weight")
         q = q.view(batch, count, heads, dim).transpose(1, 2)  # [B, H, N, D]
         k = k.view(batch, count, kv_heads, dim).transpose(1, 2)  # [B, Hkv, N, D]
         v = v.view(batch, count, kv_heads, dim).transpose(1, 2)
@@ -167,16 +182,11 @@ class TrainableEagle3(HeadParameters):
         values.append(v.repeat_interleave(group, dim=1))
         attn = self._ttt_attention(q, keys, values, seen)  # [B, H, N, D]
         attn = attn.transpose(1, 2).reshape(batch, count, heads * dim)
-        x = residual + self._linear(attn, f"{LAYER}self_attn.o_proj.weight")
-        y = rms_norm(x, self.p(f"{LAYER}post_attention_layernorm.weight"), eps)
-        gate = self._linear(y, f"{LAYER}mlp.gate_proj.weight")
-        up = self._linear(y, f"{LAYER}mlp.up_proj.weight")
-        return x + self._linear(F.silu(gate) * up, f"{LAYER}mlp.down_proj.weight")  # [B, N, h]
-
-    def logits(self, hidden: Tensor) -> Tensor:
-        """The output head over pre-norm outputs: [..., h] -> [..., Vd] logits."""
-        normed = rms_norm(hidden, self.p("norm.weight"), self.config.layer.rms_norm_eps)
-        return self._linear(normed, "lm_head.weight")
+        x = residual + self._linear(attn, f"{at}self_attn.o_proj.weight")
+        y = rms_norm(x, self.p(f"{at}post_attention_layernorm.weight"), lay.rms_norm_eps)
+        gate = self._linear(y, f"{at}mlp.gate_proj.weight")
+        up = self._linear(y, f"{at}mlp.up_proj.weight")
+        return x + self._linear(F.silu(gate) * up, f"{at}mlp.down_proj.weight")  # [B, N, h]
 
     @staticmethod
     def _ttt_attention(
@@ -201,3 +211,48 @@ class TrainableEagle3(HeadParameters):
         for s, v in enumerate(values[1:]):
             out = out + probs[..., length + s, None] * v
         return out
+
+
+class TrainableEagle3(TrainableStateHead):
+    """EAGLE-3 head parameters (speculators' names) and the TTT forward.
+
+    Args:
+        cfg: the head's shape.
+        weights: initial tensors (`head_tensor_shapes` names; "d2t" int64), copied as fp32.
+        embed: the target's token embedding ([V, h]; frozen, not saved).
+    """
+
+    def __init__(self, cfg: Eagle3HeadConfig, weights: Mapping[str, Tensor], embed: Tensor):
+        super().__init__(
+            head_tensor_shapes(cfg), weights, embed, cfg.layer, LAYER, cfg.parallel_tokens
+        )
+        self.config = cfg
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs the head fuses."""
+        return self.config.aux_layers
+
+    def save(self, path: Path, weights: Mapping[str, Tensor], extra: dict[str, object]) -> None:
+        """Write the head folder with `weights` (`head_weights()`, cast) and `extra`."""
+        save_eagle3_head(path, self.config, weights, extra)
+
+    def _fuse(self, features: Tensor) -> Tensor:
+        """fc over the target's concatenated states."""
+        return self._linear(features.to(self.p("fc.weight").dtype), "fc.weight")
+
+    def _inputs(
+        self, token_embeds: Tensor, hidden: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """q/k/v read [norm(embedding), norm(feature)] (2h); the residual starts from the
+        feature (or its norm)."""
+        eps = self.shape.rms_norm_eps
+        embeds = rms_norm(token_embeds, self.p(f"{LAYER}input_layernorm.weight"), eps)
+        normed = rms_norm(hidden, self.p(f"{LAYER}hidden_norm.weight"), eps)
+        residual = normed if self.config.norm_before_residual else hidden
+        return torch.cat([embeds.to(normed.dtype), normed], dim=-1), residual  # [B, N, 2h]
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The output head over pre-norm outputs: [..., h] -> [..., Vd] logits."""
+        normed = rms_norm(hidden, self.p("norm.weight"), self.config.layer.rms_norm_eps)
+        return self._linear(normed, "lm_head.weight")

@@ -35,11 +35,16 @@ from specdecode.train.checkpoint import TrainState, load_checkpoint
 from specdecode.train.compute import head_compute_dtype, training_device
 from specdecode.train.config import EAGLE3, TrainConfig
 from specdecode.train.data import encode_example
-from specdecode.train.eagle3_model import TrainableEagle3
+from specdecode.train.eagle3_model import TrainableEagle3, TrainableStateHead
 from specdecode.train.exit_model import TrainableExitHead
 from specdecode.train.extract import Encoded, PassSource
 from specdecode.train.feature_store import FeatureStore, store_key
 from specdecode.train.init import initial_exit_weights, initial_weights, target_output
+from specdecode.train.mtp_model import (
+    TrainableMtp,
+    initial_mtp_weights,
+    target_config_json,
+)
 from specdecode.train.objective import Teacher
 from specdecode.train.target_pass import TargetPass
 
@@ -64,7 +69,7 @@ class Run:
     state: TrainState
     encoded: Iterator[Encoded]
     draft_ids: Tensor
-    head: TrainableEagle3 | TrainableExitHead
+    head: TrainableStateHead | TrainableExitHead
     optimizer: torch.optim.Optimizer
     teacher: Teacher
     source: PassSource
@@ -193,9 +198,14 @@ def features_folder(config: TrainConfig, key: dict[str, object]) -> Path:
 
 def new_head(
     config: TrainConfig, llm: LLM, draft_ids: Tensor
-) -> TrainableEagle3 | TrainableExitHead:
+) -> TrainableStateHead | TrainableExitHead:
     """A fresh trainable head of `config.method` for the target, started as `config.init` says."""
     target = llm.model.config
+    if config.method == "mtp":
+        weights = initial_mtp_weights(target, llm.model_path, draft_ids, config.init, config.seed)
+        rows = target_output(llm.model_path, draft_ids)[0]
+        embed = llm.model.embed_tokens.weight
+        return TrainableMtp(target, weights, embed, rows, target_config_json(llm.model_path))
     if config.method in EAGLE3:
         parallel = config.unroll if config.method == "eagle3_parallel" else 0
         cfg = Eagle3HeadConfig.for_target(target, len(draft_ids), config.model, parallel)

@@ -43,7 +43,7 @@ from specdecode.train.checkpoint import (
     save_head,
 )
 from specdecode.train.config import TrainConfig
-from specdecode.train.eagle3_model import TrainableEagle3
+from specdecode.train.eagle3_model import TrainableStateHead
 from specdecode.train.exit_model import TrainableExitHead
 from specdecode.train.extract import Encoded, PassSource
 from specdecode.train.objective import (
@@ -185,7 +185,7 @@ def _next_passes(
 
 
 def _optimizer_step(
-    head: TrainableEagle3 | TrainableExitHead,
+    head: TrainableStateHead | TrainableExitHead,
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     step: int,
