@@ -18,7 +18,12 @@ from functools import partial
 
 from tqdm import tqdm
 
-from specdecode.bench.machine import QUIET_CORES, wait_until_quiet, with_foreign_load
+from specdecode.bench.machine import (
+    QUIET_CORES,
+    descendants_cpu_s,
+    wait_until_quiet,
+    with_foreign_load,
+)
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.records import Run
 from specdecode.bench.runners import Runner
@@ -92,11 +97,11 @@ def run_interleaved(
                     wait_until_quiet(config.quiet_wait_s)
                 group = []
                 for name in order:
-                    cpu = cpu_seconds()
+                    cpu = cpu_seconds() + descendants_cpu_s()  # a peer's worker's too
                     runner = by_name[name]
                     asked = prompt_params(runner.spec, prompt, params)
                     timing, load = with_foreign_load(partial(runner.run, ids, asked))
-                    cpu = cpu_seconds() - cpu
+                    cpu = cpu_seconds() + descendants_cpu_s() - cpu
                     run = Run.of(
                         timing,
                         method=name,

@@ -57,7 +57,8 @@ class Run(Timing):
 
     repeat: the repeat it belongs to (0-based); attempt: 0, or the redo of a disturbed group.
     foreign_cores: the other processes' mean CPU load while it ran, in cores.
-    cpu_s: this process's CPU seconds (all threads) during the run, for the energy estimate.
+    cpu_s: CPU seconds (all threads) of this process and its worker processes (a peer's, as
+        vLLM's) during the run, for the energy estimate.
     disturbed: foreign_cores >= `machine.QUIET_CORES` (its group was kept at the last attempt).
     """
 
@@ -69,7 +70,7 @@ class Run(Timing):
     num_prompt_tokens: int
     foreign_cores: float
     disturbed: bool
-    cpu_s: float | None = None  # this process's CPU seconds during the run (None: older reports)
+    cpu_s: float | None = None  # CPU seconds during the run (None: older reports)
 
     @classmethod
     def of(cls, timing: Timing, **where: Any) -> Run:
