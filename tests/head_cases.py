@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spec_cases import PROMPTS
+from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples
 
 from specdecode.certify import CertifyConfig, certify
@@ -116,3 +116,14 @@ def edited_head(head: Path, tmp_path: Path, edit: Callable[[dict], None]) -> Pat
     (out / "config.json").write_text(json.dumps(cfg))
     (out / "model.safetensors").write_bytes((head / "model.safetensors").read_bytes())
     return out
+
+
+def check_greedy_equals_plain(llm: LLM, expected: list[list[int]]) -> None:
+    """Greedy output equals plain decoding's (`expected`, for PROMPTS) batched and alone, some
+    tokens were drafted, and finished requests released the head's caches."""
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [list(o.token_ids) for o in outs] == expected
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        assert list(llm.generate(prompt, GREEDY)[0].token_ids) == want
+    assert sum(o.metrics.spec.num_draft_tokens for o in outs) > 0
+    assert not llm.engine.drafter._rows

@@ -12,6 +12,7 @@ from conftest import build_tiny_eagle3_head, build_tiny_model
 from head_cases import (
     check_certify,
     check_greedy_and_sampled_in_one_batch,
+    check_greedy_equals_plain,
     check_reduced_vocabulary,
     edited_head,
     sampled_runs,
@@ -71,13 +72,7 @@ def _eagle(model_dir: Path, head_dir: Path, **spec: object) -> LLM:
 def test_greedy_equals_plain_batched_and_alone(
     tiny_model_dir: Path, head_dir: Path, expected: list[list[int]], spec: dict
 ) -> None:
-    llm = _eagle(tiny_model_dir, head_dir, **spec)
-    outs = llm.generate(PROMPTS, GREEDY)
-    assert [list(o.token_ids) for o in outs] == expected
-    for prompt, want in zip(PROMPTS, expected, strict=True):
-        assert list(llm.generate(prompt, GREEDY)[0].token_ids) == want
-    assert sum(o.metrics.spec.num_draft_tokens for o in outs) > 0
-    assert not llm.engine.drafter._rows  # finished requests released their caches
+    check_greedy_equals_plain(_eagle(tiny_model_dir, head_dir, **spec), expected)
 
 
 def test_drafts_stay_in_the_draft_vocabulary_and_q_is_zero_outside(

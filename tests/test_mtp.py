@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_mtp
-from head_cases import check_certify
+from head_cases import check_certify, check_greedy_equals_plain
 from safetensors import safe_open
 from safetensors.torch import save_file
 from spec_cases import GREEDY, PROMPTS, FakeSeq
@@ -187,13 +187,7 @@ def _prefill(head, n: int):
 def test_greedy_equals_plain_batched_and_alone(
     tiny_model_dir: Path, mtp_dir: Path, expected: list[list[int]], spec: dict
 ) -> None:
-    llm = _mtp(tiny_model_dir, mtp_dir, **spec)
-    outs = llm.generate(PROMPTS, GREEDY)
-    assert [list(o.token_ids) for o in outs] == expected
-    for prompt, want in zip(PROMPTS, expected, strict=True):
-        assert list(llm.generate(prompt, GREEDY)[0].token_ids) == want
-    assert sum(o.metrics.spec.num_draft_tokens for o in outs) > 0
-    assert not llm.engine.drafter._rows  # finished requests released their caches
+    check_greedy_equals_plain(_mtp(tiny_model_dir, mtp_dir, **spec), expected)
 
 
 @pytest.mark.parametrize("biased", [False, True])

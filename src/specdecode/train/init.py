@@ -74,6 +74,27 @@ def initial_exit_weights(
     return weights
 
 
+def random_weights(
+    shapes: dict[str, tuple[int, ...]], draft_ids: Tensor, init: str, seed: int
+) -> dict[str, Tensor]:
+    """A layer head's "random" start (fp32): N(0, 0.02) projections, unit norms, zero biases,
+    d2t from `draft_ids` ([Vd] sorted target ids); UserError for an `init` not in INITS."""
+    if init not in INITS:
+        raise UserError(f"unknown head init {init!r}; allowed: {', '.join(INITS)}")
+    gen = torch.Generator().manual_seed(seed)
+    weights: dict[str, Tensor] = {}
+    for name, shape in shapes.items():
+        if name == "d2t":
+            weights[name] = draft_ids_to_d2t(draft_ids)
+        elif name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape)
+        elif name.endswith(".bias"):
+            weights[name] = torch.zeros(shape)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * INIT_STD
+    return weights
+
+
 def initial_weights(
     cfg: Eagle3HeadConfig, target_path: Path, draft_ids: Tensor, init: str, seed: int
 ) -> dict[str, Tensor]:
@@ -84,19 +105,7 @@ def initial_weights(
     last layer (q/k/v read the half-sum of the embedding and feature halves); fc passes the
     highest fused layer through unchanged.
     """
-    if init not in INITS:
-        raise UserError(f"unknown head init {init!r}; allowed: {', '.join(INITS)}")
-    gen = torch.Generator().manual_seed(seed)
-    weights: dict[str, Tensor] = {}
-    for name, shape in head_tensor_shapes(cfg).items():
-        if name == "d2t":
-            weights[name] = draft_ids_to_d2t(draft_ids)
-        elif name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape)
-        elif name.endswith(".bias"):
-            weights[name] = torch.zeros(shape)
-        else:
-            weights[name] = torch.randn(shape, generator=gen) * INIT_STD
+    weights = random_weights(head_tensor_shapes(cfg), draft_ids, init, seed)
     if init == "random":
         return weights
     if cfg.verifier_layers is None:

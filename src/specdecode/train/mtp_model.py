@@ -19,12 +19,11 @@ import torch
 from torch import Tensor
 
 from specdecode.errors import UserError
-from specdecode.heads.files import draft_ids_to_d2t
 from specdecode.heads.mtp import DEEPSEEK_V3, block_shapes, save_mtp_folder
 from specdecode.model.config import ModelConfig
 from specdecode.train.eagle3_model import TrainableStateHead
 from specdecode.train.head_params import rms_norm
-from specdecode.train.init import INIT_STD, INITS, read_tensors, target_output
+from specdecode.train.init import random_weights, read_tensors, target_output
 
 
 def mtp_names(cfg: ModelConfig) -> tuple[str, dict[str, str]]:
@@ -61,19 +60,7 @@ def initial_mtp_weights(
     target's last layer, eh_proj the half-sum of the two normed inputs, shared_head.norm the
     target's final norm.
     """
-    if init not in INITS:
-        raise UserError(f"unknown head init {init!r}; allowed: {', '.join(INITS)}")
-    gen = torch.Generator().manual_seed(seed)
-    weights = {"d2t": draft_ids_to_d2t(draft_ids)}
-    for name, shape in mtp_tensor_shapes(cfg, len(draft_ids)).items():
-        if name == "d2t":
-            continue
-        if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape)
-        elif name.endswith(".bias"):
-            weights[name] = torch.zeros(shape)
-        else:
-            weights[name] = torch.randn(shape, generator=gen) * INIT_STD
+    weights = random_weights(mtp_tensor_shapes(cfg, len(draft_ids)), draft_ids, init, seed)
     if init == "random":
         return weights
     block, parts = mtp_names(cfg)
