@@ -33,7 +33,7 @@ def test_unsupported_architecture(tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
-        ValueError, match=r"unsupported architecture 'mamba'.*llama, mistral, qwen2, qwen3"
+        ValueError, match=r"unsupported architecture 'mamba'.*llama, mistral, qwen2, mimo, qwen3"
     ):
         load_model(folder)
 

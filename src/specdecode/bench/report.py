@@ -272,7 +272,8 @@ def markdown(report: dict[str, Any]) -> str:
         *token_table(summary),
     ]
     parts += ["", "Per method and category:", "", *detail_table(summary)]
-    parts += ["", f"J/token: {energy.method()}; the process's CPU seconds over each run."]
+    cpu = "the CPU seconds of the process and its workers (a peer's) over each run"
+    parts += ["", f"J/token: {energy.method()}; {cpu}."]
     exact = exactness_table(summary)
     if len(exact) > 2:
         parts += ["", "Greedy output vs plain decoding (first repeat):", "", *exact]
