@@ -23,8 +23,11 @@ import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from specdecode.bench.costs import (
@@ -37,6 +40,7 @@ from specdecode.bench.harness import chat_ids
 from specdecode.bench.replay import ReplayStats, replay
 from specdecode.bench.roofline import measure_bandwidth, roofline, roofline_text
 from specdecode.bench.runners import measured_target
+from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.corpus.prompts import load_prompts
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS
 from specdecode.drafters.registry import (
@@ -47,6 +51,7 @@ from specdecode.drafters.registry import (
 from specdecode.engine.costs import expected_tokens
 from specdecode.errors import UserError
 from specdecode.llm import LLM
+from specdecode.model.transformer import Transformer
 from specdecode.sampling_params import SamplingParams
 
 
@@ -112,6 +117,16 @@ def greedy_texts(target: LLM, config: PlanConfig) -> list[tuple[list[int], list[
     return [(c["prompt_token_ids"], list(o.token_ids)) for c, o in zip(chats, outs, strict=True)]
 
 
+def target_states(model: Transformer, layers: tuple[int, ...], ids: list[int]) -> Tensor:
+    """The target's states of `layers` after each of `ids` ([n, F]), from one pass over them
+    (what a replayed head reads: `bench.replay`)."""
+    meta = AttentionMetadata.prefill([len(ids)], model.device)
+    last = torch.tensor([[len(ids) - 1]], device=model.device)  # logits: one position only
+    tokens = torch.tensor([ids], device=model.device)
+    _, hidden = model(tokens, meta, model.new_cache(1, len(ids)), None, last, layers)
+    return hidden[0]
+
+
 def replayed_speedup(stats: ReplayStats, target_ms: Sequence[float]) -> float:
     """tokens * t(1) / (drafting + sum of t(size + 1)) for replayed steps; target_ms[T - 1] is
     a pass over T tokens. Example: 2 steps of 3-node drafts emitting 5 tokens, t(1) = 10 ms,
@@ -130,7 +145,8 @@ def _shape_rows(llm: LLM, config: PlanConfig, target_ms: Sequence[float]) -> lis
     for shape in tqdm(shapes, desc="plan: replays", unit="shape", disable=not config.progress):
         spec = dataclasses.replace(base, drafter=shape)
         drafter = llm.with_speculative_config(spec).engine.drafter
-        stats = replay(drafter, texts, config.max_tokens)
+        states = partial(target_states, llm.model, drafter.needs.hidden_layers)
+        stats = replay(drafter, texts, config.max_tokens, states)
         rows.append(
             {
                 "speculative_config": as_speculative_config(spec),

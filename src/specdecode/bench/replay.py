@@ -13,15 +13,23 @@ step, for the cost of drafting only. `specdecode plan` replays each candidate sh
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from specdecode.drafters.base import MAX_SPECULATIVE_TOKENS, Drafter
 from specdecode.sampling_params import SamplingParams
 from specdecode.tree.token_tree import ROOT, TokenTree
-from specdecode.types import NO_TARGET_OUTPUTS, Draft, DraftBudget, Verdict
+from specdecode.types import (
+    NO_TARGET_OUTPUTS,
+    Draft,
+    DraftBudget,
+    TargetFeatures,
+    TargetOutputs,
+    Verdict,
+)
 
 
 @dataclass
@@ -78,19 +86,31 @@ def replay(
     drafter: Drafter,
     texts: Sequence[tuple[list[int], list[int]]],
     max_tokens: int | None = None,
+    states: Callable[[list[int]], Tensor] | None = None,
 ) -> ReplayStats:
     """Replay `drafter` over (prompt ids, the target's greedy continuation ids) pairs, each
     generated with at most `max_tokens` new tokens (None: the continuation's own length).
 
     The first continuation token is the prefill's (no draft), as in a real run; every later
     step drafts at most min(64, max_tokens - generated - 1) tokens, like the engine (a text
-    that ended on EOS before max_tokens still drafted up to that limit).
+    that ended on EOS before max_tokens still drafted up to that limit). A drafter that reads
+    the target's states (`needs.hidden_layers`: a trained head, an MTP layer) gets them from
+    `states` (ids -> [n, F], the states of those layers after each token of one pass over
+    the whole text) as the engine hands them over: the prompt's after the prefill, then each
+    step's kept tokens'.
     """
+    if drafter.needs.hidden_layers and states is None:
+        raise ValueError("this drafter reads the target's states: give replay `states`")
     tokens, sizes, spent = 0, [], 0.0
     for index, (prompt, continuation) in enumerate(texts):
         budget = len(continuation) if max_tokens is None else max_tokens
         params = SamplingParams(temperature=0.0, max_tokens=max(budget, 1))
         seq = _Seq(f"replay-{index}", [*prompt, *continuation[:1]], params)
+        whole = None
+        if drafter.needs.hidden_layers and states is not None:
+            whole = states([*prompt, *continuation])  # [n, F]
+            first = Verdict(0, torch.tensor(continuation[:1]))
+            drafter.commit(seq, first, _kept(whole, 0, len(prompt)))
         done = 1
         while done < len(continuation):
             limit = min(MAX_SPECULATIVE_TOKENS, budget - done - 1)
@@ -99,10 +119,19 @@ def replay(
             spent += time.perf_counter() - start
             path = accepted_path(draft, continuation[done:])
             emitted = continuation[done : done + len(path) + 1]
+            before = len(seq.token_ids)
             seq.token_ids.extend(emitted)
             kept = path if draft.is_tree else None  # as the engine: chains have no path
-            drafter.commit(seq, Verdict(len(path), torch.tensor(emitted), kept), NO_TARGET_OUTPUTS)
+            # the states of the last committed token before the step and the accepted ones
+            target = NO_TARGET_OUTPUTS if whole is None else _kept(whole, before - 1, len(emitted))
+            drafter.commit(seq, Verdict(len(path), torch.tensor(emitted), kept), target)
             tokens, done = tokens + len(emitted), done + len(emitted)
             sizes.append(int(draft.tokens.numel()))
         drafter.release(seq.request_id)
     return ReplayStats(tokens, tuple(sizes), spent)
+
+
+def _kept(whole: Tensor, start: int, count: int) -> TargetOutputs:
+    """The target's states of tokens start..start + count - 1 of a text, as a pass hands them
+    to its drafter."""
+    return TargetOutputs(hidden=TargetFeatures(start, whole[start : start + count]))
