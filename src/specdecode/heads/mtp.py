@@ -15,8 +15,8 @@ layout) or norm_out(y) (MiMo's and Qwen3-Next's, whose layers return the normed 
 vLLM does. DeepSeek-V3 and MiMo zero the embedding of the entry at position 0.
 
 The checkpoints name the parts differently (`LAYOUTS`); each is read into one canonical form.
-Only the first MTP layer is read: every released checkpoint of these families ships one
-(`num_nextn_predict_layers` 1), and with more, vLLM's MiMo drafts with the first alone too.
+Only the first MTP layer is read, and drafts every step (as vLLM's MiMo drafts with the first
+alone); a checkpoint with `num_nextn_predict_layers` > 1 has its others left unread.
 Our decoder runs Llama-family blocks (`model.transformer.Block`), so the layer's block is of
 the target's architecture: a DeepSeek-V3 or Qwen3-Next checkpoint itself (MLA, MoE, gated
 attention) does not load here, while MiMo-7B (a Qwen2 decoder) does.
