@@ -255,8 +255,8 @@ def test_the_trainable_layer_equals_the_inference_layer(
     target = load_model(tiny_model_dir, dtype="float32")
     cfg = target.config
     ids = torch.arange(0, cfg.vocab_size, 3)  # a draft vocabulary of every third token
-    weights = initial_mtp_weights(cfg, tiny_model_dir, ids, "target", 0)
-    rows = target_output(tiny_model_dir, ids)[0]
+    rows, norm = target_output(tiny_model_dir, ids)
+    weights = initial_mtp_weights(cfg, tiny_model_dir, ids, "target", 0, norm)
     trainable = TrainableMtp(
         cfg, weights, target.embed_tokens.weight, rows, target_config_json(tiny_model_dir)
     )
@@ -302,11 +302,12 @@ def test_training_a_layer_helps_and_it_drafts_losslessly(tmp_path: Path) -> None
     untrained = tmp_path / "untrained"  # its starting point ("random"), saved the same way
     cfg = ModelConfig.from_folder(model_dir)
     ids = torch.arange(cfg.vocab_size)
+    rows, norm = target_output(model_dir, ids)
     start = TrainableMtp(
         cfg,
-        initial_mtp_weights(cfg, model_dir, ids, "random", 0),
+        initial_mtp_weights(cfg, model_dir, ids, "random", 0, norm),
         torch.zeros(cfg.vocab_size, cfg.hidden_size),  # the embedding: read in training only
-        target_output(model_dir, ids)[0],
+        rows,
         target_config_json(model_dir),
     )
     start.save(untrained, start.head_weights(), {})

@@ -141,12 +141,21 @@ def _shape_rows(llm: LLM, config: PlanConfig, target_ms: Sequence[float]) -> lis
     texts = greedy_texts(llm, config)
     base = parse_speculative_config(config.speculative_config)
     rows = []
+    known: dict[tuple[tuple[int, ...], tuple[int, ...]], Tensor] = {}  # one pass per text
+
+    def states(layers: tuple[int, ...], ids: list[int]) -> Tensor:
+        key = (layers, tuple(ids))
+        if key not in known:
+            known[key] = target_states(llm.model, layers, ids)
+        return known[key]
+
     shapes = candidates(base.drafter, config.max_k)
     for shape in tqdm(shapes, desc="plan: replays", unit="shape", disable=not config.progress):
         spec = dataclasses.replace(base, drafter=shape)
         drafter = llm.with_speculative_config(spec).engine.drafter
-        states = partial(target_states, llm.model, drafter.needs.hidden_layers)
-        stats = replay(drafter, texts, config.max_tokens, states)
+        stats = replay(
+            drafter, texts, config.max_tokens, partial(states, drafter.needs.hidden_layers)
+        )
         rows.append(
             {
                 "speculative_config": as_speculative_config(spec),

@@ -23,7 +23,7 @@ from specdecode.heads.mtp import DEEPSEEK_V3, block_shapes, save_mtp_folder
 from specdecode.model.config import ModelConfig
 from specdecode.train.eagle3_model import TrainableStateHead
 from specdecode.train.head_params import rms_norm
-from specdecode.train.init import random_weights, read_tensors, target_output
+from specdecode.train.init import random_weights, read_tensors
 
 
 def mtp_names(cfg: ModelConfig) -> tuple[str, dict[str, str]]:
@@ -52,13 +52,18 @@ def check_trainable(cfg: ModelConfig) -> None:
 
 
 def initial_mtp_weights(
-    cfg: ModelConfig, target_path: Path, draft_ids: Tensor, init: str, seed: int
+    cfg: ModelConfig,
+    target_path: Path,
+    draft_ids: Tensor,
+    init: str,
+    seed: int,
+    final_norm: Tensor,
 ) -> dict[str, Tensor]:
     """The layer's first weights (fp32; d2t from `draft_ids`, [Vd] sorted target ids).
 
     "random": N(0, 0.02) projections, unit norms, zero biases. "target": the block from the
     target's last layer, eh_proj the half-sum of the two normed inputs, shared_head.norm the
-    target's final norm.
+    target's final norm (`final_norm`, [h], as `train.init.target_output` reads it).
     """
     weights = random_weights(mtp_tensor_shapes(cfg, len(draft_ids)), draft_ids, init, seed)
     if init == "random":
@@ -70,7 +75,7 @@ def initial_mtp_weights(
     weights |= {block + n: own[last + n] for n in names}
     eye = torch.eye(cfg.hidden_size) * 0.5
     weights[parts["proj"]] = torch.cat([eye, eye], dim=1)
-    weights[parts["out_norm"]] = target_output(target_path, draft_ids)[1]
+    weights[parts["out_norm"]] = final_norm
     return weights
 
 

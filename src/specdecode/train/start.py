@@ -202,8 +202,10 @@ def new_head(
     """A fresh trainable head of `config.method` for the target, started as `config.init` says."""
     target = llm.model.config
     if config.method == "mtp":
-        weights = initial_mtp_weights(target, llm.model_path, draft_ids, config.init, config.seed)
-        rows = target_output(llm.model_path, draft_ids)[0]
+        rows, norm = target_output(llm.model_path, draft_ids)  # read once for both
+        weights = initial_mtp_weights(
+            target, llm.model_path, draft_ids, config.init, config.seed, norm
+        )
         embed = llm.model.embed_tokens.weight
         return TrainableMtp(target, weights, embed, rows, target_config_json(llm.model_path))
     if config.method in EAGLE3:
