@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -223,6 +224,58 @@ def build_tiny_mtp(model_dir: Path, out: Path, layout: str = "deepseek_v3", seed
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
     config = json.loads((model_dir / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return out
+
+
+def build_tiny_dflash(
+    model_dir: Path,
+    out: Path,
+    block_size: int = 5,
+    layers: int = 2,
+    mask_token: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """Save an untrained DFlash drafter for the tiny model in `model_dir` into folder `out`
+    (once), in z-lab's format: a Qwen3 config.json with dflash_config and model.safetensors.
+    It fuses the outputs of the model's first, middle and last layers; each of its `layers`
+    is the model's first layer with noise (q/k norms near one), fc passes the last fused
+    state on (plus noise), its final norm is the model's at a fifth of its scale (q flatter
+    than p), and a mask entry reads a learned embedding (or, with `mask_token`, that token's
+    own). So its drafts are accepted at times, not always."""
+    from safetensors import safe_open
+
+    from specdecode.heads.dflash import DFlashHeadConfig, dflash_tensor_shapes, save_dflash_head
+    from specdecode.model.config import ModelConfig
+
+    if (out / "config.json").is_file():
+        return out
+    target = ModelConfig.from_folder(model_dir)
+    n = target.num_layers
+    cfg = DFlashHeadConfig.for_target(target, layers, block_size, (1, n // 2 + 1, n))
+    if mask_token is not None:
+        cfg = dataclasses.replace(cfg, mask_token_id=mask_token)
+    gen = torch.Generator().manual_seed(seed)
+    h = target.hidden_size
+
+    def noisy(t: torch.Tensor, scale: float = 0.2) -> torch.Tensor:
+        return t.float() + scale * t.float().std() * torch.randn(t.shape, generator=gen)
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as own:
+        model = {name: own.get_tensor(name) for name in own.keys()}  # noqa: SIM118
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in dflash_tensor_shapes(cfg).items():
+        first = "model.layers.0." + name.split(".", 2)[-1]
+        if name.startswith("layers.") and first in model:
+            weights[name] = noisy(model[first])
+        elif name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            weights[name] = 0.02 * torch.randn(shape, generator=gen)
+    fc = torch.randn(h, 3 * h, generator=gen) * 0.1 * h**-0.5
+    fc[:, 2 * h :] += torch.eye(h)
+    weights["fc.weight"] = fc
+    weights["norm.weight"] = model["model.norm.weight"].float() * 0.2
+    save_dflash_head(out, cfg, weights)
     return out
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import build_tiny_eagle3_head, build_tiny_exit_head, build_tiny_mtp
+from conftest import (
+    build_tiny_dflash,
+    build_tiny_eagle3_head,
+    build_tiny_exit_head,
+    build_tiny_mtp,
+)
 from test_cross_tokenizer import build_tiny_cross_draft
 
 
@@ -36,6 +41,10 @@ def example_config(method: str, model_dir: Path) -> dict[str, object]:
         },
         "mtp": {
             "model": str(build_tiny_mtp(model_dir, model_dir / "mtp")),
+            "num_speculative_tokens": 3,
+        },
+        "dflash": {
+            "model": str(build_tiny_dflash(model_dir, model_dir / "dflash")),
             "num_speculative_tokens": 3,
         },
         **{

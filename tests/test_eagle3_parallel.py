@@ -371,7 +371,7 @@ class _Full(torch.nn.Module):
 
     def __init__(self, head: TrainableEagle3) -> None:
         super().__init__()
-        self.head, self.shift, self.gathers = head, head.shift, False
+        self.head, self.shift, self.gathers, self.gathers_first = head, head.shift, False, False
 
     def forward(
         self,

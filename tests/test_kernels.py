@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdecode import kernels
-from specdecode.model.attention import _rotate
+from specdecode.model.attention import rotate
 from specdecode.model.quant import Int8DynamicLinear
 from specdecode.model.rope import Rotary
 
@@ -365,8 +365,8 @@ def test_rope_rounds_exactly_as_the_torch_rotation(dtype: torch.dtype, kernel_pa
     cos, sin = rotary.tables(positions, None)  # [2, 5, D] fp32
     q = qkv[..., : heads * dim].view(2, 5, heads, dim).transpose(1, 2)
     k = qkv[..., heads * dim : (heads + kv_heads) * dim].view(2, 5, kv_heads, dim).transpose(1, 2)
-    cos_t, sin_t = rotary.tables(positions, dtype)  # [2, 1, 5, D] in dtype, for `_rotate`
-    want_q, want_k = _rotate(q, cos_t, sin_t), _rotate(k, cos_t, sin_t)
+    cos_t, sin_t = rotary.tables(positions, dtype)  # [2, 1, 5, D] in dtype, for `rotate`
+    want_q, want_k = rotate(q, cos_t, sin_t), rotate(k, cos_t, sin_t)
     v_before = qkv[..., (heads + kv_heads) * dim :].clone()
     kernels.rope_(qkv, cos, sin, heads + kv_heads)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)  # q, k: views of the rotated qkv

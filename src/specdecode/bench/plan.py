@@ -136,7 +136,9 @@ def replayed_speedup(stats: ReplayStats, target_ms: Sequence[float]) -> float:
 
 
 def _shape_rows(llm: LLM, config: PlanConfig, target_ms: Sequence[float]) -> list[dict[str, Any]]:
-    """Replay every candidate shape of `config`'s drafter; one row per shape."""
+    """Replay every candidate shape of `config`'s drafter; one row per shape it drafts (a
+    shape it refuses, such as a chain longer than a block drafts, has none; UserError where
+    it refuses them all)."""
     _stage(config, "generating the target's greedy text to replay the shapes on")
     texts = greedy_texts(llm, config)
     base = parse_speculative_config(config.speculative_config)
@@ -150,9 +152,14 @@ def _shape_rows(llm: LLM, config: PlanConfig, target_ms: Sequence[float]) -> lis
         return known[key]
 
     shapes = candidates(base.drafter, config.max_k)
+    refused: list[UserError] = []  # shapes the drafter cannot draft (a block's longest, ...)
     for shape in tqdm(shapes, desc="plan: replays", unit="shape", disable=not config.progress):
         spec = dataclasses.replace(base, drafter=shape)
-        drafter = llm.with_speculative_config(spec).engine.drafter
+        try:
+            drafter = llm.with_speculative_config(spec).engine.drafter
+        except UserError as err:
+            refused.append(err)
+            continue
         stats = replay(
             drafter, texts, config.max_tokens, partial(states, drafter.needs.hidden_layers)
         )
@@ -168,6 +175,8 @@ def _shape_rows(llm: LLM, config: PlanConfig, target_ms: Sequence[float]) -> lis
                 "predicted_speedup": replayed_speedup(stats, target_ms),
             }
         )
+    if not rows:
+        raise refused[0]
     return rows
 
 

@@ -26,7 +26,7 @@ one TREE pass over the frontier, each node reading its parent's pre-norm output.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -48,6 +48,7 @@ from specdecode.drafters.base import (
     draft_limits,
 )
 from specdecode.drafters.dynamic_tree import DynamicTree, frontier_pass, reduced_log_confidence
+from specdecode.drafters.state_queue import StateQueue
 from specdecode.errors import UserError
 from specdecode.heads.eagle3 import load_eagle3_head, mask_token
 from specdecode.model.rope import Rotary
@@ -123,18 +124,11 @@ class StateHead(Protocol):
 
 
 @dataclass
-class HeadRow:
-    """One sequence's head state: its cache (made at its first draft) and the target states
-    not fed yet."""
+class HeadRow(StateQueue):
+    """One sequence's head state: its cache (made at its first draft; its committed part holds
+    the entries of the fed target states) and the queued target states."""
 
     cache: KVCache | None = None
-    fed: int = 0  # entries fed with the target's states (the cache's committed part)
-    pending: list[Tensor] = field(default_factory=list)  # [n, F] states for entries fed..
-
-    @property
-    def known(self) -> int:
-        """Entries whose target state has arrived (fed or pending)."""
-        return self.fed + sum(len(p) for p in self.pending)
 
 
 class Eagle3Drafter(DrafterBase):
@@ -187,17 +181,9 @@ class Eagle3Drafter(DrafterBase):
     def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """Queue the target's states of the tokens the step kept; the next `propose` drops the
         drafted entries and feeds them."""
-        features = target.hidden
-        if features is None:
-            return
-        row = self._rows.setdefault(seq.request_id, HeadRow())
-        if features.start + len(features.hidden) > row.known:
-            if features.start > row.known:
-                raise ValueError(
-                    f"{self.head.kind}: target states for tokens {row.known}.."
-                    f"{features.start - 1} of request {seq.request_id} never arrived"
-                )
-            row.pending.append(features.hidden[row.known - features.start :])
+        if target.hidden is not None:
+            row = self._rows.setdefault(seq.request_id, HeadRow())
+            row.push(target.hidden, seq.request_id, self.head.kind)
 
     def release(self, request_id: str) -> None:
         """Drop a finished sequence's head cache (unknown ids are ignored)."""
@@ -263,25 +249,18 @@ class Eagle3Drafter(DrafterBase):
         entries (a parallel head's: `drafters.eagle3_parallel`), in one pass; return the
         logits of the last state's entry and of the mask entries ([1 + masks, Vd]) and the
         last state's pre-norm output ([h])."""
-        ids = seq.token_ids
-        if row.known != len(ids) - 1 or not row.pending:
-            raise ValueError(
-                f"{self.head.kind}: request {seq.request_id} has {len(ids)} tokens but target "
-                f"states for {row.known} and {sum(len(p) for p in row.pending)} new ones; the "
-                "engine gives the states of every committed token but the last"
-            )
+        ids, fed = seq.token_ids, row.fed
         head, device = self.head, self.head.device
-        fused = head.fuse(torch.cat(row.pending).to(device))  # [n, h]
+        fused = head.fuse(row.take(seq, head.kind).to(device))  # [n, h]
         n = len(fused)
         levels = [mask_token(j) for j in range(1, masks + 1)]
-        tokens = torch.tensor([[*ids[row.fed + 1 :], *levels]], device=device)  # [1, n + masks]
+        tokens = torch.tensor([[*ids[fed + 1 :], *levels]], device=device)  # [1, n + masks]
         if masks:
             fused = torch.cat([fused, head.mask_features(fused[-1], masks)])  # [n + masks, h]
-        mode = AttentionMode.PREFILL if row.fed == 0 else AttentionMode.DECODE
-        meta = AttentionMetadata.contiguous(mode, [row.fed], [n + masks], device)
+        mode = AttentionMode.PREFILL if fed == 0 else AttentionMode.DECODE
+        meta = AttentionMetadata.contiguous(mode, [fed], [n + masks], device)
         index = torch.arange(n - 1, n + masks, device=device)[None]  # [1, 1 + masks]
         logits, hidden = head(tokens, fused[None], meta, row.cache, index)
-        row.fed, row.pending = row.known, []
         return logits[0], hidden[0, n - 1]
 
     def _feed(self, cache: KVCache, token: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:

@@ -20,6 +20,7 @@ from typing import Any
 
 from specdecode.drafters.base import Drafter, DrafterConfig, DrafterContext, SpeculativeConfig
 from specdecode.drafters.cross_tokenizer import CrossTokenizerConfig, build_cross_tokenizer_drafter
+from specdecode.drafters.dflash import DFlashConfig, build_dflash_drafter
 from specdecode.drafters.draft_model_build import DraftModelConfig, build_draft_model_drafter
 from specdecode.drafters.eagle3 import Eagle3Config, build_eagle3_drafter
 from specdecode.drafters.eagle3_parallel import (
@@ -155,6 +156,7 @@ DRAFTERS: dict[str, DrafterMethod] = {
                 ("medusa", MedusaConfig, build_medusa_drafter),
                 ("layer_skip", LayerSkipConfig, build_layer_skip_drafter),
                 ("mtp", MtpConfig, build_mtp_drafter),
+                ("dflash", DFlashConfig, build_dflash_drafter),
             )
         ),
     )

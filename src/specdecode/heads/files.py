@@ -70,7 +70,8 @@ def read_head_tensors(
 ) -> dict[str, Tensor]:
     """The tensors of `path`'s *.safetensors files (names through `rename`), checked: every
     name of `shapes` present with its shape, those of `optional` with theirs where present,
-    and `d2t` mapping into 0..vocab_size - 1 (UserError naming what is wrong)."""
+    and `d2t`, where a head has one, mapping into 0..vocab_size - 1 (UserError naming what is
+    wrong)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(
@@ -94,6 +95,8 @@ def read_head_tensors(
     ]
     if wrong:
         raise UserError(f"{path}: head tensors do not match its config.json: {'; '.join(wrong)}")
+    if "d2t" not in weights:
+        return weights
     target_ids = d2t_to_draft_ids(weights["d2t"])
     if target_ids.min() < 0 or target_ids.max() >= vocab_size:
         raise UserError(

@@ -57,7 +57,7 @@ def _grouped_attention(
     return out.view(batch, heads, num_new, dim)
 
 
-def _attention(
+def attend(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -89,7 +89,7 @@ def _rowwise_attention(
     softcap: float | None = None,
     causal: bool = False,
 ) -> Tensor:
-    """`_attention` of each row by itself, over its own new tokens and slots only, as its pass
+    """`attend` of each row by itself, over its own new tokens and slots only, as its pass
     alone runs it: a row's bits then never depend on the other rows or the padded width.
     torch's SDPA does not promise that (its vector loops' tails, and which elements take the
     vector or the scalar exp, move with the width it is given). Padding queries get zeros.
@@ -109,7 +109,7 @@ def _rowwise_attention(
         row_mask = None if mask is None else mask[r : r + 1, :, :new, :span]
         if row_mask is not None and bool(row_mask.all()):
             row_mask = None  # as alone: no mask where the row's queries see every slot
-        out[r : r + 1, :, :new] = _attention(
+        out[r : r + 1, :, :new] = attend(
             q[r : r + 1, :, :new],
             k[r : r + 1, :, :span],
             v[r : r + 1, :, :span],
@@ -120,7 +120,7 @@ def _rowwise_attention(
     return out
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Apply RoPE to x ([B, H, T, D]) with cos/sin ([B, 1, T, D] in x's dtype)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -140,7 +140,7 @@ class PassView:
         (`_rowwise_attention`: PREFILL passes of several rows on row-exact layers, so that a
         prompt's bits are those of its pass alone); None where the rows attend in one call.
     causal: `mask` is the square causal mask (no tree, every row from slot 0: query t sees
-        slots 0..t), which SDPA applies itself (`_attention`).
+        slots 0..t), which SDPA applies itself (`attend`).
     """
 
     per_query: bool
@@ -222,7 +222,7 @@ class Attention(nn.Module):
         # per-query attention kernel, the whole layer then does.
         row_exact = self.qkv_proj.row_exact and self.o_proj.row_exact
         self.per_query = row_exact and kernels.available()
-        # RoPE in one native call, rounded as `_rotate` rounds (the kernel takes fp32 / bf16)
+        # RoPE in one native call, rounded as `rotate` rounds (the kernel takes fp32 / bf16)
         # (GGUF weights run with fp32 or bf16 activations only)
         dense = isinstance(weight, Tensor)
         native_dtype = not dense or weight.dtype in (torch.float32, torch.bfloat16)
@@ -249,8 +249,8 @@ class Attention(nn.Module):
         k = k.view(batch, num_new, self.num_kv_heads, self.head_dim)
         v = v.view(batch, num_new, self.num_kv_heads, self.head_dim)
         if not self.native_rope:
-            q = _rotate(q, cos, sin)  # [B, H, T, D]
-            k = _rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
+            q = rotate(q, cos, sin)  # [B, H, T, D]
+            k = rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
         if self.q_scale != 1.0:
             q = q * self.q_scale
         cache.write(layer, k, v)
@@ -272,7 +272,7 @@ class Attention(nn.Module):
             mask = view.mask if self.window is None else view.window_mask
             causal = view.causal and mask is view.mask
             if view.rows is None:
-                out = _attention(q, keys, values, mask, self.softcap, causal)  # [B, H, T, D]
+                out = attend(q, keys, values, mask, self.softcap, causal)  # [B, H, T, D]
             else:
                 out = _rowwise_attention(q, keys, values, mask, view.rows, self.softcap, causal)
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))

@@ -15,6 +15,7 @@ from specdecode.errors import UserError
 from specdecode.model.loading import parse_dtype
 from specdecode.train.compute import head_compute_dtype, training_device
 from specdecode.train.config import TrainConfig
+from specdecode.train.dflash_model import TrainableDFlash
 from specdecode.train.eagle3_model import TrainableStateHead
 from specdecode.train.exit_model import TrainableExitHead
 from specdecode.train.objective import Evaluation
@@ -49,7 +50,7 @@ def load_checkpoint(config: TrainConfig) -> dict | None:
 
 def save_checkpoint(
     path: Path,
-    head: TrainableStateHead | TrainableExitHead,
+    head: TrainableStateHead | TrainableExitHead | TrainableDFlash,
     optimizer: torch.optim.Optimizer,
     state: TrainState,
     draft_ids: Tensor,
@@ -71,7 +72,7 @@ def save_checkpoint(
 
 def save_head(
     config: TrainConfig,
-    head: TrainableStateHead | TrainableExitHead,
+    head: TrainableStateHead | TrainableExitHead | TrainableDFlash,
     state: TrainState,
     ev: Evaluation,
     computed: int,

@@ -22,7 +22,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     d = _DEFAULTS
     p = sub.add_parser(
         "train",
-        help="train a draft head (EAGLE-3, Medusa, LayerSkip exit) for a target, on this CPU",
+        help="train a draft head (EAGLE-3, Medusa, LayerSkip exit, MTP, DFlash) for a target",
         description="Trains a draft head on the target's own hidden states: ShareGPT "
         "exchanges and Python standard-library code (never the bench's prompts), answered by "
         "the dataset (teacher forcing) or by the target itself. Writes config.json and "
@@ -73,8 +73,16 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=int, default=d["max_length"], help="tokens per example")
     p.add_argument("--max-answer-tokens", type=int, default=d["max_answer_tokens"])
     p.add_argument("--batch-size", type=int, default=d["batch_size"])
-    p.add_argument("--unroll", type=int, default=d["unroll"], help="EAGLE-3's TTT steps")
+    p.add_argument(
+        "--unroll",
+        type=int,
+        default=d["unroll"],
+        help="EAGLE-3's TTT steps; the tokens a parallel head or a dflash block drafts",
+    )
     p.add_argument("--medusa-heads", type=int, default=d["medusa_heads"], help="Medusa's K")
+    p.add_argument(
+        "--draft-layers", type=int, default=d["draft_layers"], help="dflash's decoder layers"
+    )
     p.add_argument(
         "--exit-layer", type=int, default=None, help="layer_skip's E (default: layers // 4)"
     )

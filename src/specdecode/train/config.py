@@ -11,7 +11,7 @@ from specdecode.model.quant import parse_quantization
 from specdecode.train.compute import HEAD_DTYPES
 from specdecode.train.init import INITS
 
-METHODS = ("eagle3", "eagle3_parallel", "medusa", "layer_skip", "mtp")
+METHODS = ("eagle3", "eagle3_parallel", "medusa", "layer_skip", "mtp", "dflash")
 EAGLE3 = ("eagle3", "eagle3_parallel")
 RESPONSES = ("dataset", "target")
 
@@ -22,7 +22,9 @@ class TrainConfig:
 
     model: the target (alias, folder or .gguf). out: the head's folder.
     method: "eagle3", "eagle3_parallel" (drafts `unroll` tokens in one pass), "medusa",
-        "layer_skip" or "mtp" (an MTP layer in DeepSeek-V3's form, `train.mtp_model`).
+        "layer_skip", "mtp" (an MTP layer in DeepSeek-V3's form, `train.mtp_model`) or
+        "dflash" (a block drafter of `draft_layers` layers whose block drafts `unroll`
+        tokens, `train.dflash_model`).
     budget_minutes / budget_examples: stop at whichever comes first (at least one given).
     responses: "dataset" (teacher forcing on the dataset's answers) or "target" (the target
         answers each prompt greedily, up to max_answer_tokens: self-distillation, slower).
@@ -40,7 +42,7 @@ class TrainConfig:
         length the held-out tau counts). lr / warmup_steps: AdamW's rate, reached linearly
         over the first steps, then constant.
     medusa_heads: Medusa's heads (the longest chain it drafts). exit_layer: layer_skip's E
-        (None: a quarter of the target's layers).
+        (None: a quarter of the target's layers). draft_layers: a dflash drafter's layers.
     init: "target" (start from the target's last layer and output rows) or "random".
     eval_examples / eval_every: held-out exchanges scored every eval_every steps.
     checkpoint_minutes: how often checkpoint.pt is written. resume: continue from it.
@@ -66,6 +68,7 @@ class TrainConfig:
     batch_size: int = 4
     unroll: int = 3
     medusa_heads: int = 4
+    draft_layers: int = 1
     exit_layer: int | None = None
     lr: float = 5e-4
     warmup_steps: int = 20
@@ -103,6 +106,7 @@ class TrainConfig:
             "batch_size",
             "unroll",
             "medusa_heads",
+            "draft_layers",
             "exit_layer",
             "eval_examples",
             "eval_every",

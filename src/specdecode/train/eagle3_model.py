@@ -34,10 +34,15 @@ from specdecode.model.rope import base_frequencies
 from specdecode.train.head_params import HeadParameters, param_key, rms_norm
 
 
+def rotate_half(x: Tensor) -> Tensor:
+    """RoPE's partner of x ([..., D]): [-x[D/2:], x[:D/2]]."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE (rotate-half) of x ([B, H, T, D]) with cos/sin ([T, D])."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 class TrainableStateHead(HeadParameters, ABC):
@@ -57,6 +62,7 @@ class TrainableStateHead(HeadParameters, ABC):
 
     shift = 1  # step j of column t predicts token t + j + 2
     gathers = True  # steps j > 0 run only for the columns the loss reads
+    gathers_first = False  # step 0 runs for every column (later steps attend to it)
 
     def __init__(
         self,

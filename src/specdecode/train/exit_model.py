@@ -32,6 +32,7 @@ class TrainableExitHead(HeadParameters):
         self.config = cfg
         self.shift = 1 if cfg.kind == "medusa" else 0
         self.gathers = False  # every output covers every column
+        self.gathers_first = False
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

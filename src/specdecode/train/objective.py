@@ -36,6 +36,7 @@ class TrainableHead(Protocol):
 
     shift: int  # output j of column t predicts token t + j + shift + 1
     gathers: bool  # outputs j > 0 are at `columns` only ([B, A, h]), else at every column
+    gathers_first: bool  # output 0 too is at `columns` only (a block drafter's)
 
     def __call__(
         self,
@@ -47,7 +48,8 @@ class TrainableHead(Protocol):
     ) -> list[Tensor]:
         """Outputs over target states [B, T, F] and tokens [B, T] (packed sequences: `starts`
         [B, T], `Batch.starts`; None: one sequence a row): [B, T, h] each, or for j > 0 of a
-        head that `gathers`, [B, A, h] at `columns` ([B, A])."""
+        head that `gathers` (every j where it `gathers_first`), [B, A, h] at `columns`
+        ([B, A])."""
         ...
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -204,8 +206,9 @@ def batch_loss(
     total = torch.zeros((), device=device)
     agree, counted = [], []
     autocast = torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32)
-    later = torch.zeros_like(batch.answer)  # the columns outputs j > 0 are read at
-    for j in range(1, steps):
+    gathered = 0 if head.gathers_first else 1  # the first output at `columns` only
+    later = torch.zeros_like(batch.answer)  # the columns the gathered outputs are read at
+    for j in range(gathered, steps):
         later |= read_columns(batch, j + head.shift)
     columns, slot = later_columns(later)
     with autocast:
@@ -221,7 +224,7 @@ def batch_loss(
         padded = -(-n // ROW_BUCKET) * ROW_BUCKET
         rows = torch.cat([rows, rows[:1].expand(padded - n)])
         cols_at = torch.cat([cols_at, cols_at[:1].expand(padded - n)])
-        at = slot[rows, cols_at] if j and head.gathers else cols_at  # output columns
+        at = slot[rows, cols_at] if j >= gathered and head.gathers else cols_at  # output columns
         with autocast:
             logits = head.logits(hidden[rows, at])  # [padded, Vd]
         logp = F.log_softmax(logits.float(), dim=-1)[:n]  # [n, Vd]

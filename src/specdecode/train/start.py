@@ -26,6 +26,7 @@ from specdecode.corpus.examples import (
 from specdecode.corpus.vocab import draft_vocabulary
 from specdecode.engine.scheduler import ONE_PASS_PREFILL
 from specdecode.errors import UserError
+from specdecode.heads.dflash import DFlashHeadConfig
 from specdecode.heads.eagle3_config import Eagle3HeadConfig, default_aux_layers
 from specdecode.heads.exit_head import ExitHeadConfig
 from specdecode.llm import LLM
@@ -35,6 +36,7 @@ from specdecode.train.checkpoint import TrainState, load_checkpoint
 from specdecode.train.compute import head_compute_dtype, training_device
 from specdecode.train.config import EAGLE3, TrainConfig
 from specdecode.train.data import encode_example
+from specdecode.train.dflash_model import TrainableDFlash, check_trainable, initial_dflash_weights
 from specdecode.train.eagle3_model import TrainableEagle3, TrainableStateHead
 from specdecode.train.exit_model import TrainableExitHead
 from specdecode.train.extract import Encoded, PassSource
@@ -69,7 +71,7 @@ class Run:
     state: TrainState
     encoded: Iterator[Encoded]
     draft_ids: Tensor
-    head: TrainableStateHead | TrainableExitHead
+    head: TrainableStateHead | TrainableExitHead | TrainableDFlash
     optimizer: torch.optim.Optimizer
     teacher: Teacher
     source: PassSource
@@ -198,9 +200,19 @@ def features_folder(config: TrainConfig, key: dict[str, object]) -> Path:
 
 def new_head(
     config: TrainConfig, llm: LLM, draft_ids: Tensor
-) -> TrainableStateHead | TrainableExitHead:
+) -> TrainableStateHead | TrainableExitHead | TrainableDFlash:
     """A fresh trainable head of `config.method` for the target, started as `config.init` says."""
     target = llm.model.config
+    if config.method == "dflash":
+        check_trainable(target)
+        layers = default_aux_layers(target.num_layers)
+        cfg = DFlashHeadConfig.for_target(target, config.draft_layers, config.unroll + 1, layers)
+        rows, norm = target_output(llm.model_path, draft_ids)
+        embed = llm.model.embed_tokens.weight
+        weights = initial_dflash_weights(
+            cfg, target, llm.model_path, draft_ids, config.init, config.seed, norm, embed
+        )
+        return TrainableDFlash(cfg, weights, embed, rows)
     if config.method == "mtp":
         rows, norm = target_output(llm.model_path, draft_ids)  # read once for both
         weights = initial_mtp_weights(

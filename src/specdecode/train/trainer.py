@@ -43,6 +43,7 @@ from specdecode.train.checkpoint import (
     save_head,
 )
 from specdecode.train.config import TrainConfig
+from specdecode.train.dflash_model import TrainableDFlash
 from specdecode.train.eagle3_model import TrainableStateHead
 from specdecode.train.exit_model import TrainableExitHead
 from specdecode.train.extract import Encoded, PassSource
@@ -185,7 +186,7 @@ def _next_passes(
 
 
 def _optimizer_step(
-    head: TrainableStateHead | TrainableExitHead,
+    head: TrainableStateHead | TrainableExitHead | TrainableDFlash,
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     step: int,

@@ -1,0 +1,169 @@
+"""Block drafting with a DFlash drafter (method "dflash"): a whole draft from one pass.
+
+The drafter (`specdecode.heads.dflash`) keeps per sequence a context of the committed tokens'
+target states, fed as they arrive (`drafters.state_queue`: every committed token but the
+last), and drafts a block: the last committed token at its position followed by K mask
+entries that see each other and the context, one pass through its few layers. Mask entry j
+gives level j - 1's logits over the whole vocabulary (d_j); no level sees the tokens drafted
+before it as tokens (they see each other's states within the block), so chains and trees
+come from the levels as a parallel head's do (`drafters.level_drafts`), with q per level.
+
+Worked example, K = 3, committed t0..t5, context entries 0..3 fed before, the last target
+pass kept s4:
+
+    propose: extend the context with s4 (entry 4), one pass over (t5 at 5, M at 6, 7, 8)
+             -> d1, d2, d3 from the entries at 6, 7, 8.
+    verdict: accepted d1, recovered r (committed t0..t5 d1 r); the pass kept s5, s6.
+    propose: extend with s5, s6 (entries 5, 6); one pass over (r at 7, M at 8, 9, 10).
+
+A step's drafting is one pass however long the draft (a sequential head makes K).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from specdecode.drafters.base import (
+    Drafter,
+    DrafterBase,
+    DrafterContext,
+    DrafterNeeds,
+    ModelDrafterConfig,
+    SeqView,
+    check_draft_length,
+    check_tree_shape,
+    draft_limits,
+)
+from specdecode.drafters.level_drafts import chain_from_levels, empty_draft, tree_from_levels
+from specdecode.drafters.state_queue import StateQueue
+from specdecode.errors import UserError
+from specdecode.heads.dflash import BlockContext, DFlashHead, load_dflash_head
+from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class DFlashConfig(ModelDrafterConfig):
+    """speculative_config of a DFlash block drafter, method "dflash".
+
+    model: the drafter's folder (z-lab's format; `specdecode train --method dflash` writes
+        one).
+    num_speculative_tokens: draft at most this many tokens per step (K; a tree's nodes; a
+        chain is at most block_size - 1 long).
+    quantization: the drafter's weight format ("none", "int8", "int4", a GGUF block type;
+        "gguf" runs its dense weights as int8); None = the target's.
+    tree_width: children per expanded node of a dynamic tree (1 = a chain).
+    tree_depth: levels of the tree (default: min(K, block_size - 1)), all from one pass.
+    """
+
+    method: ClassVar[str] = "dflash"
+    WHAT: ClassVar[str] = "a dflash config"
+
+
+def build_dflash_drafter(config: DFlashConfig, context: DrafterContext) -> Drafter:
+    """The registry's factory: load the drafter for the target (refused if made for another)."""
+    head = load_dflash_head(
+        Path(config.model).expanduser(),
+        context.target,
+        config.weight_format(context.target.quantization),
+    )
+    return DFlashDrafter(head, config.num_speculative_tokens, config.tree_width, config.tree_depth)
+
+
+@dataclass
+class BlockRow(StateQueue):
+    """One sequence's drafter state: its context (made at its first draft) and the queued
+    target states."""
+
+    context: BlockContext | None = field(default=None)
+
+
+class DFlashDrafter(DrafterBase):
+    """Proposes up to K tokens per sequence from one block pass (module docstring).
+
+    Args:
+        head: the loaded drafter.
+        num_speculative_tokens: draft at most this many tokens per step (K).
+        tree_width: children per expanded node of a dynamic tree (1 = chains).
+        tree_depth: levels of a tree (None = min(K, block_size - 1)).
+
+    Raises:
+        UserError: a chain longer, or a tree deeper, than one block drafts.
+    """
+
+    def __init__(
+        self,
+        head: DFlashHead,
+        num_speculative_tokens: int,
+        tree_width: int = 1,
+        tree_depth: int | None = None,
+    ) -> None:
+        check_draft_length(num_speculative_tokens)
+        check_tree_shape(tree_width, tree_depth, num_speculative_tokens)
+        levels = head.config.max_draft
+        depth = num_speculative_tokens if tree_width == 1 else tree_depth
+        if depth is not None and depth > levels:
+            what = "num_speculative_tokens" if tree_width == 1 else "tree_depth"
+            raise UserError(
+                f"this DFlash drafter's block drafts at most {levels} tokens (block_size "
+                f"{head.config.block_size}): {what} {depth} is too "
+                f"{'long for a chain' if tree_width == 1 else 'deep'}"
+            )
+        self.head = head
+        self.needs = DrafterNeeds(hidden_layers=head.feature_layers)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.tree_width = tree_width
+        self.tree_depth = min(tree_depth or num_speculative_tokens, levels)
+        self.vocab_size = head.vocab_size
+        self._ids = torch.arange(head.vocab_size)  # level logits cover the whole vocabulary
+        self._rows: dict[str, BlockRow] = {}
+
+    def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
+        """One draft per sequence, of at most min(K, `budgets[i].max_tokens`) tokens.
+
+        Args:
+            seqs: the sequences to draft for (their target states came with `commit`).
+            budgets: per sequence, the most tokens its draft may have (0 = no draft).
+
+        Returns:
+            drafts: per sequence, a chain `Draft(tokens [k_i] int64, probs [k_i, V] float32)`
+            (probs None under greedy parameters: each token is its level's argmax), or with
+            tree_width > 1 a tree `Draft(tokens [k_i], None, tree)`.
+        """
+        max_tokens = draft_limits(seqs, budgets)
+        with torch.inference_mode():
+            return [self._propose(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
+
+    def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
+        """Queue the target's states of the tokens the step kept; the next `propose` feeds
+        them to the context."""
+        if target.hidden is not None:
+            row = self._rows.setdefault(seq.request_id, BlockRow())
+            row.push(target.hidden, seq.request_id, self.head.kind)
+
+    def release(self, request_id: str) -> None:
+        """Drop a finished sequence's context (unknown ids are ignored)."""
+        self._rows.pop(request_id, None)
+
+    def _propose(self, seq: SeqView, max_tokens: int) -> Draft:
+        """Feed the queued states, then draft a chain or a tree from one block pass."""
+        tree = self.tree_width > 1
+        ids = seq.token_ids
+        room = self.head.rotary.cos.shape[0] - len(ids)  # mask entry j sits at len - 1 + j
+        k = min(max_tokens, self.num_speculative_tokens, max(room, 0)) if ids else 0
+        if k == 0:
+            return empty_draft(tree, self.vocab_size)
+        row = self._rows.setdefault(seq.request_id, BlockRow())
+        states = row.take(seq, self.head.kind)
+        if row.context is None:
+            row.context = self.head.new_context()
+        self.head.extend(row.context, states.to(self.head.device))
+        levels = min(self.tree_depth, k) if tree else k
+        logits = self.head.block(row.context, ids[-1], levels)  # [levels, V]
+        if tree:
+            return tree_from_levels(logits, k, self.tree_width, self._ids, self.vocab_size)
+        return chain_from_levels(seq, logits, self._ids, self.vocab_size)

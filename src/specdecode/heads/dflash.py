@@ -1,0 +1,447 @@
+"""The DFlash block drafter at inference: a few decoder layers that fill a block of masked
+positions in one pass, conditioned on the target's fused states (DFlash, arXiv 2602.06036;
+the folder format of z-lab's released drafters).
+
+Per sequence the drafter keeps a context: per layer the keys and values of every committed
+token whose target states are known. Token t's are k_norm(k_proj(c_t)) (RoPE at position t)
+and v_proj(c_t), where c_t = hidden_norm(fc(the target's states after token t)) feeds every
+layer alike (the context entries have no states of their own in the drafter). A block is
+the last committed token (the anchor, at position a) and K mask entries at a + 1..a + K; its
+states start from embeddings (the target's own, of the anchor and of the mask token) and run
+through the layers, each block query attending to the whole context and to the whole block
+(no causal mask inside it). Mask entry a + j predicts token a + j: logits = the target's
+output rows over norm(its final state) (times `output_multiplier`, soft-capped where the
+config says). The block's keys and values are never kept; the next block reads the context
+grown by the states of the tokens the step kept.
+
+config.json is a Qwen3 config of the drafter's layers (`num_hidden_layers` of them) with
+`dflash_config`: block_size (the anchor plus the block_size - 1 tokens it drafts),
+target_layer_ids (the target layers whose outputs are fused, Hugging Face's hidden_states
+index minus 1: our `feature_layers`, the inputs of the layers after them), mask_token_id (the
+token whose embedding a mask entry reads), and optionally output_multiplier,
+final_logit_softcapping and input_embedding_scale. A folder `specdecode train --method
+dflash` writes has a learned `mask_embed` tensor ([h]) and mask_token_id null. Not read:
+DFlash2's convolutions and candidate selector, causal or sliding-window drafter layers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from specdecode.errors import UserError
+from specdecode.heads.files import check_head_folder, read_head_tensors, tensors_for_target
+from specdecode.model.attention import attend, rotate
+from specdecode.model.config import ModelConfig, read_config_json
+from specdecode.model.linear import make_linear
+from specdecode.model.norm import RMSNorm
+from specdecode.model.rope import Rotary
+from specdecode.model.transformer import MLP, Transformer
+
+ARCHITECTURE = "DFlashDraftModel"
+MASK_EMBED = "mask_embed"  # a trained folder's learned mask embedding ([h])
+
+
+@dataclass(frozen=True, slots=True)
+class DFlashHeadConfig:
+    """A block drafter's shape (module docstring).
+
+    layers: its decoder layers' shape (num_layers: how many; vocab_size: the target's).
+    target_layer_ids: the target layers whose outputs are fused (fc: len * h -> h).
+    block_size: the anchor plus the most tokens one block drafts.
+    mask_token_id: the token whose embedding a mask entry reads (None: a learned `mask_embed`).
+    num_target_layers: the target's layer count it was trained for (None: not said).
+    output_multiplier: the logits' scale. logit_softcap: cap * tanh(logits / cap) (None: none).
+    embedding_scale: what the block's embeddings are multiplied by.
+    """
+
+    layers: ModelConfig
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    mask_token_id: int | None = None
+    num_target_layers: int | None = None
+    output_multiplier: float = 1.0
+    logit_softcap: float | None = None
+    embedding_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise UserError(
+                f"a DFlash block_size must be >= 2 (anchor + drafts), got {self.block_size}"
+            )
+        if not self.target_layer_ids or min(self.target_layer_ids) < -1:
+            raise UserError(
+                "DFlash target_layer_ids must be layer indices (-1: the embeddings), got "
+                f"{self.target_layer_ids}"
+            )
+        if self.layers.sliding_layers:
+            raise UserError("DFlash drafters with sliding-window layers are not supported")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target states the drafter reads (`Transformer.forward`'s `hidden_layers`: the
+        inputs of the layers after target_layer_ids)."""
+        return tuple(i + 1 for i in self.target_layer_ids)
+
+    @property
+    def max_draft(self) -> int:
+        """The most tokens one block drafts."""
+        return self.block_size - 1
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any], where: str) -> DFlashHeadConfig:
+        """From a drafter's config.json (`where` names it in errors)."""
+        arch = list(raw.get("architectures") or [])
+        if arch and ARCHITECTURE not in arch:
+            raise UserError(
+                f"{where} is a {arch[0]}, not a {ARCHITECTURE} (DFlash2's convolutions and "
+                "candidate selector are not supported)"
+            )
+        extra = raw.get("dflash_config")
+        if not isinstance(extra, Mapping) or "target_layer_ids" not in extra:
+            raise UserError(f"{where}: config.json lacks dflash_config.target_layer_ids")
+        if extra.get("is_causal", raw.get("is_causal")):
+            raise UserError(f"{where}: causal DFlash layers are not supported (is_causal true)")
+        softcap = extra.get("final_logit_softcapping")
+        mask = extra.get("mask_token_id")
+        target_layers = raw.get("num_target_layers", extra.get("num_target_layers"))
+        return cls(
+            ModelConfig.from_hf_dict(dict(raw)),
+            tuple(int(i) for i in extra["target_layer_ids"]),
+            int(extra.get("block_size", 16)),
+            None if mask is None else int(mask),
+            None if target_layers is None else int(target_layers),
+            float(extra.get("output_multiplier", 1.0)),
+            float(softcap) if softcap else None,
+            float(extra.get("input_embedding_scale", 1.0)),
+        )
+
+    @classmethod
+    def from_folder(cls, path: Path) -> DFlashHeadConfig:
+        """Read `path/config.json`."""
+        return read_config_json(
+            path,
+            lambda raw: cls.from_json(raw, str(path)),
+            "a DFlash drafter folder holds config.json and model.safetensors",
+        )
+
+    @classmethod
+    def for_target(
+        cls, target: ModelConfig, num_layers: int, block_size: int, feature_layers: tuple[int, ...]
+    ) -> DFlashHeadConfig:
+        """A drafter of `num_layers` layers shaped as the target's (Qwen3-style: q/k norms,
+        the target's q/k/v biases), reading `feature_layers`, with a learned mask embedding."""
+        layers = replace(
+            target,
+            architecture="qwen3",
+            num_layers=num_layers,
+            qk_norm=True,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            sliding_layers=(),
+        )
+        ids = tuple(i - 1 for i in sorted(feature_layers))
+        return cls(layers, ids, block_size, None, target.num_layers)
+
+    def to_json(self, extra: Mapping[str, object] | None = None) -> str:
+        """config.json: a Qwen3 config of the layers with dflash_config (`extra` under
+        "specdecode")."""
+        lay = self.layers
+        raw: dict[str, object] = {
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3",
+            "hidden_size": lay.hidden_size,
+            "intermediate_size": lay.intermediate_size,
+            "num_hidden_layers": lay.num_layers,
+            "num_attention_heads": lay.num_heads,
+            "num_key_value_heads": lay.num_kv_heads,
+            "head_dim": lay.head_dim,
+            "hidden_act": lay.activation,
+            "rms_norm_eps": lay.rms_norm_eps,
+            "rope_theta": lay.rope_theta,
+            "max_position_embeddings": lay.max_position_embeddings,
+            "attention_bias": lay.qkv_bias,
+            "vocab_size": lay.vocab_size,
+            "tie_word_embeddings": False,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {
+                "block_size": self.block_size,
+                "target_layer_ids": list(self.target_layer_ids),
+                "mask_token_id": self.mask_token_id,
+            },
+        }
+        if lay.rope_scaling is not None:
+            raw["rope_scaling"] = lay.rope_scaling.to_hf_dict()
+        if extra:
+            raw["specdecode"] = dict(extra)
+        return json.dumps(raw, indent=2) + "\n"
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Refuse a target other than the one the drafter was made for."""
+        lay = self.layers
+        wrong = [
+            f"{name} {mine} (target {theirs})"
+            for name, mine, theirs in (
+                ("hidden_size", lay.hidden_size, target.hidden_size),
+                ("vocab_size", lay.vocab_size, target.vocab_size),
+                ("num_target_layers", self.num_target_layers, target.num_layers),
+            )
+            if mine is not None and mine != theirs
+        ]
+        if max(self.feature_layers) > target.num_layers:
+            ids = list(self.target_layer_ids)
+            wrong.append(f"target_layer_ids {ids} (target has {target.num_layers} layers)")
+        if wrong:
+            raise UserError(f"this DFlash drafter was made for another target: {', '.join(wrong)}")
+
+
+def dflash_tensor_shapes(cfg: DFlashHeadConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor the drafter needs (z-lab's names; `mask_embed` where
+    mask_token_id is None)."""
+    lay = cfg.layers
+    h, inter, dim = lay.hidden_size, lay.intermediate_size, lay.head_dim
+    q, kv = lay.num_heads * dim, lay.num_kv_heads * dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, len(cfg.target_layer_ids) * h),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for i in range(lay.num_layers):
+        at = f"layers.{i}."
+        shapes |= {
+            f"{at}input_layernorm.weight": (h,),
+            f"{at}post_attention_layernorm.weight": (h,),
+            f"{at}self_attn.q_proj.weight": (q, h),
+            f"{at}self_attn.k_proj.weight": (kv, h),
+            f"{at}self_attn.v_proj.weight": (kv, h),
+            f"{at}self_attn.o_proj.weight": (h, q),
+            f"{at}self_attn.q_norm.weight": (dim,),
+            f"{at}self_attn.k_norm.weight": (dim,),
+            f"{at}mlp.gate_proj.weight": (inter, h),
+            f"{at}mlp.up_proj.weight": (inter, h),
+            f"{at}mlp.down_proj.weight": (h, inter),
+        }
+        if lay.qkv_bias:
+            shapes |= {
+                f"{at}self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))
+            }
+    if cfg.mask_token_id is None:
+        shapes[MASK_EMBED] = (h,)
+    return shapes
+
+
+class BlockContext:
+    """One sequence's context entries: per drafter layer their keys and values, grown as
+    entries arrive (the block's own are never stored)."""
+
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.length = 0
+        self._k = torch.empty(layers, kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self._v = torch.empty_like(self._k)  # [L, Hkv, capacity, D]
+
+    def extend(self, k: Tensor, v: Tensor) -> None:
+        """Append entries: k, v [L, Hkv, n, D]."""
+        end = self.length + k.shape[2]
+        if end > self._k.shape[2]:  # grow to twice what is needed: amortized appends
+            grown = torch.empty(
+                *self._k.shape[:2], 2 * end, self._k.shape[3], dtype=k.dtype, device=k.device
+            )
+            grown_v = torch.empty_like(grown)
+            grown[:, :, : self.length] = self._k[:, :, : self.length]
+            grown_v[:, :, : self.length] = self._v[:, :, : self.length]
+            self._k, self._v = grown, grown_v
+        self._k[:, :, self.length : end] = k
+        self._v[:, :, self.length : end] = v
+        self.length = end
+
+    def layer(self, index: int) -> tuple[Tensor, Tensor]:
+        """Layer `index`'s keys and values of every entry ([Hkv, length, D] each)."""
+        return self._k[index, :, : self.length], self._v[index, :, : self.length]
+
+
+class DFlashLayer(nn.Module):
+    """One drafter layer (Qwen3's block, its keys and values over context and block alike).
+
+    Args:
+        cfg: the layers' shape. weights: the drafter's tensors. prefix: this layer's names.
+        quantization: the projections' format (None, "int8", "int4", a GGUF block type).
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, weights: Mapping[str, Tensor], prefix: str, quantization: str | None
+    ) -> None:
+        super().__init__()
+        eps, at = cfg.rms_norm_eps, f"{prefix}self_attn."
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.input_layernorm = RMSNorm(weights[f"{prefix}input_layernorm.weight"], eps)
+        self.post_attention_layernorm = RMSNorm(
+            weights[f"{prefix}post_attention_layernorm.weight"], eps
+        )
+        proj = {
+            p: make_linear(
+                weights[f"{at}{p}_proj.weight"], weights.get(f"{at}{p}_proj.bias"), quantization
+            )
+            for p in ("q", "k", "v", "o")
+        }
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            proj["q"],
+            proj["k"],
+            proj["v"],
+            proj["o"],
+        )
+        self.q_norm = RMSNorm(weights[f"{at}q_norm.weight"], eps)
+        self.k_norm = RMSNorm(weights[f"{at}k_norm.weight"], eps)
+        self.mlp = MLP(dict(weights), f"{prefix}mlp.", quantization, cfg.activation)
+
+    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (normed, rotated) and values of entries x ([1, T, h]): [Hkv, T, D] each."""
+        k = self.k_norm(self.k_proj(x).view(1, -1, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(1, -1, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(k, cos, sin)[0], v[0]
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, context: tuple[Tensor, Tensor]
+    ) -> Tensor:
+        """The block's states x ([1, T, h], at the positions of cos/sin [1, 1, T, D]) through the
+        layer, each entry attending to the context's keys/values ([Hkv, S, D]) and the block's."""
+        normed = self.input_layernorm(x)
+        q = self.q_norm(self.q_proj(normed).view(1, -1, self.heads, self.head_dim)).transpose(1, 2)
+        q = rotate(q, cos, sin)  # [1, H, T, D]
+        k, v = self.keys_values(normed, cos, sin)
+        keys = torch.cat([context[0], k], dim=1)[None]  # [1, Hkv, S + T, D]
+        values = torch.cat([context[1], v], dim=1)[None]
+        out = attend(q, keys, values, None)  # [1, H, T, D]
+        x = x + self.o_proj(out.transpose(1, 2).reshape(1, -1, self.heads * self.head_dim))
+        return x + self.mlp(self.post_attention_layernorm(x))  # [1, T, h]
+
+
+class DFlashHead(nn.Module):
+    """A DFlash block drafter for one target (module docstring).
+
+    Args:
+        cfg: the drafter's shape.
+        weights: its tensors (`dflash_tensor_shapes`), in the target's dtype and on its device.
+        target: the model it drafts for (its embedding and output rows, shared).
+        quantization: the projections' format (None, "int8", "int4", a GGUF block type).
+    """
+
+    kind = "dflash"
+
+    def __init__(
+        self,
+        cfg: DFlashHeadConfig,
+        weights: Mapping[str, Tensor],
+        target: Transformer,
+        quantization: str | None,
+    ) -> None:
+        super().__init__()
+        lay = cfg.layers
+        self.config = cfg
+        self.vocab_size = lay.vocab_size
+        self.embed_tokens = target.embed_tokens
+        self.lm_head = target.lm_head  # the raw output rows (the target's soft-cap not applied)
+        self.fc = make_linear(weights["fc.weight"], quantization=quantization)
+        self.hidden_norm = RMSNorm(weights["hidden_norm.weight"], lay.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DFlashLayer(lay, weights, f"layers.{i}.", quantization) for i in range(lay.num_layers)
+        )
+        self.norm = RMSNorm(weights["norm.weight"], lay.rms_norm_eps)
+        if cfg.mask_token_id is None:
+            self.mask_embed = weights[MASK_EMBED]  # [h]
+        else:
+            self.mask_embed = target.embed_tokens.weight[cfg.mask_token_id]
+        self.rotary = Rotary(
+            lay.head_dim, lay.rope_theta, lay.max_position_embeddings, lay.rope_scaling
+        ).to(target.device)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target states the drafter reads."""
+        return self.config.feature_layers
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    def new_context(self) -> BlockContext:
+        """An empty context for one sequence."""
+        lay = self.config.layers
+        return BlockContext(
+            len(self.layers), lay.num_kv_heads, lay.head_dim, self.dtype, self.device
+        )
+
+    def _tables(self, start: int, count: int) -> tuple[Tensor, Tensor]:
+        """RoPE tables of positions start..start + count - 1 ([1, 1, count, D] each)."""
+        positions = torch.arange(start, start + count, device=self.device)[None]
+        return self.rotary.tables(positions, self.dtype)
+
+    @torch.inference_mode()
+    def extend(self, context: BlockContext, features: Tensor) -> None:
+        """Append the entries of the next tokens' target states (features [n, F], the target's
+        concatenated states of `feature_layers`) to `context`."""
+        fused = self.hidden_norm(self.fc(features.to(self.dtype)[None]))  # [1, n, h]
+        cos, sin = self._tables(context.length, fused.shape[1])
+        kv = [layer.keys_values(fused, cos, sin) for layer in self.layers]
+        context.extend(torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]))
+
+    @torch.inference_mode()
+    def block(self, context: BlockContext, anchor: int, drafts: int) -> Tensor:
+        """One pass over the block [anchor, mask x drafts] after `context`'s entries (the
+        anchor at position context.length); returns the mask entries' logits ([drafts, V])."""
+        embed = self.embed_tokens(torch.tensor([anchor], device=self.device))  # [1, h]
+        x = torch.cat([embed, self.mask_embed.expand(drafts, -1)])[None]  # [1, 1 + drafts, h]
+        if self.config.embedding_scale != 1.0:
+            x = x * self.config.embedding_scale
+        cos, sin = self._tables(context.length, 1 + drafts)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, context.layer(index))
+        logits = (
+            self.lm_head(self.norm(x[:, 1:]))[0].float() * self.config.output_multiplier
+        )  # [drafts, V]
+        cap = self.config.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def load_dflash_head(path: Path, target: Transformer, quantization: str | None) -> DFlashHead:
+    """The DFlash drafter in folder `path` for `target` (refused if made for another target),
+    its projections in `quantization` and its other tensors in the target's dtype."""
+    check_head_folder(path, "DFlash")
+    cfg = DFlashHeadConfig.from_folder(path)
+    cfg.check_target(target.config)
+    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < target.config.vocab_size:
+        raise UserError(
+            f"{path}: mask_token_id {cfg.mask_token_id} is outside the target's vocabulary"
+        )
+    shapes = dflash_tensor_shapes(cfg)
+    weights = read_head_tensors(path, shapes, {}, cfg.layers.vocab_size)
+    cast = tensors_for_target(weights, set(shapes), target.device, target.dtype)
+    return DFlashHead(cfg, cast, target, quantization).eval()
+
+
+def save_dflash_head(
+    path: Path,
+    cfg: DFlashHeadConfig,
+    weights: Mapping[str, Tensor],
+    extra: Mapping[str, object] | None = None,
+) -> None:
+    """Write `cfg` (config.json; `extra` under "specdecode") and `weights` (model.safetensors)
+    into folder `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {n: t.detach().contiguous().cpu() for n, t in weights.items()},
+        str(path / "model.safetensors"),
+    )
+    (path / "config.json").write_text(cfg.to_json(extra))
