@@ -1,15 +1,17 @@
-"""What drafting costs a step: a sequential EAGLE-3 head (K passes) vs a parallel one (1 pass).
+"""What drafting costs a step: a sequential EAGLE-3 head (K passes) vs a parallel one and a
+DFlash block drafter (1 pass each).
 
-Builds both heads for the target (`--model`) with random weights (a draft's cost does not depend
-on them; with random weights almost nothing is accepted, so every step drafts K tokens and
-catches up one or two entries), saves them in a temporary folder, and runs the engine with
-each on the same prompts, greedy, `--rounds` times interleaved (sequential, parallel,
-sequential, ...). Per run it reads the engine's own drafting time (`SpecMetrics.draft_s` over
-the steps that drafted) and prints per head the median ms of drafting per step, the spread
-over the runs, and the parallel / sequential ratio.
+Builds the three for the target (`--model`) with random weights (a draft's cost does not
+depend on them; with random weights almost nothing is accepted, so every step drafts K tokens
+and catches up one or two entries; the block drafter has `--dflash-layers` layers), saves them
+in a temporary folder, and runs the engine with each on the same prompts, greedy, `--rounds`
+times interleaved (sequential, parallel, dflash, sequential, ...). Per run it reads the
+engine's own drafting time (`SpecMetrics.draft_s` over the steps that drafted) and prints per
+drafter the median ms of drafting per step, the spread over the runs, and its ratio to the
+sequential head's.
 
 Usage: python benchmarks/parallel_draft_cost.py [--model qwen2.5-coder-1.5b] [--quantization gguf]
-       [--k 4] [--prompts 2] [--max-tokens 32] [--rounds 3]
+       [--k 4] [--dflash-layers 1] [--prompts 2] [--max-tokens 32] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -22,21 +24,32 @@ from pathlib import Path
 import torch
 
 from specdecode.corpus.prompts import load_prompts
+from specdecode.heads.dflash import DFlashHeadConfig, save_dflash_head
 from specdecode.heads.eagle3 import save_eagle3_head
-from specdecode.heads.eagle3_config import Eagle3HeadConfig
+from specdecode.heads.eagle3_config import Eagle3HeadConfig, default_aux_layers
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams
+from specdecode.train.dflash_model import initial_dflash_weights
 from specdecode.train.init import initial_weights
 
-KINDS = ("eagle3", "eagle3_parallel")
+KINDS = ("eagle3", "eagle3_parallel", "dflash")
 
 
-def _heads(llm: LLM, k: int, folder: Path) -> dict[str, Path]:
-    """A random sequential and a random parallel (k levels) head for `llm`'s target."""
+def _heads(llm: LLM, k: int, layers: int, folder: Path) -> dict[str, Path]:
+    """A random sequential head, parallel (k levels) head and block drafter (k per block,
+    `layers` layers) for `llm`'s target."""
     target = llm.model.config
     draft_ids = torch.arange(min(32000, target.vocab_size))
     out = {}
-    for kind in KINDS:
+    cfg = DFlashHeadConfig.for_target(target, layers, k + 1, default_aux_layers(target.num_layers))
+    norm = torch.ones(target.hidden_size)
+    embed = llm.model.embed_tokens.weight
+    weights = initial_dflash_weights(
+        cfg, target, llm.model_path, draft_ids, "random", 0, norm, embed
+    )
+    save_dflash_head(folder / "dflash", cfg, {n: w for n, w in weights.items() if n != "d2t"})
+    out["dflash"] = folder / "dflash"
+    for kind in KINDS[:2]:
         cfg = Eagle3HeadConfig.for_target(
             target, len(draft_ids), "random", k if kind == "eagle3_parallel" else 0
         )
@@ -51,6 +64,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--quantization", default="gguf")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--dflash-layers", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=2, help="chat prompts")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
@@ -59,7 +73,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
         base = LLM(args.model, quantization=args.quantization)
-        heads = _heads(base, args.k, Path(tmp))
+        heads = _heads(base, args.k, args.dflash_layers, Path(tmp))
         llms = {
             kind: LLM(
                 args.model,
@@ -88,8 +102,9 @@ def main() -> None:
             f"  {kind:16s} median {statistics.median(values):7.2f}  "
             f"(min {min(values):.2f}, max {max(values):.2f})"
         )
-    ratio = statistics.median(ms["eagle3_parallel"]) / statistics.median(ms["eagle3"])
-    print(f"  parallel / sequential: {ratio:.2f}")
+    for kind in KINDS[1:]:
+        ratio = statistics.median(ms[kind]) / statistics.median(ms["eagle3"])
+        print(f"  {kind} / sequential: {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -127,3 +127,26 @@ def check_greedy_equals_plain(llm: LLM, expected: list[list[int]]) -> None:
         assert list(llm.generate(prompt, GREEDY)[0].token_ids) == want
     assert sum(o.metrics.spec.num_draft_tokens for o in outs) > 0
     assert not llm.engine.drafter._rows
+
+
+def passes_per_propose(drafter: object, pass_name: str) -> list[tuple[int, int]]:
+    """Count the drafter's passes: wrap `drafter.head.<pass_name>` and `drafter.propose`; the
+    returned list fills with, per propose, (passes run, requests with a draft budget)."""
+    head, passes, per_propose = drafter.head, [], []
+    run = getattr(head, pass_name)
+
+    def counted(*args: object, **kw: object) -> object:
+        passes.append(1)
+        return run(*args, **kw)
+
+    setattr(head, pass_name, counted)
+    original = drafter.propose
+
+    def propose(seqs: object, budgets: list) -> object:
+        before = len(passes)
+        drafts = original(seqs, budgets)
+        per_propose.append((len(passes) - before, sum(1 for b in budgets if b.max_tokens > 0)))
+        return drafts
+
+    drafter.propose = propose
+    return per_propose

@@ -24,6 +24,7 @@ from head_cases import (
     check_greedy_and_sampled_in_one_batch,
     check_greedy_equals_plain,
     edited_head,
+    passes_per_propose,
 )
 from safetensors import safe_open
 from spec_cases import GREEDY, PROMPTS, FakeSeq
@@ -202,24 +203,7 @@ def test_greedy_equals_plain_batched_and_alone_with_one_block_pass_a_step(
 ) -> None:
     llm = _dflash(tiny_model_dir, drafter_dir, **spec)
     drafter = llm.engine.drafter
-    passes: list[int] = []
-    block = drafter.head.block
-
-    def counted(*args: object, **kw: object) -> object:
-        passes.append(1)
-        return block(*args, **kw)
-
-    drafter.head.block = counted
-    original = drafter.propose
-    per_propose = []
-
-    def propose(seqs: object, budgets: list[DraftBudget]) -> object:
-        before = len(passes)
-        drafts = original(seqs, budgets)
-        per_propose.append((len(passes) - before, sum(1 for b in budgets if b.max_tokens > 0)))
-        return drafts
-
-    drafter.propose = propose
+    per_propose = passes_per_propose(drafter, "block")
     check_greedy_equals_plain(llm, expected)
     # one block pass per drafting request per step, however long its chain or deep its tree
     assert per_propose and all(n <= drafting for n, drafting in per_propose)

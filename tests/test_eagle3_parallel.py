@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_eagle3_head, build_tiny_model
-from head_cases import check_certify, check_greedy_and_sampled_in_one_batch
+from head_cases import (
+    check_certify,
+    check_greedy_and_sampled_in_one_batch,
+    passes_per_propose,
+)
 from spec_cases import GREEDY, PROMPTS
 from train_cases import chat_prompts, examples, train_config
 
@@ -37,7 +41,6 @@ from specdecode.train.objective import (
 )
 from specdecode.train.target_pass import run_target
 from specdecode.train.trainer import train
-from specdecode.types import DraftBudget
 
 P = 4  # the head's levels
 
@@ -74,24 +77,7 @@ def test_greedy_equals_plain_batched_and_alone_with_one_head_pass_a_step(
 ) -> None:
     llm = _parallel(tiny_model_dir, head_dir, **spec)
     drafter = llm.engine.drafter
-    passes = []
-    forward = drafter.head.forward
-
-    def counted(*args: object, **kw: object) -> object:
-        passes.append(1)
-        return forward(*args, **kw)
-
-    drafter.head.forward = counted
-    original = drafter.propose
-    per_propose = []
-
-    def propose(seqs: object, budgets: list[DraftBudget]) -> object:
-        before = len(passes)
-        drafts = original(seqs, budgets)
-        per_propose.append((len(passes) - before, sum(1 for b in budgets if b.max_tokens > 0)))
-        return drafts
-
-    drafter.propose = propose
+    per_propose = passes_per_propose(drafter, "forward")
     outs = llm.generate(PROMPTS, GREEDY)
     assert [list(o.token_ids) for o in outs] == expected
     for prompt, want in zip(PROMPTS, expected, strict=True):

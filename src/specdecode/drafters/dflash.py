@@ -22,7 +22,7 @@ A step's drafting is one pass however long the draft (a sequential head makes K)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -79,7 +79,7 @@ class BlockRow(StateQueue):
     """One sequence's drafter state: its context (made at its first draft) and the queued
     target states."""
 
-    context: BlockContext | None = field(default=None)
+    context: BlockContext | None = None
 
 
 class DFlashDrafter(DrafterBase):

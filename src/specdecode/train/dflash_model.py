@@ -34,7 +34,7 @@ from specdecode.model.config import ModelConfig
 from specdecode.model.loading import layer_tensor_names
 from specdecode.model.rope import base_frequencies
 from specdecode.train.eagle3_model import rotate_half
-from specdecode.train.head_params import HeadParameters, param_key, rms_norm
+from specdecode.train.head_params import HeadParameters, rms_norm
 from specdecode.train.init import random_weights, read_tensors
 
 
@@ -119,11 +119,6 @@ class TrainableDFlash(HeadParameters):
         tensors = {name: t for name, t in weights.items() if name != "d2t"}
         save_dflash_head(path, self.config, tensors, extra)
 
-    def _linear(self, x: Tensor, weight: str) -> Tensor:
-        """x @ W^T (+ the bias where the drafter has one), W named `weight`."""
-        bias = param_key(weight.removesuffix("weight") + "bias")
-        return F.linear(x, self.p(weight), self.params.get(bias, None))
-
     def _rope(self, x: Tensor, positions: Tensor) -> Tensor:
         """RoPE of x ([B, heads, *P, D]) at positions ([B, *P])."""
         angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, *P, D/2]
@@ -133,7 +128,7 @@ class TrainableDFlash(HeadParameters):
     def _heads(self, x: Tensor, name: str, at: str, count: int) -> Tensor:
         """Projection `name` of x ([B, *P, h]) split into `count` heads, q/k normed:
         [B, count, *P, D]."""
-        out = self._linear(x, f"{at}self_attn.{name}_proj.weight")
+        out = self.linear(x, f"{at}self_attn.{name}_proj.weight")
         out = out.view(*x.shape[:-1], count, self.config.layers.head_dim)
         if name in "qk":
             norm = self.p(f"{at}self_attn.{name}_norm.weight")
@@ -212,11 +207,11 @@ class TrainableDFlash(HeadParameters):
         out = (probs[..., :span].reshape(batch, heads, blocks * size, span) @ cv).view(q.shape)
         out = out + probs[..., span:] @ v  # [B, H, A, S, D]
         out = out.movedim(1, -2).reshape(batch, blocks, size, heads * dim)
-        x = x + self._linear(out, f"{at}self_attn.o_proj.weight")
+        x = x + self.linear(out, f"{at}self_attn.o_proj.weight")
         y = rms_norm(x, self.p(f"{at}post_attention_layernorm.weight"), lay.rms_norm_eps)
-        gate = self._linear(y, f"{at}mlp.gate_proj.weight")
-        up = self._linear(y, f"{at}mlp.up_proj.weight")
-        return x + self._linear(F.silu(gate) * up, f"{at}mlp.down_proj.weight")
+        gate = self.linear(y, f"{at}mlp.gate_proj.weight")
+        up = self.linear(y, f"{at}mlp.up_proj.weight")
+        return x + self.linear(F.silu(gate) * up, f"{at}mlp.down_proj.weight")
 
     def logits(self, hidden: Tensor) -> Tensor:
         """The target's rows of the draft vocabulary over norm(state): [..., h] -> [..., Vd]."""

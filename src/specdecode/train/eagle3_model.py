@@ -31,7 +31,7 @@ from specdecode.heads.eagle3 import LAYER, head_tensor_shapes, save_eagle3_head
 from specdecode.heads.eagle3_config import Eagle3HeadConfig
 from specdecode.model.config import ModelConfig
 from specdecode.model.rope import base_frequencies
-from specdecode.train.head_params import HeadParameters, param_key, rms_norm
+from specdecode.train.head_params import HeadParameters, rms_norm
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -89,11 +89,6 @@ class TrainableStateHead(HeadParameters, ABC):
     ) -> tuple[Tensor, Tensor]:
         """(what q, k and v read [B, N, *], the residual stream [B, N, h]) of entries with
         these token embeddings, features ([B, N, h]) and positions ([B, N])."""
-
-    def _linear(self, x: Tensor, weight: str) -> Tensor:
-        """x @ W^T (+ the bias where the head has one), W named `weight`."""
-        bias = param_key(weight.removesuffix("weight") + "bias")
-        return F.linear(x, self.p(weight), self.params.get(bias, None))
 
     def forward(
         self,
@@ -173,9 +168,9 @@ class TrainableStateHead(HeadParameters, ABC):
         batch, count, _ = hidden.shape
         heads, kv_heads, dim = lay.num_heads, lay.num_kv_heads, lay.head_dim
         x, residual = self._inputs(token_embeds, hidden, positions)  # [B, N, *], [B, N, h]
-        q = self._linear(x, f"{at}self_attn.q_proj.weight")
-        k = self._linear(x, f"{at}self_attn.k_proj.weight")
-        v = self._linear(x, f"{at}self_attn.v_proj.weight")
+        q = self.linear(x, f"{at}self_attn.q_proj.weight")
+        k = self.linear(x, f"{at}self_attn.k_proj.weight")
+        v = self.linear(x, f"{at}self_attn.v_proj.weight")
         q = q.view(batch, count, heads, dim).transpose(1, 2)  # [B, H, N, D]
         k = k.view(batch, count, kv_heads, dim).transpose(1, 2)  # [B, Hkv, N, D]
         v = v.view(batch, count, kv_heads, dim).transpose(1, 2)
@@ -188,11 +183,11 @@ class TrainableStateHead(HeadParameters, ABC):
         values.append(v.repeat_interleave(group, dim=1))
         attn = self._ttt_attention(q, keys, values, seen)  # [B, H, N, D]
         attn = attn.transpose(1, 2).reshape(batch, count, heads * dim)
-        x = residual + self._linear(attn, f"{at}self_attn.o_proj.weight")
+        x = residual + self.linear(attn, f"{at}self_attn.o_proj.weight")
         y = rms_norm(x, self.p(f"{at}post_attention_layernorm.weight"), lay.rms_norm_eps)
-        gate = self._linear(y, f"{at}mlp.gate_proj.weight")
-        up = self._linear(y, f"{at}mlp.up_proj.weight")
-        return x + self._linear(F.silu(gate) * up, f"{at}mlp.down_proj.weight")  # [B, N, h]
+        gate = self.linear(y, f"{at}mlp.gate_proj.weight")
+        up = self.linear(y, f"{at}mlp.up_proj.weight")
+        return x + self.linear(F.silu(gate) * up, f"{at}mlp.down_proj.weight")  # [B, N, h]
 
     @staticmethod
     def _ttt_attention(
@@ -245,7 +240,7 @@ class TrainableEagle3(TrainableStateHead):
 
     def _fuse(self, features: Tensor) -> Tensor:
         """fc over the target's concatenated states."""
-        return self._linear(features.to(self.p("fc.weight").dtype), "fc.weight")
+        return self.linear(features.to(self.p("fc.weight").dtype), "fc.weight")
 
     def _inputs(
         self, token_embeds: Tensor, hidden: Tensor, positions: Tensor
@@ -261,4 +256,4 @@ class TrainableEagle3(TrainableStateHead):
     def logits(self, hidden: Tensor) -> Tensor:
         """The output head over pre-norm outputs: [..., h] -> [..., Vd] logits."""
         normed = rms_norm(hidden, self.p("norm.weight"), self.config.layer.rms_norm_eps)
-        return self._linear(normed, "lm_head.weight")
+        return self.linear(normed, "lm_head.weight")

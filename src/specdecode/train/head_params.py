@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -42,6 +43,11 @@ class HeadParameters(nn.Module):
     def p(self, name: str) -> Tensor:
         """The parameter named `name` (the folder's name)."""
         return self.params[param_key(name)]
+
+    def linear(self, x: Tensor, weight: str) -> Tensor:
+        """x @ W^T (+ the bias where the head has one), W the parameter named `weight`."""
+        bias = param_key(weight.removesuffix("weight") + "bias")
+        return F.linear(x, self.p(weight), self.params.get(bias, None))
 
     def head_weights(self) -> dict[str, Tensor]:
         """The head's tensors under the folder's names (detached fp32, d2t int64)."""

@@ -129,7 +129,7 @@ class TrainableMtp(TrainableStateHead):
         token_embeds = token_embeds * (positions != 0)[..., None].to(token_embeds.dtype)
         embeds = rms_norm(token_embeds, self.p(self.parts["embed_norm"]), eps)
         normed = rms_norm(hidden, self.p(self.parts["hidden_norm"]), eps)
-        x = self._linear(torch.cat([embeds.to(normed.dtype), normed], -1), self.parts["proj"])
+        x = self.linear(torch.cat([embeds.to(normed.dtype), normed], -1), self.parts["proj"])
         return rms_norm(x, self.p(f"{self.prefix}input_layernorm.weight"), eps), x
 
     def logits(self, hidden: Tensor) -> Tensor:
