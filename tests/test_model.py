@@ -166,8 +166,8 @@ def test_causal_route_gives_the_masked_routes_bits(dtype: torch.dtype, num_new: 
     q = torch.randn(1, 6, num_new, 32, generator=gen).to(dtype)
     k, v = (torch.randn(1, 2, num_new, 32, generator=gen).to(dtype) for _ in range(2))
     mask = torch.ones(num_new, num_new, dtype=torch.bool).tril()[None, None]
-    masked = attention._attention(q, k, v, mask)
-    assert torch.equal(attention._attention(q, k, v, mask, causal=True), masked)
+    masked = attention.attend(q, k, v, mask)
+    assert torch.equal(attention.attend(q, k, v, mask, causal=True), masked)
     rows = ((num_new, num_new),)
     assert torch.equal(attention._rowwise_attention(q, k, v, mask, rows, causal=True), masked)
     layer = types.SimpleNamespace(per_query=False, rope_tables=lambda *args: (None, None))
