@@ -150,3 +150,25 @@ def passes_per_propose(drafter: object, pass_name: str) -> list[tuple[int, int]]
 
     drafter.propose = propose
     return per_propose
+
+
+def check_plan_prices(model_dir: Path, prompts: Path, spec: dict, max_k: int) -> None:
+    """`specdecode plan` replays the drafter of `spec` (its chains K = 1..max_k and its trees)
+    on the target's greedy text, its drafting time measured, and picks the best."""
+    from specdecode.bench.plan import PlanConfig, run_plan
+
+    config = PlanConfig(
+        str(model_dir),
+        spec,
+        context=16,
+        max_k=max_k,
+        dtype="float32",
+        prompt_sets=(str(prompts),),
+        max_tokens=8,
+        repeats=1,
+    )
+    plan = run_plan(config)
+    chains = [r["k"] for r in plan["rows"] if r["tree_width"] == 1]
+    assert chains == list(range(1, max_k + 1))
+    assert all(r["draft_ms_per_step"] > 0 for r in plan["rows"])
+    assert plan["best"] == max(plan["rows"], key=lambda r: r["predicted_speedup"])

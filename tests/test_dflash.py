@@ -23,6 +23,7 @@ from head_cases import (
     check_certify,
     check_greedy_and_sampled_in_one_batch,
     check_greedy_equals_plain,
+    check_plan_prices,
     edited_head,
     passes_per_propose,
 )
@@ -348,21 +349,10 @@ def test_training_a_drafter_helps_and_it_drafts_losslessly(
 def test_plan_prices_a_dflash_drafter(tiny_model_dir: Path, tiny_prompts: Path) -> None:
     """`specdecode plan` replays the drafter's chains and trees on the target's greedy text
     (with the target's states of that text), its drafting time measured, and picks the best."""
-    from specdecode.bench.plan import PlanConfig, run_plan
-
     folder = build_tiny_dflash(tiny_model_dir, tiny_model_dir / "dflash-learned-mask")
-    spec = {"method": "dflash", "model": str(folder), "num_speculative_tokens": 2}
-    config = PlanConfig(
-        str(tiny_model_dir),
-        spec,
-        context=16,
-        max_k=3,
-        dtype="float32",
-        prompt_sets=(str(tiny_prompts),),
-        max_tokens=8,
-        repeats=1,
+    check_plan_prices(
+        tiny_model_dir,
+        tiny_prompts,
+        {"method": "dflash", "model": str(folder), "num_speculative_tokens": 2},
+        3,
     )
-    plan = run_plan(config)
-    assert [r["k"] for r in plan["rows"] if r["tree_width"] == 1] == [1, 2, 3]
-    assert all(r["draft_ms_per_step"] > 0 for r in plan["rows"])
-    assert plan["best"] == max(plan["rows"], key=lambda r: r["predicted_speedup"])

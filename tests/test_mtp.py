@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_mtp
-from head_cases import check_certify, check_greedy_equals_plain
+from head_cases import check_certify, check_greedy_equals_plain, check_plan_prices
 from safetensors import safe_open
 from safetensors.torch import save_file
 from spec_cases import GREEDY, PROMPTS, FakeSeq
@@ -327,21 +327,10 @@ def test_training_a_layer_helps_and_it_drafts_losslessly(tmp_path: Path) -> None
 def test_plan_prices_an_mtp_layer(tiny_model_dir: Path, tiny_prompts: Path) -> None:
     """`specdecode plan` replays the layer's chains and trees on the target's greedy text,
     its drafting time measured, and picks the best."""
-    from specdecode.bench.plan import PlanConfig, run_plan
-
     layer = build_tiny_mtp(tiny_model_dir, tiny_model_dir / "mtp-deepseek_v3", "deepseek_v3")
-    spec = {"method": "mtp", "model": str(layer), "num_speculative_tokens": 2}
-    config = PlanConfig(
-        str(tiny_model_dir),
-        spec,
-        context=16,
-        max_k=2,
-        dtype="float32",
-        prompt_sets=(str(tiny_prompts),),
-        max_tokens=8,
-        repeats=1,
+    check_plan_prices(
+        tiny_model_dir,
+        tiny_prompts,
+        {"method": "mtp", "model": str(layer), "num_speculative_tokens": 2},
+        2,
     )
-    plan = run_plan(config)
-    assert [r["k"] for r in plan["rows"] if r["tree_width"] == 1] == [1, 2]
-    assert all(r["draft_ms_per_step"] > 0 for r in plan["rows"])
-    assert plan["best"] == max(plan["rows"], key=lambda r: r["predicted_speedup"])
