@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import build_tiny_dflash, build_tiny_model
 from head_cases import (
+    acceptance_rates,
     check_certify,
     check_greedy_and_sampled_in_one_batch,
     check_greedy_equals_plain,
@@ -121,7 +122,7 @@ class Reference:
             k, v = (t.repeat_interleave(heads // kv, dim=0) for t in (k, v))
             probs = ((q @ k.transpose(-1, -2)) / math.sqrt(dim)).softmax(-1)  # no mask
             attn = (probs @ v).transpose(0, 1).reshape(len(x), heads * dim)
-            x = x + attn @ w[f"{at}self_attn.o_proj.weight"].T
+            x = x + proj(attn, "o")
             y = _rms(x, w[f"{at}post_attention_layernorm.weight"], eps)
             gate, up = y @ w[f"{at}mlp.gate_proj.weight"].T, y @ w[f"{at}mlp.up_proj.weight"].T
             x = x + (torch.nn.functional.silu(gate) * up) @ w[f"{at}mlp.down_proj.weight"].T
@@ -333,12 +334,8 @@ def test_training_a_drafter_helps_and_it_drafts_losslessly(
     vocab = ModelConfig.from_folder(model_dir).vocab_size
     start = _trainable(model_dir, torch.arange(vocab), init="random")
     start.save(untrained, start.head_weights(), {})
-    rates = []
-    for folder in (untrained, out):
-        outs = _dflash(model_dir, folder, num_speculative_tokens=K).generate(prompts, params)
-        assert [o.token_ids for o in outs] == plain
-        drafted = sum(o.metrics.spec.num_draft_tokens for o in outs)
-        rates.append(sum(o.metrics.spec.num_accepted_tokens for o in outs) / drafted)
+    llms = [_dflash(model_dir, folder, num_speculative_tokens=K) for folder in (untrained, out)]
+    rates = acceptance_rates(llms, prompts, params, plain)
     print(
         f"loss {first['loss']:.3f} -> {last['loss']:.3f}, agree_0 {first['agree_0']:.3f} -> "
         f"{last['agree_0']:.3f}, acceptance {rates}"

@@ -136,8 +136,9 @@ class DFlashHeadConfig:
     def for_target(
         cls, target: ModelConfig, num_layers: int, block_size: int, feature_layers: tuple[int, ...]
     ) -> DFlashHeadConfig:
-        """A drafter of `num_layers` layers shaped as the target's (Qwen3-style: q/k norms,
-        the target's q/k/v biases), reading `feature_layers`, with a learned mask embedding."""
+        """A drafter of `num_layers` layers shaped as the target's (Qwen3-style: q/k norms;
+        q/k/v/o biases where the target's q/k/v have them), reading `feature_layers`, with a
+        learned mask embedding."""
         layers = replace(
             target,
             architecture="qwen3",
@@ -228,10 +229,9 @@ def dflash_tensor_shapes(cfg: DFlashHeadConfig) -> dict[str, tuple[int, ...]]:
             f"{at}mlp.up_proj.weight": (inter, h),
             f"{at}mlp.down_proj.weight": (h, inter),
         }
-        if lay.qkv_bias:
-            shapes |= {
-                f"{at}self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))
-            }
+        if lay.qkv_bias:  # Qwen3's attention_bias: q, k, v and o all have one
+            pairs = (("q", q), ("k", kv), ("v", kv), ("o", h))
+            shapes |= {f"{at}self_attn.{p}_proj.bias": (n,) for p, n in pairs}
     if cfg.mask_token_id is None:
         shapes[MASK_EMBED] = (h,)
     return shapes
