@@ -172,3 +172,18 @@ def check_plan_prices(model_dir: Path, prompts: Path, spec: dict, max_k: int) ->
     assert chains == list(range(1, max_k + 1))
     assert all(r["draft_ms_per_step"] > 0 for r in plan["rows"])
     assert plan["best"] == max(plan["rows"], key=lambda r: r["predicted_speedup"])
+
+
+def acceptance_rates(
+    llms: list[LLM], prompts: list, params: SamplingParams, plain: list | None = None
+) -> list[float]:
+    """Per engine, the share of its drafted tokens accepted over `prompts`; with `plain`
+    (token ids per prompt), each engine's output checked equal to plain decoding's."""
+    rates = []
+    for llm in llms:
+        outs = llm.generate(prompts, params)
+        if plain is not None:
+            assert [o.token_ids for o in outs] == plain
+        drafted = sum(o.metrics.spec.num_draft_tokens for o in outs)
+        rates.append(sum(o.metrics.spec.num_accepted_tokens for o in outs) / drafted)
+    return rates

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import build_tiny_eagle3_head, build_tiny_model
 from head_cases import (
+    acceptance_rates,
     check_certify,
     check_greedy_and_sampled_in_one_batch,
     check_greedy_equals_plain,
@@ -170,11 +171,9 @@ def test_training_lowers_the_loss_and_raises_acceptance(trained: tuple[Path, Pat
     save_eagle3_head(untrained, cfg, start)
     prompts = chat_prompts(model_dir, examples(6, 2000))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    rates = []
-    for head in (untrained, out):
-        outs = _eagle(model_dir, head).generate(prompts, params)
-        drafted = sum(o.metrics.spec.num_draft_tokens for o in outs)
-        rates.append(sum(o.metrics.spec.num_accepted_tokens for o in outs) / drafted)
+    rates = acceptance_rates(
+        [_eagle(model_dir, head) for head in (untrained, out)], prompts, params
+    )
     assert rates[1] > rates[0] + 0.1, rates
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import build_tiny_exit_head, build_tiny_model
 from head_cases import (
+    acceptance_rates,
     check_certify,
     check_greedy_and_sampled_in_one_batch,
     check_reduced_vocabulary,
@@ -169,11 +170,9 @@ def test_training_lowers_the_loss_and_raises_acceptance(trained: tuple[str, Path
     save_exit_head(untrained, cfg, initial_exit_weights(cfg, model_dir, draft_ids, "random", 0))
     prompts = chat_prompts(model_dir, examples(6, 2000))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    rates = []
-    for head in (untrained, out):
-        outs = _llm(model_dir, kind, head).generate(prompts, params)
-        drafted = sum(o.metrics.spec.num_draft_tokens for o in outs)
-        rates.append(sum(o.metrics.spec.num_accepted_tokens for o in outs) / drafted)
+    rates = acceptance_rates(
+        [_llm(model_dir, kind, head) for head in (untrained, out)], prompts, params
+    )
     assert rates[1] > rates[0] + 0.1, rates
 
 

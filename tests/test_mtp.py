@@ -18,7 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_mtp
-from head_cases import check_certify, check_greedy_equals_plain, check_plan_prices
+from head_cases import (
+    acceptance_rates,
+    check_certify,
+    check_greedy_equals_plain,
+    check_plan_prices,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 from spec_cases import GREEDY, PROMPTS, FakeSeq
@@ -311,12 +316,8 @@ def test_training_a_layer_helps_and_it_drafts_losslessly(tmp_path: Path) -> None
         target_config_json(model_dir),
     )
     start.save(untrained, start.head_weights(), {})
-    rates = []
-    for layer in (untrained, out):
-        outs = _mtp(model_dir, layer).generate(prompts, params)
-        assert [o.token_ids for o in outs] == plain
-        drafted = sum(o.metrics.spec.num_draft_tokens for o in outs)
-        rates.append(sum(o.metrics.spec.num_accepted_tokens for o in outs) / drafted)
+    llms = [_mtp(model_dir, layer) for layer in (untrained, out)]
+    rates = acceptance_rates(llms, prompts, params, plain)
     print(
         f"loss {first['loss']:.3f} -> {last['loss']:.3f}, agree_0 {first['agree_0']:.3f} -> "
         f"{last['agree_0']:.3f}, acceptance {rates}"

@@ -39,9 +39,13 @@ from specdecode.drafters.base import (
     check_tree_shape,
     draft_limits,
 )
-from specdecode.drafters.level_drafts import chain_from_levels, empty_draft, tree_from_levels
+from specdecode.drafters.level_drafts import (
+    chain_from_levels,
+    check_levels,
+    empty_draft,
+    tree_from_levels,
+)
 from specdecode.drafters.state_queue import StateQueue
-from specdecode.errors import UserError
 from specdecode.heads.dflash import BlockContext, DFlashHead, load_dflash_head
 from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
@@ -105,14 +109,11 @@ class DFlashDrafter(DrafterBase):
         check_draft_length(num_speculative_tokens)
         check_tree_shape(tree_width, tree_depth, num_speculative_tokens)
         levels = head.config.max_draft
-        depth = num_speculative_tokens if tree_width == 1 else tree_depth
-        if depth is not None and depth > levels:
-            what = "num_speculative_tokens" if tree_width == 1 else "tree_depth"
-            raise UserError(
-                f"this DFlash drafter's block drafts at most {levels} tokens (block_size "
-                f"{head.config.block_size}): {what} {depth} is too "
-                f"{'long for a chain' if tree_width == 1 else 'deep'}"
-            )
+        what = (
+            f"this DFlash drafter's block drafts at most {levels} tokens (block_size "
+            f"{head.config.block_size})"
+        )
+        check_levels(levels, num_speculative_tokens, tree_width, tree_depth, what)
         self.head = head
         self.needs = DrafterNeeds(hidden_layers=head.feature_layers)
         self.num_speculative_tokens = num_speculative_tokens

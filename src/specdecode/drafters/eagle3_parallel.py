@@ -32,7 +32,12 @@ from torch import Tensor
 
 from specdecode.drafters.base import Drafter, DrafterContext, ModelDrafterConfig, SeqView
 from specdecode.drafters.eagle3 import Eagle3Drafter, HeadRow
-from specdecode.drafters.level_drafts import chain_from_levels, empty_draft, tree_from_levels
+from specdecode.drafters.level_drafts import (
+    chain_from_levels,
+    check_levels,
+    empty_draft,
+    tree_from_levels,
+)
 from specdecode.errors import UserError
 from specdecode.heads.eagle3 import Eagle3Head, load_eagle3_head
 from specdecode.types import Draft
@@ -95,13 +100,8 @@ class Eagle3ParallelDrafter(Eagle3Drafter):
                 "this EAGLE-3 head drafts token by token (its config.json has no "
                 'parallel_draft_tokens): use method "eagle3"'
             )
-        depth = num_speculative_tokens if tree_width == 1 else tree_depth
-        if depth is not None and depth > levels:
-            what = "num_speculative_tokens" if tree_width == 1 else "tree_depth"
-            raise UserError(
-                f"this parallel head drafts at most {levels} levels a pass: {what} {depth} "
-                f"is too {'long for a chain' if tree_width == 1 else 'deep'}"
-            )
+        what = f"this parallel head drafts at most {levels} levels a pass"
+        check_levels(levels, num_speculative_tokens, tree_width, tree_depth, what)
         if tree_width > 1:
             tree_depth = min(tree_depth or num_speculative_tokens, levels)
         super().__init__(head, num_speculative_tokens, tree_width, tree_depth)

@@ -19,10 +19,24 @@ from torch import Tensor
 
 from specdecode.drafters.base import SeqView
 from specdecode.drafters.dynamic_tree import DynamicTree, reduced_log_confidence
+from specdecode.errors import UserError
 from specdecode.sampling.argmax import argmax
 from specdecode.sampling.probs import SamplingTensors, probs_from_logits, sample
 from specdecode.tree.token_tree import ROOT
 from specdecode.types import Draft
+
+
+def check_levels(
+    levels: int, num_speculative_tokens: int, tree_width: int, tree_depth: int | None, what: str
+) -> None:
+    """Refuse a chain longer, or a tree deeper, than the `levels` one pass gives (`what`: the
+    drafter and its limit in words, e.g. "this parallel head drafts at most 4 levels a pass")."""
+    depth = num_speculative_tokens if tree_width == 1 else tree_depth
+    if depth is not None and depth > levels:
+        name = "num_speculative_tokens" if tree_width == 1 else "tree_depth"
+        raise UserError(
+            f"{what}: {name} {depth} is too {'long for a chain' if tree_width == 1 else 'deep'}"
+        )
 
 
 def empty_draft(tree: bool, vocab_size: int) -> Draft:

@@ -130,7 +130,7 @@ class TrainableDFlash(HeadParameters):
         [B, count, *P, D]."""
         out = self.linear(x, f"{at}self_attn.{name}_proj.weight")
         out = out.view(*x.shape[:-1], count, self.config.layers.head_dim)
-        if name in "qk":
+        if name in ("q", "k"):
             norm = self.p(f"{at}self_attn.{name}_norm.weight")
             out = rms_norm(out, norm, self.config.layers.rms_norm_eps)
         return out.movedim(-2, 1)
