@@ -41,13 +41,14 @@ def _heads(llm: LLM, k: int, layers: int, folder: Path) -> dict[str, Path]:
     target = llm.model.config
     draft_ids = torch.arange(min(32000, target.vocab_size))
     out = {}
-    cfg = DFlashHeadConfig.for_target(target, layers, k + 1, default_aux_layers(target.num_layers))
+    aux = default_aux_layers(target.num_layers)
+    cfg = DFlashHeadConfig.for_target(target, layers, k + 1, aux, len(draft_ids))
     norm = torch.ones(target.hidden_size)
     embed = llm.model.embed_tokens.weight
     weights = initial_dflash_weights(
         cfg, target, llm.model_path, draft_ids, "random", 0, norm, embed
     )
-    save_dflash_head(folder / "dflash", cfg, {n: w for n, w in weights.items() if n != "d2t"})
+    save_dflash_head(folder / "dflash", cfg, weights)
     out["dflash"] = folder / "dflash"
     for kind in KINDS[:2]:
         cfg = Eagle3HeadConfig.for_target(

@@ -175,6 +175,26 @@ def test_fp32_logits_equal_transformers_over_64_tokens(arch_dir: Path) -> None:
     _assert_steps_give(ours, tokens, want, prefill=40)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_attention_bias_gives_q_k_v_and_o_their_biases(model_type: str, tmp_path: Path) -> None:
+    """`attention_bias` (Qwen3's and Llama's config field) puts a bias on q, k, v and o, as
+    transformers' layers have them; random biases, so that a missing one shows."""
+    path = build_tiny_model(tmp_path, model_type, head_dim=32, attention_bias=True)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in ref.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    ref.save_pretrained(path)
+    ours = load_model(path, dtype="float32")
+    tokens = _tokens(2, 16)
+    with torch.no_grad():
+        want = ref(tokens).logits  # [1, 16, V]
+    logits, _ = ours(tokens, AttentionMetadata.prefill([16], "cpu"), ours.new_cache(1, 16))
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+
+
 def test_decode_steps_on_the_attention_kernel_give_the_prefills_logits(arch_dir: Path) -> None:
     """In fp32 a prefill attends with torch's ops; here every DECODE step attends with the
     native per-query kernel instead (as the row-exact formats' steps do; forced, since fp32

@@ -187,8 +187,41 @@ def test_the_drafter_computes_what_the_published_equations_give(
         want = ref.block_logits(ids[:end], K)
         draft = drafter.propose([seq], [DraftBudget(K)])[0]
         assert draft.tokens.tolist() == want.argmax(-1).tolist()
-        got = head.block(drafter._rows["s"].context, ids[end - 1], K)
+        got = head.block(drafter._rows["s"].cache, ids[end - 1], K)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_native_block_pass_gives_the_torch_routes_bits(
+    tiny_model_dir: Path, drafter_dir: Path
+) -> None:
+    """In bf16 (and int8) each drafter layer runs as one native call over the block (a TREE
+    pass whose entries see each other); it gives the bits of the torch route."""
+    target = load_model(tiny_model_dir, "bfloat16", quantization="int8")
+    head = load_dflash_head(drafter_dir, target, "int8")
+    assert all(layer.native is not None for layer in head.layers)
+    features = torch.randn(9, len(head.feature_layers) * target.config.hidden_size)
+    logits = []
+    for native in (True, False):
+        if not native:
+            for layer in head.layers:
+                layer.native = None
+        cache = head.new_cache(16)
+        head.extend(cache, features[:5])
+        head.extend(cache, features[5:])  # two steps' states
+        logits.append(head.block(cache, 17, K))
+        assert cache.lengths == [9]  # the block's own entries dropped
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_greedy_equals_plain_with_native_layers(tiny_model_dir: Path, drafter_dir: Path) -> None:
+    """bf16 activations, int8 projections: the drafter's layers run natively; output ==
+    plain decoding's in the same format."""
+    plain = LLM(str(tiny_model_dir), dtype="bfloat16", quantization="int8")
+    want = [list(o.token_ids) for o in plain.generate(PROMPTS, GREEDY)]
+    config = {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": K}
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16", quantization="int8", speculative_config=config)
+    assert llm.engine.drafter.head.layers[0].native is not None
+    check_greedy_equals_plain(llm, want)
 
 
 @pytest.mark.parametrize(
@@ -272,7 +305,7 @@ def _trainable(model_dir: Path, draft_ids: torch.Tensor, init: str = "target") -
     """A trainable two-layer drafter (block of K) for the tiny target, started as `init` says."""
     cfg_target = ModelConfig.from_folder(model_dir)
     target = load_model(model_dir, dtype="float32")
-    cfg = DFlashHeadConfig.for_target(cfg_target, 2, K + 1, (1, 2, 3))
+    cfg = DFlashHeadConfig.for_target(cfg_target, 2, K + 1, (1, 2, 3), len(draft_ids))
     rows, norm = target_output(model_dir, draft_ids)
     embed = target.embed_tokens.weight
     weights = initial_dflash_weights(cfg, cfg_target, model_dir, draft_ids, init, 0, norm, embed)
@@ -293,6 +326,7 @@ def test_the_trainable_drafter_scores_what_one_block_pass_drafts(
             param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
     trainable.save(tmp_path / "drafter", trainable.head_weights(), {"steps": 0})
     head = load_dflash_head(tmp_path / "drafter", target, None)
+    assert head.draft_to_target.tolist() == ids.tolist()  # it drafts over what it trained on
     gen = torch.Generator().manual_seed(0)
     first = torch.randint(0, target.config.vocab_size, (14,), generator=gen)
     second = torch.randint(0, target.config.vocab_size, (10,), generator=gen)
@@ -310,9 +344,9 @@ def test_the_trainable_drafter_scores_what_one_block_pass_drafts(
         logits = [trainable.logits(h)[0] for h in outputs]  # K x [4, Vd]
     for a, column in enumerate(columns[0].tolist()):
         begin = 0 if column < 14 else 14
-        context = head.new_context()
-        head.extend(context, features[0, begin : column + 1])
-        got = head.block(context, int(tokens[0, column + 1]), K)[:, ids]  # [K, Vd]
+        cache = head.new_cache(column + 1 - begin + K)
+        head.extend(cache, features[0, begin : column + 1])
+        got = head.block(cache, int(tokens[0, column + 1]), K)  # [K, Vd]: the saved d2t's
         want = torch.stack([logits[j][a] for j in range(K)])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 

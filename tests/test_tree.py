@@ -136,6 +136,22 @@ def test_compact_keeps_exactly_the_path(tiny_model_dir: Path) -> None:
         assert torch.equal(got, want)
 
 
+def test_a_tree_mask_may_show_a_query_the_later_slots_of_its_pass() -> None:
+    """A block drafter's pass (`heads.dflash`): every new token sees every other; each query
+    then attends as a batched attention over the cached slots and the whole block."""
+    from specdecode import kernels
+
+    if not kernels.available():
+        pytest.skip("no native kernels here")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 3, 16, generator=gen)  # [B, H, T, D]: 3 new tokens at slots 5..7
+    k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(2))  # [B, Hkv, S, D]
+    block = torch.ones(1, 3, 3, dtype=torch.bool)
+    got = kernels.decode_attention(q, k, v, [5], [5], block)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_attention_kernel_refuses_a_bad_tree_mask() -> None:
     from specdecode import kernels
 
@@ -144,8 +160,11 @@ def test_the_attention_kernel_refuses_a_bad_tree_mask() -> None:
     q = torch.zeros(1, 2, 2, 16)
     kv = torch.zeros(1, 2, 8, 16)
     sees_later = torch.tensor([[[1, 1], [0, 1]]], dtype=torch.bool)
-    with pytest.raises(RuntimeError, match="later slot"):
-        kernels.decode_attention(q, kv, kv, [3], [3], sees_later)
+    with pytest.raises(RuntimeError, match="later slot 4 under a window"):
+        kernels.decode_attention(q, kv, kv, [3], [3], sees_later, None, 4)
+    past_the_pass = torch.tensor([[[1, 0, 1], [0, 1, 0]]], dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="slot 5, past the pass's last"):
+        kernels.decode_attention(q, kv, kv, [3], [3], past_the_pass)
     blind = torch.tensor([[[1, 0], [1, 0]]], dtype=torch.bool)
     with pytest.raises(RuntimeError, match="see itself"):
         kernels.decode_attention(q, kv, kv, [3], [3], blind)

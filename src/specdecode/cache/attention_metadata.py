@@ -33,7 +33,9 @@ class AttentionMode(Enum):
         rows.
     TREE: each new token attends by itself (like DECODE) to the slots before `tree_starts[b]`
         and to the slots `tree_starts[b] + r` where `tree_mask[b, t, r]`: token trees, whose
-        nodes see their ancestors and themselves. `tree_starts` defaults to `starts` (a tree
+        nodes see their ancestors and themselves, and a block drafter's block, whose entries
+        see each other (later slots of the pass: no sliding window then, which the native
+        kernel checks). `tree_starts` defaults to `starts` (a tree
         fed in one pass); a drafter that grows a tree over several passes sets it to where the
         tree began, so its mask also covers the nodes earlier passes cached.
     """

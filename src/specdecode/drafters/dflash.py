@@ -4,7 +4,8 @@ The drafter (`specdecode.heads.dflash`) keeps per sequence a context of the comm
 target states, fed as they arrive (`drafters.state_queue`: every committed token but the
 last), and drafts a block: the last committed token at its position followed by K mask
 entries that see each other and the context, one pass through its few layers. Mask entry j
-gives level j - 1's logits over the whole vocabulary (d_j); no level sees the tokens drafted
+gives level j - 1's logits over the drafter's vocabulary (d_j; the target's whole vocabulary
+or the draft vocabulary a trained drafter saved); no level sees the tokens drafted
 before it as tokens (they see each other's states within the block), so chains and trees
 come from the levels as a parallel head's do (`drafters.level_drafts`), with q per level.
 
@@ -28,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import (
     Drafter,
     DrafterBase,
@@ -35,6 +37,7 @@ from specdecode.drafters.base import (
     DrafterNeeds,
     ModelDrafterConfig,
     SeqView,
+    cache_with_room,
     check_draft_length,
     check_tree_shape,
     draft_limits,
@@ -46,7 +49,7 @@ from specdecode.drafters.level_drafts import (
     tree_from_levels,
 )
 from specdecode.drafters.state_queue import StateQueue
-from specdecode.heads.dflash import BlockContext, DFlashHead, load_dflash_head
+from specdecode.heads.dflash import DFlashHead, load_dflash_head
 from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 
@@ -80,10 +83,10 @@ def build_dflash_drafter(config: DFlashConfig, context: DrafterContext) -> Draft
 
 @dataclass
 class BlockRow(StateQueue):
-    """One sequence's drafter state: its context (made at its first draft) and the queued
-    target states."""
+    """One sequence's drafter state: its context entries' cache (made at its first draft)
+    and the queued target states."""
 
-    context: BlockContext | None = None
+    cache: KVCache | None = None
 
 
 class DFlashDrafter(DrafterBase):
@@ -120,7 +123,7 @@ class DFlashDrafter(DrafterBase):
         self.tree_width = tree_width
         self.tree_depth = min(tree_depth or num_speculative_tokens, levels)
         self.vocab_size = head.vocab_size
-        self._ids = torch.arange(head.vocab_size)  # level logits cover the whole vocabulary
+        self._ids = head.draft_to_target.cpu()  # [Vd] level logits' row -> target id
         self._rows: dict[str, BlockRow] = {}
 
     def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
@@ -160,11 +163,12 @@ class DFlashDrafter(DrafterBase):
             return empty_draft(tree, self.vocab_size)
         row = self._rows.setdefault(seq.request_id, BlockRow())
         states = row.take(seq, self.head.kind)
-        if row.context is None:
-            row.context = self.head.new_context()
-        self.head.extend(row.context, states.to(self.head.device))
         levels = min(self.tree_depth, k) if tree else k
-        logits = self.head.block(row.context, ids[-1], levels)  # [levels, V]
+        row.cache = cache_with_room(
+            row.cache, seq, len(ids) + levels, self.head.config.block_size, self.head.new_cache
+        )
+        self.head.extend(row.cache, states.to(self.head.device))
+        logits = self.head.block(row.cache, ids[-1], levels)  # [levels, Vd]
         if tree:
             return tree_from_levels(logits, k, self.tree_width, self._ids, self.vocab_size)
         return chain_from_levels(seq, logits, self._ids, self.vocab_size)

@@ -20,7 +20,10 @@ target_layer_ids (the target layers whose outputs are fused, Hugging Face's hidd
 index minus 1: our `feature_layers`, the inputs of the layers after them), mask_token_id (the
 token whose embedding a mask entry reads), and optionally output_multiplier,
 final_logit_softcapping and input_embedding_scale. A folder `specdecode train --method
-dflash` writes has a learned `mask_embed` tensor ([h]) and mask_token_id null. Not read:
+dflash` writes has a learned `mask_embed` tensor ([h]) and mask_token_id null, and the draft
+vocabulary it was trained over (`draft_vocab_size` and EAGLE-3's `d2t` offsets): its logits
+then cover those tokens only, through the target's output rows of them in the target's format
+(on the CPU the output matrix is most of a block's cost: 151,936 rows for Qwen2.5). Not read:
 DFlash2's convolutions and candidate selector, causal or sliding-window drafter layers.
 """
 
@@ -36,14 +39,22 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.cache.kv_cache import KVCache
 from specdecode.errors import UserError
-from specdecode.heads.files import check_head_folder, read_head_tensors, tensors_for_target
-from specdecode.model.attention import attend, rotate
+from specdecode.heads.files import (
+    check_head_folder,
+    d2t_to_draft_ids,
+    read_head_tensors,
+    tensors_for_target,
+)
+from specdecode.model.attention import pass_view
 from specdecode.model.config import ModelConfig, read_config_json
 from specdecode.model.linear import make_linear
 from specdecode.model.norm import RMSNorm
 from specdecode.model.rope import Rotary
-from specdecode.model.transformer import MLP, Transformer
+from specdecode.model.transformer import Block, Transformer
+from specdecode.model.trimmed_linear import trimmed_linear
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBED = "mask_embed"  # a trained folder's learned mask embedding ([h])
@@ -60,6 +71,7 @@ class DFlashHeadConfig:
     num_target_layers: the target's layer count it was trained for (None: not said).
     output_multiplier: the logits' scale. logit_softcap: cap * tanh(logits / cap) (None: none).
     embedding_scale: what the block's embeddings are multiplied by.
+    draft_vocab_size: the tokens its logits cover (`d2t` in the folder; None: every token).
     """
 
     layers: ModelConfig
@@ -70,6 +82,7 @@ class DFlashHeadConfig:
     output_multiplier: float = 1.0
     logit_softcap: float | None = None
     embedding_scale: float = 1.0
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -121,6 +134,7 @@ class DFlashHeadConfig:
             float(extra.get("output_multiplier", 1.0)),
             float(softcap) if softcap else None,
             float(extra.get("input_embedding_scale", 1.0)),
+            None if raw.get("draft_vocab_size") is None else int(raw["draft_vocab_size"]),
         )
 
     @classmethod
@@ -134,11 +148,16 @@ class DFlashHeadConfig:
 
     @classmethod
     def for_target(
-        cls, target: ModelConfig, num_layers: int, block_size: int, feature_layers: tuple[int, ...]
+        cls,
+        target: ModelConfig,
+        num_layers: int,
+        block_size: int,
+        feature_layers: tuple[int, ...],
+        draft_vocab_size: int | None = None,
     ) -> DFlashHeadConfig:
         """A drafter of `num_layers` layers shaped as the target's (Qwen3-style: q/k norms;
         q/k/v/o biases where the target's q/k/v have them), reading `feature_layers`, with a
-        learned mask embedding."""
+        learned mask embedding and logits over `draft_vocab_size` tokens (None: all)."""
         layers = replace(
             target,
             architecture="qwen3",
@@ -149,7 +168,9 @@ class DFlashHeadConfig:
             sliding_layers=(),
         )
         ids = tuple(i - 1 for i in sorted(feature_layers))
-        return cls(layers, ids, block_size, None, target.num_layers)
+        return cls(
+            layers, ids, block_size, None, target.num_layers, draft_vocab_size=draft_vocab_size
+        )
 
     def to_json(self, extra: Mapping[str, object] | None = None) -> str:
         """config.json: a Qwen3 config of the layers with dflash_config (`extra` under
@@ -170,6 +191,7 @@ class DFlashHeadConfig:
             "max_position_embeddings": lay.max_position_embeddings,
             "attention_bias": lay.qkv_bias,
             "vocab_size": lay.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
             "tie_word_embeddings": False,
             "num_target_layers": self.num_target_layers,
             "dflash_config": {
@@ -205,7 +227,7 @@ class DFlashHeadConfig:
 
 def dflash_tensor_shapes(cfg: DFlashHeadConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor the drafter needs (z-lab's names; `mask_embed` where
-    mask_token_id is None)."""
+    mask_token_id is None, `d2t` where draft_vocab_size is set)."""
     lay = cfg.layers
     h, inter, dim = lay.hidden_size, lay.intermediate_size, lay.head_dim
     q, kv = lay.num_heads * dim, lay.num_kv_heads * dim
@@ -234,98 +256,18 @@ def dflash_tensor_shapes(cfg: DFlashHeadConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {f"{at}self_attn.{p}_proj.bias": (n,) for p, n in pairs}
     if cfg.mask_token_id is None:
         shapes[MASK_EMBED] = (h,)
+    if cfg.draft_vocab_size is not None:
+        shapes["d2t"] = (cfg.draft_vocab_size,)
     return shapes
-
-
-class BlockContext:
-    """One sequence's context entries: per drafter layer their keys and values, grown as
-    entries arrive (the block's own are never stored)."""
-
-    def __init__(
-        self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self.length = 0
-        self._k = torch.empty(layers, kv_heads, 0, head_dim, dtype=dtype, device=device)
-        self._v = torch.empty_like(self._k)  # [L, Hkv, capacity, D]
-
-    def extend(self, k: Tensor, v: Tensor) -> None:
-        """Append entries: k, v [L, Hkv, n, D]."""
-        end = self.length + k.shape[2]
-        if end > self._k.shape[2]:  # grow to twice what is needed: amortized appends
-            grown = torch.empty(
-                *self._k.shape[:2], 2 * end, self._k.shape[3], dtype=k.dtype, device=k.device
-            )
-            grown_v = torch.empty_like(grown)
-            grown[:, :, : self.length] = self._k[:, :, : self.length]
-            grown_v[:, :, : self.length] = self._v[:, :, : self.length]
-            self._k, self._v = grown, grown_v
-        self._k[:, :, self.length : end] = k
-        self._v[:, :, self.length : end] = v
-        self.length = end
-
-    def layer(self, index: int) -> tuple[Tensor, Tensor]:
-        """Layer `index`'s keys and values of every entry ([Hkv, length, D] each)."""
-        return self._k[index, :, : self.length], self._v[index, :, : self.length]
-
-
-class DFlashLayer(nn.Module):
-    """One drafter layer (Qwen3's block, its keys and values over context and block alike).
-
-    Args:
-        cfg: the layers' shape. weights: the drafter's tensors. prefix: this layer's names.
-        quantization: the projections' format (None, "int8", "int4", a GGUF block type).
-    """
-
-    def __init__(
-        self, cfg: ModelConfig, weights: Mapping[str, Tensor], prefix: str, quantization: str | None
-    ) -> None:
-        super().__init__()
-        eps, at = cfg.rms_norm_eps, f"{prefix}self_attn."
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.input_layernorm = RMSNorm(weights[f"{prefix}input_layernorm.weight"], eps)
-        self.post_attention_layernorm = RMSNorm(
-            weights[f"{prefix}post_attention_layernorm.weight"], eps
-        )
-        proj = {
-            p: make_linear(
-                weights[f"{at}{p}_proj.weight"], weights.get(f"{at}{p}_proj.bias"), quantization
-            )
-            for p in ("q", "k", "v", "o")
-        }
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            proj["q"],
-            proj["k"],
-            proj["v"],
-            proj["o"],
-        )
-        self.q_norm = RMSNorm(weights[f"{at}q_norm.weight"], eps)
-        self.k_norm = RMSNorm(weights[f"{at}k_norm.weight"], eps)
-        self.mlp = MLP(dict(weights), f"{prefix}mlp.", quantization, cfg.activation)
-
-    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys (normed, rotated) and values of entries x ([1, T, h]): [Hkv, T, D] each."""
-        k = self.k_norm(self.k_proj(x).view(1, -1, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(1, -1, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rotate(k, cos, sin)[0], v[0]
-
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, context: tuple[Tensor, Tensor]
-    ) -> Tensor:
-        """The block's states x ([1, T, h], at the positions of cos/sin [1, 1, T, D]) through the
-        layer, each entry attending to the context's keys/values ([Hkv, S, D]) and the block's."""
-        normed = self.input_layernorm(x)
-        q = self.q_norm(self.q_proj(normed).view(1, -1, self.heads, self.head_dim)).transpose(1, 2)
-        q = rotate(q, cos, sin)  # [1, H, T, D]
-        k, v = self.keys_values(normed, cos, sin)
-        keys = torch.cat([context[0], k], dim=1)[None]  # [1, Hkv, S + T, D]
-        values = torch.cat([context[1], v], dim=1)[None]
-        out = attend(q, keys, values, None)  # [1, H, T, D]
-        x = x + self.o_proj(out.transpose(1, 2).reshape(1, -1, self.heads * self.head_dim))
-        return x + self.mlp(self.post_attention_layernorm(x))  # [1, T, h]
 
 
 class DFlashHead(nn.Module):
     """A DFlash block drafter for one target (module docstring).
+
+    Its layers are decoder `Block`s (Qwen3's), so a block pass is a TREE pass over a
+    sequence's cache (every block entry sees the whole block): one native call per layer
+    where the layer's projections have native kernels (`transformer.native_layer`), else the
+    torch route.
 
     Args:
         cfg: the drafter's shape.
@@ -348,11 +290,19 @@ class DFlashHead(nn.Module):
         self.config = cfg
         self.vocab_size = lay.vocab_size
         self.embed_tokens = target.embed_tokens
-        self.lm_head = target.lm_head  # the raw output rows (the target's soft-cap not applied)
+        if "d2t" in weights:  # draft row -> target id
+            self.register_buffer("draft_to_target", d2t_to_draft_ids(weights["d2t"]))
+            self.lm_head = trimmed_linear(target.lm_head, self.draft_to_target)
+        else:
+            self.register_buffer("draft_to_target", torch.arange(lay.vocab_size))
+            self.lm_head = target.lm_head
+        # (the raw output rows: the target's soft-cap not applied)
         self.fc = make_linear(weights["fc.weight"], quantization=quantization)
         self.hidden_norm = RMSNorm(weights["hidden_norm.weight"], lay.rms_norm_eps)
+        named = {f"model.{n}": w for n, w in weights.items() if n.startswith("layers.")}
+        named["model.embed_tokens.weight"] = target.embed_tokens.weight  # the dtype they run in
         self.layers = nn.ModuleList(
-            DFlashLayer(lay, weights, f"layers.{i}.", quantization) for i in range(lay.num_layers)
+            Block(lay, named, i, quantization) for i in range(lay.num_layers)
         )
         self.norm = RMSNorm(weights["norm.weight"], lay.rms_norm_eps)
         if cfg.mask_token_id is None:
@@ -376,41 +326,57 @@ class DFlashHead(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def new_context(self) -> BlockContext:
-        """An empty context for one sequence."""
+    def new_cache(self, capacity: int) -> KVCache:
+        """An empty one-row cache of context entries (every layer's keys and values), its pool
+        sized for `capacity` entries to start with (it grows)."""
         lay = self.config.layers
-        return BlockContext(
-            len(self.layers), lay.num_kv_heads, lay.head_dim, self.dtype, self.device
+        return KVCache(
+            len(self.layers), 1, lay.num_kv_heads, lay.head_dim, capacity, self.dtype, self.device
         )
 
-    def _tables(self, start: int, count: int) -> tuple[Tensor, Tensor]:
-        """RoPE tables of positions start..start + count - 1 ([1, 1, count, D] each)."""
-        positions = torch.arange(start, start + count, device=self.device)[None]
-        return self.rotary.tables(positions, self.dtype)
-
     @torch.inference_mode()
-    def extend(self, context: BlockContext, features: Tensor) -> None:
-        """Append the entries of the next tokens' target states (features [n, F], the target's
-        concatenated states of `feature_layers`) to `context`."""
+    def extend(self, cache: KVCache, features: Tensor) -> None:
+        """Append the context entries of the next tokens' target states (features [n, F], the
+        target's concatenated states of `feature_layers`) to `cache`: every layer's keys and
+        values of hidden_norm(fc(features)) at the positions after the cached ones."""
         fused = self.hidden_norm(self.fc(features.to(self.dtype)[None]))  # [1, n, h]
-        cos, sin = self._tables(context.length, fused.shape[1])
-        kv = [layer.keys_values(fused, cos, sin) for layer in self.layers]
-        context.extend(torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]))
+        meta = AttentionMetadata.contiguous(
+            AttentionMode.DECODE, cache.lengths, [fused.shape[1]], self.device
+        )
+        cache.prepare(meta)
+        attn = self.layers[0].self_attn
+        cos, sin = attn.rope_tables(self.rotary, meta.positions, self.dtype)
+        for index, layer in enumerate(self.layers):
+            _, k, v = layer.self_attn.project(fused, cos, sin)  # [1, n, Hkv, D] each
+            cache.write(index, k, v)
+        cache.advance(meta)
 
     @torch.inference_mode()
-    def block(self, context: BlockContext, anchor: int, drafts: int) -> Tensor:
-        """One pass over the block [anchor, mask x drafts] after `context`'s entries (the
-        anchor at position context.length); returns the mask entries' logits ([drafts, V])."""
+    def block(self, cache: KVCache, anchor: int, drafts: int) -> Tensor:
+        """One pass over the block [anchor, mask x drafts] after `cache`'s context entries (the
+        anchor at position cache.lengths[0]); returns the mask entries' logits over the draft
+        vocabulary ([drafts, Vd], row i: token draft_to_target[i]). The block's keys and
+        values are written past the context and dropped after the pass."""
         embed = self.embed_tokens(torch.tensor([anchor], device=self.device))  # [1, h]
         x = torch.cat([embed, self.mask_embed.expand(drafts, -1)])[None]  # [1, 1 + drafts, h]
         if self.config.embedding_scale != 1.0:
             x = x * self.config.embedding_scale
-        cos, sin = self._tables(context.length, 1 + drafts)
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, context.layer(index))
+        start, width = cache.lengths[0], 1 + drafts
+        meta = AttentionMetadata(
+            AttentionMode.TREE,
+            (start,),
+            (width,),
+            torch.arange(start, start + width, device=self.device)[None],  # [1, T]
+            torch.ones(1, width, width, dtype=torch.bool, device=self.device),  # all see all
+        )
+        cache.prepare(meta)
+        view, cos, sin = pass_view(self.layers[0].self_attn, self.rotary, meta, self.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, meta, view)  # [1, 1 + drafts, h]
+        cache.truncate(start)
         logits = (
             self.lm_head(self.norm(x[:, 1:]))[0].float() * self.config.output_multiplier
-        )  # [drafts, V]
+        )  # [drafts, Vd]
         cap = self.config.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -427,6 +393,10 @@ def load_dflash_head(path: Path, target: Transformer, quantization: str | None) 
         )
     shapes = dflash_tensor_shapes(cfg)
     weights = read_head_tensors(path, shapes, {}, cfg.layers.vocab_size)
+    if "d2t" in weights:
+        ids = d2t_to_draft_ids(weights["d2t"])
+        if not bool((ids[1:] > ids[:-1]).all()):
+            raise UserError(f"{path}: d2t must give sorted, distinct target ids")
     cast = tensors_for_target(weights, set(shapes), target.device, target.dtype)
     return DFlashHead(cfg, cast, target, quantization).eval()
 

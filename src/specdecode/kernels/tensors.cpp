@@ -200,9 +200,10 @@ void write_kv(at::Tensor& pool, const at::Tensor& x, const at::Tensor& table,
 // block_size] (a paged cache). Tree passes also give tree_starts [B] and tree_mask [B, T, M]
 // bool: query t of row b then attends to slots 0 .. tree_starts[b] - 1 and to
 // tree_starts[b] + r wherever tree_mask[b, t, r] (which must hold for its own slot
-// starts[b] + t and for no later slot). window > 0: a query at position p reads no slot before
-// p - window + 1 (a tree's own slots excepted: it must be shallower than the window). softcap
-// > 0: the scores are soft-capped to softcap * tanh(score / softcap) (Gemma 2). Returns
+// starts[b] + t, and for no slot past the pass's; for no later slot at all under a window: a
+// block drafter's entries see the later ones of their pass). window > 0: a query at position p
+// reads no slot before p - window + 1 (a tree's own slots excepted: it must be shallower than
+// the window). softcap > 0: the scores are soft-capped to softcap * tanh(score / softcap) (Gemma 2). Returns
 // [B, H, T, D] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::vector<int64_t>& starts,
@@ -253,8 +254,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         TORCH_CHECK(row[offset + t], "row ", b, ", query ", t, ": a query must see itself");
         for (int64_t r = 0; r < M; ++r) {
           if (!row[r]) continue;
-          TORCH_CHECK(r <= offset + t, "row ", b, ", query ", t, " may not see the later slot ",
-                      tree_starts[b] + r);
+          TORCH_CHECK(r < offset + T, "row ", b, ", query ", t, " may not see slot ",
+                      tree_starts[b] + r, ", past the pass's last");
+          TORCH_CHECK(window == 0 || r <= offset + t, "row ", b, ", query ", t,
+                      " may not see the later slot ", tree_starts[b] + r, " under a window");
           extra.push_back(r);
         }
         extra_begin[b * T + t + 1] = int64_t(extra.size());

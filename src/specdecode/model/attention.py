@@ -206,7 +206,10 @@ class Attention(nn.Module):
         bias = None if biases[0] is None else torch.cat(biases)  # [(H + 2 Hkv) D]
         self.qkv_proj = make_linear(weight, bias, quantization)
         self.qkv_sizes = (cfg.num_heads * cfg.head_dim, *[cfg.num_kv_heads * cfg.head_dim] * 2)
-        self.o_proj = make_linear(w[f"{prefix}o_proj.weight"], quantization=quantization)
+        # (an o bias where the checkpoint has one: Qwen3's and Llama's attention_bias)
+        self.o_proj = make_linear(
+            w[f"{prefix}o_proj.weight"], w.get(f"{prefix}o_proj.bias"), quantization
+        )
         self.q_norm = self.k_norm = None  # Qwen3, Gemma 3: q and k heads RMS-normed before RoPE
         if cfg.qk_norm:
             eps, offset = cfg.rms_norm_eps, cfg.norm_offset
@@ -239,20 +242,7 @@ class Attention(nn.Module):
         view: PassView,
     ) -> Tensor:  # [B, T, hidden]
         batch, num_new, _ = x.shape
-        qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) D]
-        if self.q_norm is not None:
-            self._norm_heads(qkv)
-        if self.native_rope:
-            kernels.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads)  # q and k heads
-        q, k, v = qkv.split(self.qkv_sizes, dim=-1)  # [B, T, (H|Hkv) * D]
-        q = q.view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, num_new, self.num_kv_heads, self.head_dim)
-        v = v.view(batch, num_new, self.num_kv_heads, self.head_dim)
-        if not self.native_rope:
-            q = rotate(q, cos, sin)  # [B, H, T, D]
-            k = rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
+        q, k, v = self.project(x, cos, sin)
         cache.write(layer, k, v)
         if view.per_query:
             # Each new token attends by itself, as a 1-token step would: exact verification.
@@ -276,6 +266,27 @@ class Attention(nn.Module):
             else:
                 out = _rowwise_attention(q, keys, values, mask, view.rows, self.softcap, causal)
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_new, -1))
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x's queries (normed, rotated, scaled: [B, H, T, D]), keys (normed, rotated) and
+        values ([B, T, Hkv, D] each), as `forward` attends with them; x [B, T, hidden], cos
+        and sin as `forward` takes them."""
+        batch, num_new, _ = x.shape
+        qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) D]
+        if self.q_norm is not None:
+            self._norm_heads(qkv)
+        if self.native_rope:
+            kernels.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads)  # q and k heads
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)  # [B, T, (H|Hkv) * D]
+        q = q.view(batch, num_new, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, num_new, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, num_new, self.num_kv_heads, self.head_dim)
+        if not self.native_rope:
+            q = rotate(q, cos, sin)  # [B, H, T, D]
+            k = rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, Hkv, D]
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        return q, k, v
 
     def rope_tables(
         self, rotary: Rotary, positions: Tensor, dtype: torch.dtype

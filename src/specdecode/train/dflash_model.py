@@ -47,6 +47,15 @@ def check_trainable(cfg: ModelConfig) -> None:
         )
 
 
+def check_draft_vocabulary(cfg: DFlashHeadConfig, size: int) -> None:
+    """Refuse a config whose draft vocabulary is not the `size` tokens a drafter trains over."""
+    if cfg.draft_vocab_size != size:
+        raise ValueError(
+            f"a trainable DFlash drafter's config needs draft_vocab_size {size} (its draft "
+            f"vocabulary), got {cfg.draft_vocab_size}"
+        )
+
+
 def initial_dflash_weights(
     cfg: DFlashHeadConfig,
     target: ModelConfig,
@@ -57,15 +66,16 @@ def initial_dflash_weights(
     final_norm: Tensor,
     embed: Tensor,
 ) -> dict[str, Tensor]:
-    """The drafter's first weights (fp32; d2t from `draft_ids`, [Vd] sorted target ids).
+    """The drafter's first weights (fp32; d2t from `draft_ids`, [Vd] sorted target ids, Vd =
+    cfg.draft_vocab_size).
 
     "random": N(0, 0.02) projections, unit norms, zero biases. "target": layer i from the
     target's layer L - n + i (its q/k norms, where it has them, else ones), fc passing the
     highest fused state on, the final norm the target's (`final_norm`), and the mask
     embedding the mean of the target's embedding rows (`embed`, [V, h]).
     """
-    shapes = dflash_tensor_shapes(cfg) | {"d2t": (len(draft_ids),)}
-    weights = random_weights(shapes, draft_ids, init, seed)
+    check_draft_vocabulary(cfg, len(draft_ids))
+    weights = random_weights(dflash_tensor_shapes(cfg), draft_ids, init, seed)
     if init == "random":
         return weights
     layers, h = cfg.layers.num_layers, target.hidden_size
@@ -101,7 +111,8 @@ class TrainableDFlash(HeadParameters):
     ) -> None:
         if cfg.mask_token_id is not None:
             raise UserError("a trainable DFlash drafter learns its mask embedding")
-        super().__init__(dflash_tensor_shapes(cfg) | {"d2t": (len(rows),)}, weights)
+        check_draft_vocabulary(cfg, len(rows))
+        super().__init__(dflash_tensor_shapes(cfg), weights)
         self.config = cfg
         self.register_buffer("embed", embed.detach(), persistent=False)
         self.register_buffer("rows", rows.detach().float(), persistent=False)
@@ -114,10 +125,9 @@ class TrainableDFlash(HeadParameters):
         return self.config.feature_layers
 
     def save(self, path: Path, weights: Mapping[str, Tensor], extra: dict[str, object]) -> None:
-        """Write the drafter (`weights` but d2t) and config.json, `extra` under "specdecode",
-        into folder `path`."""
-        tensors = {name: t for name, t in weights.items() if name != "d2t"}
-        save_dflash_head(path, self.config, tensors, extra)
+        """Write the drafter (`weights`, d2t included: it drafts over the vocabulary it was
+        trained over) and config.json, `extra` under "specdecode", into folder `path`."""
+        save_dflash_head(path, self.config, weights, extra)
 
     def _rope(self, x: Tensor, positions: Tensor) -> Tensor:
         """RoPE of x ([B, heads, *P, D]) at positions ([B, *P])."""

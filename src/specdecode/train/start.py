@@ -206,7 +206,9 @@ def new_head(
     if config.method == "dflash":
         check_trainable(target)
         layers = default_aux_layers(target.num_layers)
-        cfg = DFlashHeadConfig.for_target(target, config.draft_layers, config.unroll + 1, layers)
+        cfg = DFlashHeadConfig.for_target(
+            target, config.draft_layers, config.unroll + 1, layers, len(draft_ids)
+        )
         rows, norm = target_output(llm.model_path, draft_ids)
         embed = llm.model.embed_tokens.weight
         weights = initial_dflash_weights(
