@@ -9,8 +9,8 @@ after committed tokens ..t + 1 holds them. Mask entry j (output j - 1) predicts 
 t + j + 1: the objective's TTT convention (`train.objective`, shift 1), every output read
 at the columns the loss needs (`gathers_first`). Logits are the target's own output rows of
 the draft vocabulary over norm(the entry's state) (frozen; the saved drafter keeps the draft
-vocabulary, `d2t`, and scores those rows of the target's head). Blocks are trained at every answer position of a batch, not at a few
-sampled starts.
+vocabulary, `d2t`, and scores those rows of the target's head). Blocks are trained at
+every answer position of a batch, not at a few sampled starts.
 """
 
 from __future__ import annotations
