@@ -33,6 +33,7 @@ from spec_cases import GREEDY, PROMPTS, FakeSeq
 from train_cases import chat_prompts, examples, train_config
 
 from specdecode.cache.attention_metadata import AttentionMetadata
+from specdecode.drafters import dflash as dflash_drafter
 from specdecode.drafters.dflash import DFlashDrafter
 from specdecode.errors import UserError
 from specdecode.heads.dflash import DFlashHeadConfig, load_dflash_head
@@ -242,6 +243,51 @@ def test_greedy_equals_plain_batched_and_alone_with_one_block_pass_a_step(
     check_greedy_equals_plain(llm, expected)
     # one block pass per drafting request per step, however long its chain or deep its tree
     assert per_propose and all(n <= drafting for n, drafting in per_propose)
+
+
+def test_a_draft_vocabulary_cut_at_load_scores_those_rows_and_drafts_only_them(
+    tiny_model_dir: Path, drafter_dir: Path, expected: list[list[int]], monkeypatch
+) -> None:
+    """`draft_vocab_size` on a folder without a draft vocabulary (z-lab's): the drafter
+    scores the target's rows of the most frequent tokens only (their logits are the whole
+    head's at those ids), drafts only them, and output equals plain decoding."""
+    target = load_model(tiny_model_dir, "float32")
+    ids = torch.arange(1, target.config.vocab_size, 2)  # stands in for the frequency table
+    monkeypatch.setattr(dflash_drafter, "frequent_tokens", lambda _tok, size, _v: ids[:size])
+    whole, cut = (load_dflash_head(drafter_dir, target, None, v) for v in (None, ids))
+    assert cut.draft_to_target.tolist() == ids.tolist()
+    features = torch.randn(6, len(whole.feature_layers) * target.config.hidden_size)
+    logits = []
+    for head in (whole, cut):
+        cache = head.new_cache(16)
+        head.extend(cache, features)
+        logits.append(head.block(cache, 17, K))
+    torch.testing.assert_close(logits[1], logits[0][:, ids])
+    llm = _dflash(tiny_model_dir, drafter_dir, draft_vocab_size=len(ids))
+    drafted: list[int] = []
+    propose = llm.engine.drafter.propose
+
+    def recording(seqs: object, budgets: object) -> object:
+        drafts = propose(seqs, budgets)
+        drafted.extend(t for d in drafts for t in d.tokens.tolist())
+        return drafts
+
+    llm.engine.drafter.propose = recording
+    check_greedy_equals_plain(llm, expected)
+    assert drafted and set(drafted) <= set(ids.tolist())
+
+
+def test_a_draft_vocabulary_is_refused_where_the_folder_has_one(
+    trained: tuple[Path, Path], tiny_model_dir: Path, drafter_dir: Path
+) -> None:
+    model_dir, folder = trained
+    with pytest.raises(UserError, match="has a draft vocabulary of its own"):
+        _dflash(model_dir, folder, draft_vocab_size=100)
+    for bad in (0, 1.5):
+        with pytest.raises(UserError, match="draft_vocab_size must be None"):
+            _dflash(tiny_model_dir, drafter_dir, draft_vocab_size=bad)
+    with pytest.raises(UserError, match=r"draft_vocab_size must be in 1\.\.\d+ \(the target's\)"):
+        _dflash(tiny_model_dir, drafter_dir, draft_vocab_size=10**6)
 
 
 def test_greedy_chains_come_as_tokens_and_sampled_ones_with_their_q(

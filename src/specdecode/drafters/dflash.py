@@ -41,6 +41,7 @@ from specdecode.drafters.base import (
     check_draft_length,
     check_tree_shape,
     draft_limits,
+    is_positive_int,
 )
 from specdecode.drafters.level_drafts import (
     chain_from_levels,
@@ -49,6 +50,8 @@ from specdecode.drafters.level_drafts import (
     tree_from_levels,
 )
 from specdecode.drafters.state_queue import StateQueue
+from specdecode.drafters.trimmed_head import frequent_tokens
+from specdecode.errors import UserError
 from specdecode.heads.dflash import DFlashHead, load_dflash_head
 from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
@@ -65,18 +68,36 @@ class DFlashConfig(ModelDrafterConfig):
         "gguf" runs its dense weights as int8); None = the target's.
     tree_width: children per expanded node of a dynamic tree (1 = a chain).
     tree_depth: levels of the tree (default: min(K, block_size - 1)), all from one pass.
+    draft_vocab_size: score only the target's this many most frequent tokens (FR-Spec's table,
+        `drafters.trimmed_head.frequent_tokens`), for a drafter without a draft vocabulary
+        of its own (z-lab's score all 151,936 of Qwen3's); None = the folder's.
     """
 
     method: ClassVar[str] = "dflash"
     WHAT: ClassVar[str] = "a dflash config"
 
+    draft_vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        ModelDrafterConfig.__post_init__(self)  # (slots dataclasses break a bare super())
+        size = self.draft_vocab_size
+        if size is not None and (not is_positive_int(size) or size < self.tree_width):
+            raise UserError(
+                f"draft_vocab_size must be None (the folder's vocabulary) or an int from "
+                f"tree_width ({self.tree_width}) to the target's vocabulary size, got {size!r}"
+            )
+
 
 def build_dflash_drafter(config: DFlashConfig, context: DrafterContext) -> Drafter:
     """The registry's factory: load the drafter for the target (refused if made for another)."""
+    size, vocab = config.draft_vocab_size, context.target.config.vocab_size
+    if size is not None and size > vocab:
+        raise UserError(f"draft_vocab_size must be in 1..{vocab} (the target's), got {size}")
     head = load_dflash_head(
         Path(config.model).expanduser(),
         context.target,
         config.weight_format(context.target.quantization),
+        None if size is None else frequent_tokens(context.tokenizer, size, vocab),
     )
     return DFlashDrafter(head, config.num_speculative_tokens, config.tree_width, config.tree_depth)
 

@@ -156,8 +156,15 @@ DRAFTERS: dict[str, DrafterMethod] = {
                 ("medusa", MedusaConfig, build_medusa_drafter),
                 ("layer_skip", LayerSkipConfig, build_layer_skip_drafter),
                 ("mtp", MtpConfig, build_mtp_drafter),
-                ("dflash", DFlashConfig, build_dflash_drafter),
             )
+        ),
+        DrafterMethod(
+            "dflash",
+            DFlashConfig,
+            build_dflash_drafter,
+            "dflash",
+            HEAD_OPTIONS | {"v": "draft_vocab_size"},
+            model_field="model",
         ),
     )
 }

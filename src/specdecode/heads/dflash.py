@@ -45,6 +45,7 @@ from specdecode.errors import UserError
 from specdecode.heads.files import (
     check_head_folder,
     d2t_to_draft_ids,
+    draft_ids_to_d2t,
     read_head_tensors,
     tensors_for_target,
 )
@@ -381,9 +382,13 @@ class DFlashHead(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def load_dflash_head(path: Path, target: Transformer, quantization: str | None) -> DFlashHead:
+def load_dflash_head(
+    path: Path, target: Transformer, quantization: str | None, draft_ids: Tensor | None = None
+) -> DFlashHead:
     """The DFlash drafter in folder `path` for `target` (refused if made for another target),
-    its projections in `quantization` and its other tensors in the target's dtype."""
+    its projections in `quantization` and its other tensors in the target's dtype; its logits
+    over `draft_ids` ([Vd] sorted target ids) where given (refused for a folder with a draft
+    vocabulary of its own), else over the folder's draft vocabulary or the whole one."""
     check_head_folder(path, "DFlash")
     cfg = DFlashHeadConfig.from_folder(path)
     cfg.check_target(target.config)
@@ -393,7 +398,15 @@ def load_dflash_head(path: Path, target: Transformer, quantization: str | None) 
         )
     shapes = dflash_tensor_shapes(cfg)
     weights = read_head_tensors(path, shapes, {}, cfg.layers.vocab_size)
-    if "d2t" in weights:
+    if draft_ids is not None:
+        if "d2t" in shapes:
+            raise UserError(
+                f"{path} has a draft vocabulary of its own ({len(weights['d2t'])} tokens, "
+                "trained over): leave draft_vocab_size unset for it"
+            )
+        weights["d2t"] = draft_ids_to_d2t(draft_ids.cpu())
+        shapes["d2t"] = (len(draft_ids),)
+    if "d2t" in shapes:
         ids = d2t_to_draft_ids(weights["d2t"])
         if not bool((ids[1:] > ids[:-1]).all()):
             raise UserError(f"{path}: d2t must give sorted, distinct target ids")
