@@ -176,6 +176,11 @@ def build_tiny_eagle3_head(
     return out
 
 
+def _noisy(t: torch.Tensor, gen: torch.Generator, scale: float = 0.2) -> torch.Tensor:
+    """t (fp32) plus Gaussian noise at `scale` times its standard deviation."""
+    return t.float() + scale * t.float().std() * torch.randn(t.shape, generator=gen)
+
+
 def build_tiny_mtp(model_dir: Path, out: Path, layout: str = "deepseek_v3", seed: int = 0) -> Path:
     """Save an untrained MTP layer for the tiny model in `model_dir` into folder `out` (once),
     named as the checkpoints of `layout` (`heads.mtp.LAYOUTS`) name theirs: the model's
@@ -186,8 +191,7 @@ def build_tiny_mtp(model_dir: Path, out: Path, layout: str = "deepseek_v3", seed
     `shared_head.head` the model's head). So its q resembles the target's p in part (drafts
     are accepted at times, not always) and is flatter than p (a verifier that treats q as
     one-hot shows in `certify`)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     from specdecode.heads.mtp import LAYOUTS, OWN_HEAD
     from specdecode.model.config import ModelConfig
@@ -200,13 +204,9 @@ def build_tiny_mtp(model_dir: Path, out: Path, layout: str = "deepseek_v3", seed
     gen = torch.Generator().manual_seed(seed)
     h = cfg.hidden_size
 
-    def noisy(t: torch.Tensor, scale: float = 0.2) -> torch.Tensor:
-        return t.float() + scale * t.float().std() * torch.randn(t.shape, generator=gen)
-
-    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as own:
-        model = {name: own.get_tensor(name) for name in own.keys()}  # noqa: SIM118
+    model = load_file(str(model_dir / "model.safetensors"))  # the tiny model's tensors
     tensors = {
-        block + name.removeprefix("model.layers.0."): noisy(t)
+        block + name.removeprefix("model.layers.0."): _noisy(t, gen)
         for name, t in model.items()
         if name.startswith("model.layers.0.")
     }
@@ -242,7 +242,7 @@ def build_tiny_dflash(
     state on (plus noise), its final norm is the model's at a fifth of its scale (q flatter
     than p), and a mask entry reads a learned embedding (or, with `mask_token`, that token's
     own). So its drafts are accepted at times, not always."""
-    from safetensors import safe_open
+    from safetensors.torch import load_file
 
     from specdecode.heads.dflash import DFlashHeadConfig, dflash_tensor_shapes, save_dflash_head
     from specdecode.model.config import ModelConfig
@@ -257,16 +257,12 @@ def build_tiny_dflash(
     gen = torch.Generator().manual_seed(seed)
     h = target.hidden_size
 
-    def noisy(t: torch.Tensor, scale: float = 0.2) -> torch.Tensor:
-        return t.float() + scale * t.float().std() * torch.randn(t.shape, generator=gen)
-
-    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as own:
-        model = {name: own.get_tensor(name) for name in own.keys()}  # noqa: SIM118
+    model = load_file(str(model_dir / "model.safetensors"))  # the tiny model's tensors
     weights: dict[str, torch.Tensor] = {}
     for name, shape in dflash_tensor_shapes(cfg).items():
         first = "model.layers.0." + name.split(".", 2)[-1]
         if name.startswith("layers.") and first in model:
-            weights[name] = noisy(model[first])
+            weights[name] = _noisy(model[first], gen)
         elif name.endswith("norm.weight"):
             weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         else:

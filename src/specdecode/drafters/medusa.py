@@ -36,8 +36,12 @@ from specdecode.drafters.base import (
     check_tree_shape,
     draft_limits,
 )
-from specdecode.drafters.level_drafts import chain_from_levels, empty_draft, tree_from_levels
-from specdecode.errors import UserError
+from specdecode.drafters.level_drafts import (
+    chain_from_levels,
+    check_levels,
+    empty_draft,
+    tree_from_levels,
+)
 from specdecode.heads.exit_head import ExitHead, load_exit_head
 from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
@@ -92,16 +96,8 @@ class MedusaDrafter(DrafterBase):
         check_draft_length(num_speculative_tokens)
         check_tree_shape(tree_width, tree_depth, num_speculative_tokens)
         heads = head.config.num_heads
-        depth = num_speculative_tokens if tree_width == 1 else tree_depth
-        if depth is not None and depth > heads:
-            raise UserError(
-                f"these Medusa heads draft at most {heads} levels (one per head): "
-                + (
-                    f"num_speculative_tokens {depth} is too long for a chain"
-                    if tree_width == 1
-                    else f"tree_depth {depth} is too deep"
-                )
-            )
+        what = f"these Medusa heads draft at most {heads} levels (one per head)"
+        check_levels(heads, num_speculative_tokens, tree_width, tree_depth, what)
         self.head = head
         self.needs = DrafterNeeds(hidden_layers=(head.config.feature_layer,))
         self.num_speculative_tokens = num_speculative_tokens

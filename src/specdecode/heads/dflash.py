@@ -301,9 +301,8 @@ class DFlashHead(nn.Module):
         self.fc = make_linear(weights["fc.weight"], quantization=quantization)
         self.hidden_norm = RMSNorm(weights["hidden_norm.weight"], lay.rms_norm_eps)
         named = {f"model.{n}": w for n, w in weights.items() if n.startswith("layers.")}
-        named["model.embed_tokens.weight"] = target.embed_tokens.weight  # the dtype they run in
         self.layers = nn.ModuleList(
-            Block(lay, named, i, quantization) for i in range(lay.num_layers)
+            Block(lay, named, i, quantization, target.dtype) for i in range(lay.num_layers)
         )
         self.norm = RMSNorm(weights["norm.weight"], lay.rms_norm_eps)
         if cfg.mask_token_id is None:

@@ -274,8 +274,7 @@ class MtpHead(nn.Module):
         self.hidden_norm = RMSNorm(weights["hidden_norm"], eps, offset)
         self.proj = make_linear(weights["proj"], quantization=quantization)
         block = {n: w for n, w in weights.items() if n.startswith(BLOCK)}
-        block["model.embed_tokens.weight"] = target.embed_tokens.weight  # the dtype it runs in
-        self.block = Block(cfg, block, 0, quantization)
+        self.block = Block(cfg, block, 0, quantization, target.dtype)
         self.out_norm = RMSNorm(weights["out_norm"], eps, offset)
         self.own_head = None
         if OWN_HEAD in weights:

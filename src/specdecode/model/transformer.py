@@ -134,7 +134,10 @@ class Block(nn.Module):
         w: dict[str, Tensor | GgufWeight],
         layer: int,
         quantization: str | None,
+        dtype: torch.dtype,
     ) -> None:
+        """Layer `layer` of `w` (Hugging Face names), its projections in `quantization`, run
+        over activations of `dtype` (`Transformer.dtype`: the embedding's)."""
         super().__init__()
         p = f"model.layers.{layer}."
         self.layer = layer
@@ -151,7 +154,6 @@ class Block(nn.Module):
         else:
             self.mlp_in_norm = RMSNorm(w[f"{p}post_attention_layernorm.weight"], eps)
         self.mlp = MLP(w, f"{p}mlp.", quantization, cfg.activation)
-        dtype = w["model.embed_tokens.weight"].dtype  # the activations' (Transformer.dtype)
         self.native = native_layer(
             self.self_attn,
             self.mlp,
@@ -217,7 +219,7 @@ class Transformer(nn.Module):
         embed = weights["model.embed_tokens.weight"]  # [V, hidden]
         self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
         self.layers = nn.ModuleList(
-            Block(cfg, weights, i, self.quantization) for i in range(cfg.num_layers)
+            Block(cfg, weights, i, self.quantization, embed.dtype) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         head = weights.get("lm_head.weight", embed)  # tied: may be absent
