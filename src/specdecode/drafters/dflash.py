@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import (
@@ -104,10 +105,12 @@ def build_dflash_drafter(config: DFlashConfig, context: DrafterContext) -> Draft
 
 @dataclass
 class BlockRow(StateQueue):
-    """One sequence's drafter state: its context entries' cache (made at its first draft)
-    and the queued target states."""
+    """One sequence's drafter state: its context entries' cache (made at its first draft),
+    fc of its newest entry's states ([h], what an anchored block adds) and the queued target
+    states."""
 
     cache: KVCache | None = None
+    newest: Tensor | None = None
 
 
 class DFlashDrafter(DrafterBase):
@@ -188,8 +191,8 @@ class DFlashDrafter(DrafterBase):
         row.cache = cache_with_room(
             row.cache, seq, len(ids) + levels, self.head.config.block_size, self.head.new_cache
         )
-        self.head.extend(row.cache, states.to(self.head.device))
-        logits = self.head.block(row.cache, ids[-1], levels)  # [levels, Vd]
+        row.newest = self.head.extend(row.cache, states.to(self.head.device))
+        logits = self.head.block(row.cache, ids[-1], levels, row.newest)  # [levels, Vd]
         if tree:
             return tree_from_levels(logits, k, self.tree_width, self._ids, self.vocab_size)
         return chain_from_levels(seq, logits, self._ids, self.vocab_size)

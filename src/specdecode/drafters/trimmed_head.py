@@ -45,7 +45,7 @@ from specdecode.errors import UserError
 from specdecode.model.registry import cache_root
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.model.transformer import Transformer, at_positions
-from specdecode.model.trimmed_linear import trimmed_linear
+from specdecode.model.trimmed_linear import check_kept, trimmed_linear
 
 # Answer text counted for the table: ~1,300 examples, ~335k Qwen2.5 tokens, ~5 s on first use.
 FREQUENCY_CHARS = 1_500_000
@@ -94,17 +94,6 @@ class TrimmedHeadLM:
         hidden = self.model.norm(x)  # [B, T, hidden]
         reduced = self.lm_head(at_positions(hidden, logits_index))  # [B, N, Vk]
         return spread_logits(reduced, self.kept, self.config.vocab_size), hidden  # [B, N, V]
-
-
-def check_kept(kept: Tensor, vocab_size: int) -> None:
-    """Refuse `kept` unless it is 1..vocab_size sorted, distinct int64 ids below vocab_size."""
-    ok = kept.dim() == 1 and kept.dtype == torch.long and 0 < len(kept) <= vocab_size
-    ok = ok and bool((kept[1:] > kept[:-1]).all()) and int(kept[0]) >= 0
-    if not ok or int(kept[-1]) >= vocab_size:
-        raise UserError(
-            f"the kept tokens must be 1..{vocab_size} sorted, distinct int64 ids in "
-            f"0..{vocab_size - 1}, got {kept.dtype} of shape {tuple(kept.shape)}"
-        )
 
 
 def trimmed_draft_model(model: Transformer, tokenizer: Tokenizer, size: int) -> TrimmedHeadLM:

@@ -5,6 +5,7 @@ drafter's logits over its draft vocabulary (`heads.dflash`).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from specdecode import kernels
@@ -12,6 +13,17 @@ from specdecode.errors import UserError
 from specdecode.model.gguf_linear import GgufLinear
 from specdecode.model.linear import Bf16Linear, DenseLinear
 from specdecode.model.quant import Int8DynamicLinear
+
+
+def check_kept(kept: Tensor, vocab_size: int) -> None:
+    """Refuse `kept` unless it is 1..vocab_size sorted, distinct int64 ids below vocab_size."""
+    ok = kept.dim() == 1 and kept.dtype == torch.long and 0 < len(kept) <= vocab_size
+    ok = ok and bool((kept[1:] > kept[:-1]).all()) and int(kept[0]) >= 0
+    if not ok or int(kept[-1]) >= vocab_size:
+        raise UserError(
+            f"the kept tokens must be 1..{vocab_size} sorted, distinct int64 ids in "
+            f"0..{vocab_size - 1}, got {kept.dtype} of shape {tuple(kept.shape)}"
+        )
 
 
 def trimmed_linear(head: nn.Module, kept: Tensor) -> nn.Module:
