@@ -198,7 +198,7 @@ def test_the_drafter_computes_what_the_published_equations_give(
         draft = drafter.propose([seq], [DraftBudget(K)])[0]
         assert draft.tokens.tolist() == want.argmax(-1).tolist()
         row = drafter._rows["s"]
-        got = head.block(row.cache, ids[end - 1], K, row.newest)
+        got = head.logits(head.block(row.cache, ids[end - 1], K, row.newest))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -219,7 +219,7 @@ def test_the_native_block_pass_gives_the_torch_routes_bits(
         cache = head.new_cache(16)
         head.extend(cache, features[:5])
         newest = head.extend(cache, features[5:])  # two steps' states
-        logits.append(head.block(cache, 17, K, newest))
+        logits.append(head.logits(head.block(cache, 17, K, newest)))
         assert cache.lengths == [9]  # the block's own entries dropped
     assert torch.equal(logits[0], logits[1])
 
@@ -250,9 +250,35 @@ def test_greedy_equals_plain_batched_and_alone_with_one_block_pass_a_step(
     llm = _dflash(tiny_model_dir, drafter_dir, **spec)
     drafter = llm.engine.drafter
     per_propose = passes_per_propose(drafter, "block")
+    scored = passes_per_propose(drafter, "logits")
     check_greedy_equals_plain(llm, expected)
     # one block pass per drafting request per step, however long its chain or deep its tree
     assert per_propose and all(n <= drafting for n, drafting in per_propose)
+    # and one pass of the output rows per step for all of them (batches of two and more ran)
+    assert all(n <= 1 for n, _ in scored) and any(n and drafting > 1 for n, drafting in scored)
+
+
+def test_a_batchs_drafts_are_each_sequences_own(tiny_model_dir: Path, drafter_dir: Path) -> None:
+    """Blocks scored together (one pass of the output rows, int8: row-exact) draft what each
+    sequence's block drafts alone."""
+    target = load_model(tiny_model_dir, "bfloat16", quantization="int8")
+    head = load_dflash_head(drafter_dir, target, "int8")
+    features = torch.randn(20, len(head.feature_layers) * target.config.hidden_size)
+    seqs = [FakeSeq(f"s{i}", list(range(3 + i, 10 + 3 * i)), params=GREEDY) for i in range(3)]
+    drafts = []
+    for together in (True, False):
+        drafter = DFlashDrafter(head, K)
+        for seq in seqs:
+            hidden = TargetFeatures(0, features[: len(seq.token_ids) - 1])
+            drafter.commit(
+                seq, Verdict(0, torch.tensor([seq.token_ids[-1]])), TargetOutputs(hidden)
+            )
+        if together:
+            drafts.append(drafter.propose(seqs, [DraftBudget(K)] * 3))
+        else:
+            drafts.append([drafter.propose([seq], [DraftBudget(K)])[0] for seq in seqs])
+    assert [d.tokens.tolist() for d in drafts[0]] == [d.tokens.tolist() for d in drafts[1]]
+    assert all(len(d.tokens) == K for d in drafts[0])
 
 
 def test_a_draft_vocabulary_cut_at_load_scores_those_rows_and_drafts_only_them(
@@ -270,7 +296,7 @@ def test_a_draft_vocabulary_cut_at_load_scores_those_rows_and_drafts_only_them(
     logits = []
     for head in (whole, cut):
         cache = head.new_cache(16)
-        logits.append(head.block(cache, 17, K, head.extend(cache, features)))
+        logits.append(head.logits(head.block(cache, 17, K, head.extend(cache, features))))
     torch.testing.assert_close(logits[1], logits[0][:, ids])
     llm = _dflash(tiny_model_dir, drafter_dir, draft_vocab_size=len(ids))
     drafted: list[int] = []
@@ -432,7 +458,8 @@ def test_the_trainable_drafter_scores_what_one_block_pass_drafts(
         begin = 0 if column < 14 else 14
         cache = head.new_cache(column + 1 - begin + K)
         newest = head.extend(cache, features[0, begin : column + 1])
-        got = head.block(cache, int(tokens[0, column + 1]), K, newest)  # [K, Vd]: saved d2t's
+        states = head.block(cache, int(tokens[0, column + 1]), K, newest)
+        got = head.logits(states)  # [K, Vd]: over the saved d2t's tokens
         want = torch.stack([logits[j][a] for j in range(K)])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 

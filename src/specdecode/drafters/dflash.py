@@ -17,7 +17,9 @@ pass kept s4:
     verdict: accepted d1, recovered r (committed t0..t5 d1 r); the pass kept s5, s6.
     propose: extend with s5, s6 (entries 5, 6); one pass over (r at 7, M at 8, 9, 10).
 
-A step's drafting is one pass however long the draft (a sequential head makes K).
+A step's drafting is one pass however long the draft (a sequential head makes K); the
+blocks of all the sequences a step drafts for share one pass of the output rows (the
+drafter's costliest weights: its vocabulary's rows of the target's head).
 """
 
 from __future__ import annotations
@@ -164,7 +166,16 @@ class DFlashDrafter(DrafterBase):
         """
         max_tokens = draft_limits(seqs, budgets)
         with torch.inference_mode():
-            return [self._propose(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
+            limits = [self._limit(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
+            states = [self._block(seq, k) for seq, k in zip(seqs, limits, strict=True) if k]
+            logits = iter(())
+            if states:  # every block's logits from one pass of the output rows
+                levels = [len(s) for s in states]
+                logits = iter(self.head.logits(torch.cat(states)).split(levels))  # [levels, Vd]
+            return [
+                self._draft(seq, k, next(logits) if k else None)
+                for seq, k in zip(seqs, limits, strict=True)
+            ]
 
     def commit(self, seq: SeqView, verdict: Verdict, target: TargetOutputs) -> None:
         """Queue the target's states of the tokens the step kept; the next `propose` feeds
@@ -177,22 +188,35 @@ class DFlashDrafter(DrafterBase):
         """Drop a finished sequence's context (unknown ids are ignored)."""
         self._rows.pop(request_id, None)
 
-    def _propose(self, seq: SeqView, max_tokens: int) -> Draft:
-        """Feed the queued states, then draft a chain or a tree from one block pass."""
-        tree = self.tree_width > 1
+    def _limit(self, seq: SeqView, max_tokens: int) -> int:
+        """The most tokens `seq`'s draft may have (its budget, K, the positions left)."""
         ids = seq.token_ids
         room = self.head.rotary.cos.shape[0] - len(ids)  # mask entry j sits at len - 1 + j
-        k = min(max_tokens, self.num_speculative_tokens, max(room, 0)) if ids else 0
-        if k == 0:
-            return empty_draft(tree, self.vocab_size)
+        return min(max_tokens, self.num_speculative_tokens, max(room, 0)) if ids else 0
+
+    def _levels(self, k: int) -> int:
+        """The levels (mask entries) a draft of at most k tokens (k >= 1) reads."""
+        return min(self.tree_depth, k) if self.tree_width > 1 else k
+
+    def _block(self, seq: SeqView, k: int) -> Tensor:
+        """Feed `seq`'s queued states, then its block pass for a draft of at most k tokens:
+        the mask entries' final states ([levels, h])."""
+        ids = seq.token_ids
         row = self._rows.setdefault(seq.request_id, BlockRow())
         states = row.take(seq, self.head.kind)
-        levels = min(self.tree_depth, k) if tree else k
+        levels = self._levels(k)
         row.cache = cache_with_room(
             row.cache, seq, len(ids) + levels, self.head.config.block_size, self.head.new_cache
         )
         row.newest = self.head.extend(row.cache, states.to(self.head.device))
-        logits = self.head.block(row.cache, ids[-1], levels, row.newest)  # [levels, Vd]
+        return self.head.block(row.cache, ids[-1], levels, row.newest)
+
+    def _draft(self, seq: SeqView, k: int, logits: Tensor | None) -> Draft:
+        """A chain or a tree of at most k tokens from its levels' logits ([levels, Vd]; None
+        where k is 0: an empty draft)."""
+        tree = self.tree_width > 1
+        if logits is None:
+            return empty_draft(tree, self.vocab_size)
         if tree:
             return tree_from_levels(logits, k, self.tree_width, self._ids, self.vocab_size)
         return chain_from_levels(seq, logits, self._ids, self.vocab_size)

@@ -382,9 +382,9 @@ class DFlashHead(nn.Module):
     def block(self, cache: KVCache, anchor: int, drafts: int, newest: Tensor) -> Tensor:
         """One pass over the block [anchor, mask x drafts] after `cache`'s context entries (the
         anchor at position cache.lengths[0]; `newest` [h]: what `extend` returned for the last
-        of them, read where block_inputs is "anchored"); returns the mask entries' logits over
-        the draft vocabulary ([drafts, Vd], row i: token draft_to_target[i]). The block's keys
-        and values are written past the context and dropped after the pass."""
+        of them, read where block_inputs is "anchored"); returns the mask entries' final
+        normed states ([drafts, h]; `logits` scores them). The block's keys and values are
+        written past the context and dropped after the pass."""
         embed = self.embed_tokens(torch.tensor([anchor], device=self.device))  # [1, h]
         masks = self.mask_embed.expand(drafts, -1)  # [drafts, h]
         if self.config.block_inputs == "anchored":
@@ -407,9 +407,14 @@ class DFlashHead(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, cache, meta, view)  # [1, 1 + drafts, h]
         cache.truncate(start)
-        logits = (
-            self.lm_head(self.norm(x[:, 1:]))[0].float() * self.config.output_multiplier
-        )  # [drafts, Vd]
+        return self.norm(x[0, 1:])  # [drafts, h]
+
+    @torch.inference_mode()
+    def logits(self, states: Tensor) -> Tensor:
+        """Logits over the draft vocabulary of final normed states ([n, h] -> [n, Vd] fp32,
+        row i: token draft_to_target[i]): one pass of the output rows for the blocks of
+        every sequence a step drafts for."""
+        logits = self.lm_head(states).float() * self.config.output_multiplier
         cap = self.config.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
