@@ -107,12 +107,10 @@ def build_dflash_drafter(config: DFlashConfig, context: DrafterContext) -> Draft
 
 @dataclass
 class BlockRow(StateQueue):
-    """One sequence's drafter state: its context entries' cache (made at its first draft),
-    fc of its newest entry's states ([h], what an anchored block adds) and the queued target
-    states."""
+    """One sequence's drafter state: its context entries' cache (made at its first draft)
+    and the queued target states."""
 
     cache: KVCache | None = None
-    newest: Tensor | None = None
 
 
 class DFlashDrafter(DrafterBase):
@@ -208,8 +206,8 @@ class DFlashDrafter(DrafterBase):
         row.cache = cache_with_room(
             row.cache, seq, len(ids) + levels, self.head.config.block_size, self.head.new_cache
         )
-        row.newest = self.head.extend(row.cache, states.to(self.head.device))
-        return self.head.block(row.cache, ids[-1], levels, row.newest)
+        self.head.extend(row.cache, states.to(self.head.device))
+        return self.head.block(row.cache, ids[-1], levels)
 
     def _draft(self, seq: SeqView, k: int, logits: Tensor | None) -> Draft:
         """A chain or a tree of at most k tokens from its levels' logits ([levels, Vd]; None
