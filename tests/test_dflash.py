@@ -313,7 +313,9 @@ def test_a_draft_vocabulary_is_refused_where_the_folder_has_one(
     for bad in (0, 1.5):
         with pytest.raises(UserError, match="draft_vocab_size must be None"):
             _dflash(tiny_model_dir, drafter_dir, draft_vocab_size=bad)
-    with pytest.raises(UserError, match=r"draft_vocab_size must be in 1\.\.\d+ \(the target's\)"):
+    with pytest.raises(
+        UserError, match=r"draft_vocab_size must be in 1\.\.\d+ \(the target's vocabulary\)"
+    ):
         _dflash(tiny_model_dir, drafter_dir, draft_vocab_size=10**6)
 
 

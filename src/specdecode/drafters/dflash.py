@@ -56,6 +56,7 @@ from specdecode.drafters.state_queue import StateQueue
 from specdecode.drafters.trimmed_head import frequent_tokens
 from specdecode.errors import UserError
 from specdecode.heads.dflash import DFlashHead, load_dflash_head
+from specdecode.heads.files import check_draft_vocab_size
 from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
 
@@ -94,8 +95,8 @@ class DFlashConfig(ModelDrafterConfig):
 def build_dflash_drafter(config: DFlashConfig, context: DrafterContext) -> Drafter:
     """The registry's factory: load the drafter for the target (refused if made for another)."""
     size, vocab = config.draft_vocab_size, context.target.config.vocab_size
-    if size is not None and size > vocab:
-        raise UserError(f"draft_vocab_size must be in 1..{vocab} (the target's), got {size}")
+    if size is not None:
+        check_draft_vocab_size(size, vocab)
     head = load_dflash_head(
         Path(config.model).expanduser(),
         context.target,
