@@ -234,9 +234,11 @@ def build_tiny_dflash(
     layers: int = 2,
     mask_token: int | None = None,
     seed: int = 0,
+    block_inputs: str = "embeddings",
 ) -> Path:
     """Save an untrained DFlash drafter for the tiny model in `model_dir` into folder `out`
-    (once), in z-lab's format: a Qwen3 config.json with dflash_config and model.safetensors.
+    (once), in z-lab's format: a Qwen3 config.json with dflash_config and model.safetensors
+    (its blocks starting from `block_inputs`, z-lab's "embeddings" or our "anchored").
     It fuses the outputs of the model's first, middle and last layers; each of its `layers`
     is the model's first layer with noise (q/k norms near one), fc passes the last fused
     state on (plus noise), its final norm is the model's at a fifth of its scale (q flatter
@@ -251,7 +253,9 @@ def build_tiny_dflash(
         return out
     target = ModelConfig.from_folder(model_dir)
     n = target.num_layers
-    cfg = DFlashHeadConfig.for_target(target, layers, block_size, (1, n // 2 + 1, n))
+    cfg = DFlashHeadConfig.for_target(
+        target, layers, block_size, (1, n // 2 + 1, n), block_inputs=block_inputs
+    )
     if mask_token is not None:
         cfg = dataclasses.replace(cfg, mask_token_id=mask_token)
     gen = torch.Generator().manual_seed(seed)

@@ -97,6 +97,9 @@ class Reference:
         if mask is None:
             mask = embed[cfg["dflash_config"]["mask_token_id"]]
         x = torch.cat([embed[ids[-1]][None], mask.expand(drafts, -1)])  # [1 + drafts, h]
+        if cfg["dflash_config"].get("block_inputs") == "anchored":
+            x[1:] += embed[ids[-1]]  # mask entries: plus the anchor's embedding
+            x += self.features(ids)[-2] @ w["fc.weight"].T  # all: plus fc(the newest states)
         ctx_pos, blk_pos = torch.arange(a), torch.arange(a, a + 1 + drafts)
         for i in range(cfg["num_hidden_layers"]):
             at = f"layers.{i}."
@@ -132,11 +135,16 @@ class Reference:
         return _rms(x[1:], w["norm.weight"], eps) @ head.T
 
 
-@pytest.fixture(scope="module", params=["learned-mask", "mask-token"])
+@pytest.fixture(scope="module", params=["learned-mask", "mask-token", "anchored"])
 def drafter_dir(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Path:
-    mask = None if request.param == "learned-mask" else 7
+    """z-lab's forms (a learned mask embedding or a mask token's) and ours (anchored)."""
+    mask = 7 if request.param == "mask-token" else None
+    inputs = "anchored" if request.param == "anchored" else "embeddings"
     return build_tiny_dflash(
-        tiny_model_dir, tiny_model_dir / f"dflash-{request.param}", mask_token=mask
+        tiny_model_dir,
+        tiny_model_dir / f"dflash-{request.param}",
+        mask_token=mask,
+        block_inputs=inputs,
     )
 
 
@@ -166,11 +174,14 @@ def test_the_drafter_computes_what_the_published_equations_give(
     tiny_model_dir: Path, drafter_dir: Path
 ) -> None:
     """Block logits of our drafter (its context grown step by step, the target's states as
-    our model gives them for its `feature_layers`) equal the reference's from scratch."""
+    our model gives them for its `feature_layers`) equal the reference's from scratch; a
+    drafter asked for fewer tokens than its block drafts still runs the whole block (its q
+    are the whole block's first levels)."""
     ref = Reference(tiny_model_dir, drafter_dir)
     target = load_model(tiny_model_dir, "float32")
     head = load_dflash_head(drafter_dir, target, None)
-    drafter = DFlashDrafter(head, K)
+    drafter, short = DFlashDrafter(head, K), DFlashDrafter(head, 2)
+    sampled = SamplingParams(temperature=1.0)
     ids = [5, 17, 42, 99, 3, 250, 8, 61, 77, 12, 140, 33]
     tokens = torch.tensor([ids])
     meta = AttentionMetadata.prefill([len(ids)], "cpu")
@@ -185,12 +196,44 @@ def test_the_drafter_computes_what_the_published_equations_give(
             Verdict(0, tokens[0, end - 1 : end]),
             TargetOutputs(hidden=TargetFeatures(fed, ours[0, fed : end - 1])),
         )
+        short.commit(
+            seq,
+            Verdict(0, tokens[0, end - 1 : end]),
+            TargetOutputs(hidden=TargetFeatures(fed, ours[0, fed : end - 1])),
+        )
         fed = end - 1
         want = ref.block_logits(ids[:end], K)
         draft = drafter.propose([seq], [DraftBudget(K)])[0]
         assert draft.tokens.tolist() == want.argmax(-1).tolist()
-        got = head.logits(head.block(drafter._rows["s"].cache, ids[end - 1], K))
+        gen = torch.Generator().manual_seed(end)
+        two = short.propose(
+            [FakeSeq("s", ids[:end], params=sampled, generator=gen)], [DraftBudget(K)]
+        )
+        torch.testing.assert_close(two[0].probs, want[:2].softmax(-1), rtol=1e-4, atol=1e-6)
+        row = drafter._rows["s"]
+        got = head.logits(head.block(row.cache, ids[end - 1], K, row.newest))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_near_the_context_end_the_block_has_the_positions_left(
+    tiny_model_dir: Path, drafter_dir: Path
+) -> None:
+    """Two positions before the drafter's context ends, a draft of up to K tokens is the 2
+    levels of a block of 2 mask entries (the reference's, from scratch)."""
+    ref = Reference(tiny_model_dir, drafter_dir)
+    target = load_model(tiny_model_dir, "float32")
+    head = load_dflash_head(drafter_dir, target, None)
+    drafter = DFlashDrafter(head, K)
+    ids = torch.randint(0, 200, (head.rotary.cos.shape[0] - 2,), generator=torch.Generator())
+    ids = ids.tolist()
+    meta = AttentionMetadata.prefill([len(ids)], "cpu")
+    cache = target.new_cache(1, len(ids))
+    _, ours = target(torch.tensor([ids]), meta, cache, hidden_layers=head.feature_layers)
+    seq = FakeSeq("s", ids, params=SamplingParams(temperature=0.0))
+    hidden = TargetFeatures(0, ours[0, :-1])
+    drafter.commit(seq, Verdict(0, torch.tensor(ids[-1:])), TargetOutputs(hidden=hidden))
+    draft = drafter.propose([seq], [DraftBudget(K)])[0]
+    assert draft.tokens.tolist() == ref.block_logits(ids, 2).argmax(-1).tolist()
 
 
 def test_the_native_block_pass_gives_the_torch_routes_bits(
@@ -209,8 +252,8 @@ def test_the_native_block_pass_gives_the_torch_routes_bits(
                 layer.native = None
         cache = head.new_cache(16)
         head.extend(cache, features[:5])
-        head.extend(cache, features[5:])  # two steps' states
-        logits.append(head.logits(head.block(cache, 17, K)))
+        newest = head.extend(cache, features[5:])  # two steps' states
+        logits.append(head.logits(head.block(cache, 17, K, newest)))
         assert cache.lengths == [9]  # the block's own entries dropped
     assert torch.equal(logits[0], logits[1])
 
@@ -287,8 +330,7 @@ def test_a_draft_vocabulary_cut_at_load_scores_those_rows_and_drafts_only_them(
     logits = []
     for head in (whole, cut):
         cache = head.new_cache(16)
-        head.extend(cache, features)
-        logits.append(head.logits(head.block(cache, 17, K)))
+        logits.append(head.logits(head.block(cache, 17, K, head.extend(cache, features))))
     torch.testing.assert_close(logits[1], logits[0][:, ids])
     llm = _dflash(tiny_model_dir, drafter_dir, draft_vocab_size=len(ids))
     drafted: list[int] = []
@@ -401,26 +443,32 @@ def test_bad_folders_and_shapes_are_clear_errors(tiny_model_dir: Path, tmp_path:
         _dflash(tiny_model_dir, tmp_path / "missing")
 
 
-def _trainable(model_dir: Path, draft_ids: torch.Tensor, init: str = "target") -> TrainableDFlash:
-    """A trainable two-layer drafter (block of K) for the tiny target, started as `init` says."""
+def _trainable(
+    model_dir: Path, draft_ids: torch.Tensor, init: str = "target", inputs: str = "anchored"
+) -> TrainableDFlash:
+    """A trainable two-layer drafter (block of K, its blocks starting from `inputs`) for the
+    tiny target, started as `init` says."""
     cfg_target = ModelConfig.from_folder(model_dir)
     target = load_model(model_dir, dtype="float32")
-    cfg = DFlashHeadConfig.for_target(cfg_target, 2, K + 1, (1, 2, 3), len(draft_ids))
+    cfg = DFlashHeadConfig.for_target(
+        cfg_target, 2, K + 1, (1, 2, 3), len(draft_ids), block_inputs=inputs
+    )
     rows, norm = target_output(model_dir, draft_ids)
     embed = target.embed_tokens.weight
     weights = initial_dflash_weights(cfg, cfg_target, model_dir, draft_ids, init, 0, norm, embed)
     return TrainableDFlash(cfg, weights, embed, rows)
 
 
+@pytest.mark.parametrize("inputs", ["anchored", "embeddings"])
 def test_the_trainable_drafter_scores_what_one_block_pass_drafts(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, inputs: str
 ) -> None:
     """Output j of the training module's block at column t (packed sequences, blocks at
     chosen columns) gives the logits (over the draft vocabulary) of the loaded drafter's
     mask entry j + 1 after committed tokens ..t + 1 (fp32)."""
     target = load_model(tiny_model_dir, dtype="float32")
     ids = torch.arange(0, target.config.vocab_size, 3)  # a draft vocabulary of every third token
-    trainable = _trainable(tiny_model_dir, ids)
+    trainable = _trainable(tiny_model_dir, ids, inputs=inputs)
     with torch.no_grad():  # not the saved form's starting point: train-like weights
         for param in trainable.parameters():
             param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
@@ -445,8 +493,8 @@ def test_the_trainable_drafter_scores_what_one_block_pass_drafts(
     for a, column in enumerate(columns[0].tolist()):
         begin = 0 if column < 14 else 14
         cache = head.new_cache(column + 1 - begin + K)
-        head.extend(cache, features[0, begin : column + 1])
-        states = head.block(cache, int(tokens[0, column + 1]), K)
+        newest = head.extend(cache, features[0, begin : column + 1])
+        states = head.block(cache, int(tokens[0, column + 1]), K, newest)
         got = head.logits(states)  # [K, Vd]: over the saved d2t's tokens
         want = torch.stack([logits[j][a] for j in range(K)])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

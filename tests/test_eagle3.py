@@ -220,6 +220,38 @@ def test_training_is_deterministic_and_resumes_exactly(
     assert (half / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
+def test_a_resume_with_other_settings_is_refused_naming_them(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A checkpoint keeps the settings that shape the head and its data: resuming it with
+    another --unroll or --seed (or from a checkpoint that does not say) is a clear error,
+    and the checkpoint is left as it was."""
+    model_dir, _ = trained
+    out = tmp_path / "run"
+    train(
+        train_config(model_dir, out, budget_examples=8),
+        examples(200),
+        examples(4, 1000),
+        progress=False,
+    )
+    checkpoint = out / "checkpoint.pt"
+    before = checkpoint.read_bytes()
+    changed = train_config(model_dir, out, unroll=2, seed=1, resume=True)
+    with pytest.raises(UserError, match=r"unroll 3 there, 2 now; seed 0 there, 1 now"):
+        train(changed, examples(200), examples(4, 1000), progress=False)
+    assert checkpoint.read_bytes() == before
+    saved = torch.load(checkpoint, weights_only=False)
+    del saved["run"]
+    torch.save(saved, checkpoint)
+    with pytest.raises(UserError, match="does not say which settings made it"):
+        train(
+            train_config(model_dir, out, resume=True),
+            examples(200),
+            examples(4, 1000),
+            progress=False,
+        )
+
+
 def test_config_json_has_speculators_keys(trained: tuple[Path, Path]) -> None:
     _, out = trained
     cfg = json.loads((out / "config.json").read_text())

@@ -2,20 +2,24 @@
 
 The drafter (`specdecode.heads.dflash`) keeps per sequence a context of the committed tokens'
 target states, fed as they arrive (`drafters.state_queue`: every committed token but the
-last), and drafts a block: the last committed token at its position followed by K mask
-entries that see each other and the context, one pass through its few layers. Mask entry j
-gives level j - 1's logits over the drafter's vocabulary (d_j; the target's whole vocabulary
-or the draft vocabulary a trained drafter saved); no level sees the tokens drafted
-before it as tokens (they see each other's states within the block), so chains and trees
-come from the levels as a parallel head's do (`drafters.level_drafts`), with q per level.
+last), and drafts a block: the last committed token at its position followed by mask
+entries that see each other and the context, one pass through its few layers. The block is
+always the whole one the drafter was trained on (block_size - 1 mask entries, fewer only
+where the positions run out), however few tokens the step drafts: a mask entry's state
+depends on the others, and a shorter block than trained drafts worse (docs/training.md).
+Mask entry j gives level j - 1's logits over the drafter's vocabulary (d_j; the target's
+whole vocabulary or the draft vocabulary a trained drafter saved); only the levels the
+draft reads are scored. No level sees the tokens drafted before it as tokens (they see
+each other's states within the block), so chains and trees come from the levels as a
+parallel head's do (`drafters.level_drafts`), with q per level.
 
-Worked example, K = 3, committed t0..t5, context entries 0..3 fed before, the last target
-pass kept s4:
+Worked example, K = 3, block_size 5, committed t0..t5, context entries 0..3 fed before, the
+last target pass kept s4:
 
-    propose: extend the context with s4 (entry 4), one pass over (t5 at 5, M at 6, 7, 8)
+    propose: extend the context with s4 (entry 4), one pass over (t5 at 5, M at 6, 7, 8, 9)
              -> d1, d2, d3 from the entries at 6, 7, 8.
     verdict: accepted d1, recovered r (committed t0..t5 d1 r); the pass kept s5, s6.
-    propose: extend with s5, s6 (entries 5, 6); one pass over (r at 7, M at 8, 9, 10).
+    propose: extend with s5, s6 (entries 5, 6); one pass over (r at 7, M at 8, 9, 10, 11).
 
 A step's drafting is one pass however long the draft (a sequential head makes K); the
 blocks of all the sequences a step drafts for share one pass of the output rows (the
@@ -108,10 +112,12 @@ def build_dflash_drafter(config: DFlashConfig, context: DrafterContext) -> Draft
 
 @dataclass
 class BlockRow(StateQueue):
-    """One sequence's drafter state: its context entries' cache (made at its first draft)
-    and the queued target states."""
+    """One sequence's drafter state: its context entries' cache (made at its first draft),
+    fc of its newest entry's states ([h], what an anchored block adds) and the queued target
+    states."""
 
     cache: KVCache | None = None
+    newest: Tensor | None = None
 
 
 class DFlashDrafter(DrafterBase):
@@ -189,9 +195,12 @@ class DFlashDrafter(DrafterBase):
 
     def _limit(self, seq: SeqView, max_tokens: int) -> int:
         """The most tokens `seq`'s draft may have (its budget, K, the positions left)."""
-        ids = seq.token_ids
-        room = self.head.rotary.cos.shape[0] - len(ids)  # mask entry j sits at len - 1 + j
-        return min(max_tokens, self.num_speculative_tokens, max(room, 0)) if ids else 0
+        room = self._room(seq)
+        return min(max_tokens, self.num_speculative_tokens, room) if seq.token_ids else 0
+
+    def _room(self, seq: SeqView) -> int:
+        """The mask entries `seq`'s block has positions for (entry j sits at len - 1 + j)."""
+        return max(self.head.rotary.cos.shape[0] - len(seq.token_ids), 0)
 
     def _levels(self, k: int) -> int:
         """The levels (mask entries) a draft of at most k tokens (k >= 1) reads."""
@@ -199,16 +208,17 @@ class DFlashDrafter(DrafterBase):
 
     def _block(self, seq: SeqView, k: int) -> Tensor:
         """Feed `seq`'s queued states, then its block pass for a draft of at most k tokens:
-        the mask entries' final states ([levels, h])."""
+        the first levels' final states ([levels, h]) of a whole block (block_size - 1 mask
+        entries, fewer only where the positions run out: what the drafter was trained on)."""
         ids = seq.token_ids
         row = self._rows.setdefault(seq.request_id, BlockRow())
         states = row.take(seq, self.head.kind)
-        levels = self._levels(k)
+        masks = min(self.head.config.max_draft, self._room(seq))  # >= k (`_limit`)
         row.cache = cache_with_room(
-            row.cache, seq, len(ids) + levels, self.head.config.block_size, self.head.new_cache
+            row.cache, seq, len(ids) + masks, self.head.config.block_size, self.head.new_cache
         )
-        self.head.extend(row.cache, states.to(self.head.device))
-        return self.head.block(row.cache, ids[-1], levels)
+        row.newest = self.head.extend(row.cache, states.to(self.head.device))
+        return self.head.block(row.cache, ids[-1], masks, row.newest)[: self._levels(k)]
 
     def _draft(self, seq: SeqView, k: int, logits: Tensor | None) -> Draft:
         """A chain or a tree of at most k tokens from its levels' logits ([levels, Vd]; None

@@ -9,7 +9,11 @@ layer alike (the context entries have no states of their own in the drafter). A 
 the last committed token (the anchor, at position a) and K mask entries at a + 1..a + K; its
 states start from embeddings (the target's own, of the anchor and of the mask token) and run
 through the layers, each block query attending to the whole context and to the whole block
-(no causal mask inside it). Mask entry a + j predicts token a + j: logits = the target's
+(no causal mask inside it). Where the config's block_inputs is "anchored" (a drafter `specdecode
+train` writes), every block entry adds fc(the newest context entry's target states), without
+the hidden norm, to its embedding, and every mask entry the anchor's embedding as well: the
+block starts from the target's newest state and the anchor token, as an EAGLE-3 entry does,
+instead of from bare embeddings. Mask entry a + j predicts token a + j: logits = the target's
 output rows over norm(its final state) (times `output_multiplier`, soft-capped where the
 config says). The block's keys and values are never kept; the next block reads the context
 grown by the states of the tokens the step kept.
@@ -20,7 +24,8 @@ target_layer_ids (the target layers whose outputs are fused, Hugging Face's hidd
 index minus 1: our `feature_layers`, the inputs of the layers after them), mask_token_id (the
 token whose embedding a mask entry reads), and optionally output_multiplier,
 final_logit_softcapping and input_embedding_scale. A folder `specdecode train --method
-dflash` writes has a learned `mask_embed` tensor ([h]) and mask_token_id null, and the draft
+dflash` writes has a learned `mask_embed` tensor ([h]), mask_token_id null and block_inputs
+"anchored" (z-lab's drafters: "embeddings", the default), and the draft
 vocabulary it was trained over (`draft_vocab_size` and EAGLE-3's `d2t` offsets): its logits
 then cover those tokens only, through the target's output rows of them in the target's format
 (on the CPU the output matrix is most of a block's cost: 151,936 rows for Qwen2.5). Not read:
@@ -59,6 +64,7 @@ from specdecode.model.trimmed_linear import check_kept, trimmed_linear
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBED = "mask_embed"  # a trained folder's learned mask embedding ([h])
+BLOCK_INPUTS = ("embeddings", "anchored")  # what a block's entries start from (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +79,8 @@ class DFlashHeadConfig:
     output_multiplier: the logits' scale. logit_softcap: cap * tanh(logits / cap) (None: none).
     embedding_scale: what the block's embeddings are multiplied by.
     draft_vocab_size: the tokens its logits cover (`d2t` in the folder; None: every token).
+    block_inputs: "embeddings" (z-lab's: each entry its embedding) or "anchored" (those plus
+        fc(the newest context entry's states), and on mask entries the anchor's embedding).
     """
 
     layers: ModelConfig
@@ -84,6 +92,7 @@ class DFlashHeadConfig:
     logit_softcap: float | None = None
     embedding_scale: float = 1.0
     draft_vocab_size: int | None = None
+    block_inputs: str = "embeddings"
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -97,6 +106,11 @@ class DFlashHeadConfig:
             )
         if self.layers.sliding_layers:
             raise UserError("DFlash drafters with sliding-window layers are not supported")
+        if self.block_inputs not in BLOCK_INPUTS:
+            raise UserError(
+                f"unknown DFlash block_inputs {self.block_inputs!r}; allowed: "
+                f"{', '.join(BLOCK_INPUTS)}"
+            )
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -136,6 +150,7 @@ class DFlashHeadConfig:
             float(softcap) if softcap else None,
             float(extra.get("input_embedding_scale", 1.0)),
             None if raw.get("draft_vocab_size") is None else int(raw["draft_vocab_size"]),
+            str(extra.get("block_inputs", "embeddings")),
         )
 
     @classmethod
@@ -155,10 +170,12 @@ class DFlashHeadConfig:
         block_size: int,
         feature_layers: tuple[int, ...],
         draft_vocab_size: int | None = None,
+        block_inputs: str = "anchored",
     ) -> DFlashHeadConfig:
         """A drafter of `num_layers` layers shaped as the target's (Qwen3-style: q/k norms;
         q/k/v/o biases where the target's q/k/v have them), reading `feature_layers`, with a
-        learned mask embedding and logits over `draft_vocab_size` tokens (None: all)."""
+        learned mask embedding, logits over `draft_vocab_size` tokens (None: all) and blocks
+        starting from `block_inputs`."""
         layers = replace(
             target,
             architecture="qwen3",
@@ -170,7 +187,13 @@ class DFlashHeadConfig:
         )
         ids = tuple(i - 1 for i in sorted(feature_layers))
         return cls(
-            layers, ids, block_size, None, target.num_layers, draft_vocab_size=draft_vocab_size
+            layers,
+            ids,
+            block_size,
+            None,
+            target.num_layers,
+            draft_vocab_size=draft_vocab_size,
+            block_inputs=block_inputs,
         )
 
     def to_json(self, extra: Mapping[str, object] | None = None) -> str:
@@ -199,6 +222,7 @@ class DFlashHeadConfig:
                 "block_size": self.block_size,
                 "target_layer_ids": list(self.target_layer_ids),
                 "mask_token_id": self.mask_token_id,
+                "block_inputs": self.block_inputs,
             },
         }
         if lay.rope_scaling is not None:
@@ -335,11 +359,13 @@ class DFlashHead(nn.Module):
         )
 
     @torch.inference_mode()
-    def extend(self, cache: KVCache, features: Tensor) -> None:
+    def extend(self, cache: KVCache, features: Tensor) -> Tensor:
         """Append the context entries of the next tokens' target states (features [n, F], the
-        target's concatenated states of `feature_layers`) to `cache`: every layer's keys and
-        values of hidden_norm(fc(features)) at the positions after the cached ones."""
-        fused = self.hidden_norm(self.fc(features.to(self.dtype)[None]))  # [1, n, h]
+        target's concatenated states of `feature_layers`, n >= 1) to `cache`: every layer's
+        keys and values of hidden_norm(fc(features)) at the positions after the cached ones.
+        Returns the newest entry's fc(states) ([h]; what an anchored block adds)."""
+        state = self.fc(features.to(self.dtype)[None])  # [1, n, h]
+        fused = self.hidden_norm(state)
         meta = AttentionMetadata.contiguous(
             AttentionMode.DECODE, cache.lengths, [fused.shape[1]], self.device
         )
@@ -350,17 +376,24 @@ class DFlashHead(nn.Module):
             _, k, v = layer.self_attn.project(fused, cos, sin)  # [1, n, Hkv, D] each
             cache.write(index, k, v)
         cache.advance(meta)
+        return state[0, -1]
 
     @torch.inference_mode()
-    def block(self, cache: KVCache, anchor: int, drafts: int) -> Tensor:
+    def block(self, cache: KVCache, anchor: int, drafts: int, newest: Tensor) -> Tensor:
         """One pass over the block [anchor, mask x drafts] after `cache`'s context entries (the
-        anchor at position cache.lengths[0]); returns the mask entries' final normed states
-        ([drafts, h]; `logits` scores them). The block's keys and values are written past the
-        context and dropped after the pass."""
+        anchor at position cache.lengths[0]; `newest` [h]: what `extend` returned for the last
+        of them, read where block_inputs is "anchored"); returns the mask entries' final
+        normed states ([drafts, h]; `logits` scores them). The block's keys and values are
+        written past the context and dropped after the pass."""
         embed = self.embed_tokens(torch.tensor([anchor], device=self.device))  # [1, h]
-        x = torch.cat([embed, self.mask_embed.expand(drafts, -1)])[None]  # [1, 1 + drafts, h]
+        masks = self.mask_embed.expand(drafts, -1)  # [drafts, h]
+        if self.config.block_inputs == "anchored":
+            masks = masks + embed
+        x = torch.cat([embed, masks])[None]  # [1, 1 + drafts, h]
         if self.config.embedding_scale != 1.0:
             x = x * self.config.embedding_scale
+        if self.config.block_inputs == "anchored":
+            x = x + newest
         start, width = cache.lengths[0], 1 + drafts
         meta = AttentionMetadata(
             AttentionMode.TREE,

@@ -22,6 +22,27 @@ from specdecode.train.objective import Evaluation
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "train_log.json"
+# What shapes the head and the data it reads (batch_size: a later epoch's batches): a resumed
+# run keeps them (its budget, its evaluations, the rate, the head's compute dtype and the
+# feature store's folder may change).
+RUN_FIELDS = (
+    "model",
+    "method",
+    "responses",
+    "quantization",
+    "dtype",
+    "draft_vocab_size",
+    "vocab_examples",
+    "max_length",
+    "max_answer_tokens",
+    "batch_size",
+    "unroll",
+    "medusa_heads",
+    "draft_layers",
+    "exit_layer",
+    "init",
+    "seed",
+)
 
 
 @dataclass
@@ -39,23 +60,48 @@ class TrainState:
 
 
 def load_checkpoint(config: TrainConfig) -> dict | None:
-    """The checkpoint to resume from (None for a fresh run)."""
+    """The checkpoint to resume from (None for a fresh run); refused where it was made with
+    other `RUN_FIELDS` than `config`'s, or says nothing of them."""
     if not config.resume:
         return None
     path = config.out / CHECKPOINT
     if not path.is_file():
         raise UserError(f"nothing to resume: {path} does not exist")
-    return torch.load(path, weights_only=False, map_location="cpu")
+    saved = torch.load(path, weights_only=False, map_location="cpu")
+    run = saved.get("run")
+    if run is None:
+        raise UserError(
+            f"{path} does not say which settings made it (an older specdecode wrote it): "
+            "start a fresh run with another --out"
+        )
+    differ = [
+        f"{name} {run.get(name)!r} there, {value!r} now"
+        for name, value in run_fields(config).items()
+        if run.get(name) != value
+    ]
+    if differ:
+        raise UserError(
+            f"{path} was made with other settings ({'; '.join(differ)}): resume with its "
+            "settings, or start a fresh run with another --out"
+        )
+    return saved
+
+
+def run_fields(config: TrainConfig) -> dict[str, object]:
+    """`config`'s values of `RUN_FIELDS` (what a resumed run must keep)."""
+    return {name: getattr(config, name) for name in RUN_FIELDS}
 
 
 def save_checkpoint(
-    path: Path,
+    config: TrainConfig,
     head: TrainableStateHead | TrainableExitHead | TrainableDFlash,
     optimizer: torch.optim.Optimizer,
     state: TrainState,
     draft_ids: Tensor,
 ) -> None:
-    """Write the run's state atomically (a stop mid-write leaves the old checkpoint)."""
+    """Write the run's state to `config.out`'s checkpoint atomically (a stop mid-write
+    leaves the old checkpoint), with the settings a resume must keep."""
+    path = config.out / CHECKPOINT
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(
@@ -64,6 +110,7 @@ def save_checkpoint(
             "optimizer": optimizer.state_dict(),
             "state": asdict(state),
             "draft_ids": draft_ids,
+            "run": run_fields(config),
         },
         tmp,
     )

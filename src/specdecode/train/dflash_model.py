@@ -5,7 +5,9 @@ sequences at once: column t is a block whose context is the target's states of i
 sequence's tokens up to t (their fused features c, keys and values from each layer's own
 k/v projections) and whose entries are token t + 1 (the anchor) at its position and K mask
 entries after it, attending to that context and to each other, as the drafter's one pass
-after committed tokens ..t + 1 holds them. Mask entry j (output j - 1) predicts token
+after committed tokens ..t + 1 holds them; the drafters it makes are "anchored" (every entry
+adds fc(column t's states), mask entries token t + 1's embedding too: `heads.dflash`), a
+config of z-lab's "embeddings" form trains as it is. Mask entry j (output j - 1) predicts token
 t + j + 1: the objective's TTT convention (`train.objective`, shift 1), every output read
 at the columns the loss needs (`gathers_first`). Logits are the target's own output rows of
 the draft vocabulary over norm(the entry's state) (frozen; the saved drafter keeps the draft
@@ -173,10 +175,16 @@ class TrainableDFlash(HeadParameters):
         first = starts[rows, columns]  # [B, A]: where each block's sequence begins
         eps = lay.rms_norm_eps
         fc = self.p("fc.weight")
-        context = rms_norm(F.linear(features.to(fc.dtype), fc), self.p("hidden_norm.weight"), eps)
+        state = F.linear(features.to(fc.dtype), fc)  # [B, T, h]
+        context = rms_norm(state, self.p("hidden_norm.weight"), eps)
         anchor = self.embed[tokens[rows, (columns + 1).clamp(max=length - 1)]]  # [B, A, h]
         masks = self.p(MASK_EMBED).to(anchor.dtype).expand(*columns.shape, steps, -1)
+        anchored = self.config.block_inputs == "anchored"
+        if anchored:
+            masks = masks + anchor[:, :, None]
         x = torch.cat([anchor[:, :, None], masks], dim=2).to(context.dtype)  # [B, A, S, h]
+        if anchored:  # every entry starts from its column's newest state (module docstring)
+            x = x + state[rows, columns][:, :, None].to(x.dtype)
         block_pos = (columns - first + 1)[..., None] + torch.arange(steps + 1, device=device)
         context_pos = here - starts  # [B, T]
         seen = (here <= columns[..., None]) & (here >= first[..., None])  # [B, A, T]

@@ -36,7 +36,6 @@ from tqdm import tqdm
 from specdecode.corpus.examples import Example
 from specdecode.train.batches import epoch_batches
 from specdecode.train.checkpoint import (
-    CHECKPOINT,
     TrainState,
     record,
     save_checkpoint,
@@ -154,7 +153,7 @@ def _evaluate(run: Run, config: TrainConfig) -> Evaluation:
 
 def _checkpoint(run: Run, config: TrainConfig) -> None:
     """Save where the run stands (`checkpoint.save_checkpoint`) in the output folder."""
-    save_checkpoint(config.out / CHECKPOINT, run.head, run.optimizer, run.state, run.draft_ids)
+    save_checkpoint(config, run.head, run.optimizer, run.state, run.draft_ids)
 
 
 def _next_passes(
