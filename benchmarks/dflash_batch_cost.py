@@ -1,6 +1,6 @@
-"""What a DFlash drafter's step costs for several sequences: their blocks scored together (one
-pass of the output rows, as `DFlashDrafter.propose` does) against one sequence at a time
-(each block its own pass of the rows, as before).
+"""What a DFlash drafter's step costs for several sequences: drafted together (one pass feeding
+their contexts, one over their blocks, one of the output rows, as `DFlashDrafter.propose`
+does for a batch) against one sequence at a time (three passes each).
 
 Builds a 1-layer block drafter with random weights and a 32,000-token draft vocabulary for the
 target (`--model`, `--quantization`), gives each of `--seqs` sequences a context of
@@ -9,7 +9,7 @@ for all of them: one `propose` over the batch, and one `propose` per sequence (t
 of the same weights, each with its own sequences; every step first commits one more state per
 sequence, as a decode step that kept one token does). Prints per way the median ms a step,
 the spread, and their ratio; the drafts of the two ways are compared (they must be equal:
-the output rows are row-exact in int8 and GGUF).
+the drafter's passes are row-exact in int8 and GGUF).
 
 Usage: python benchmarks/dflash_batch_cost.py [--model qwen2.5-coder-1.5b]
        [--quantization gguf] [--k 4] [--seqs 4] [--context 256] [--steps 20] [--rounds 5]

@@ -37,7 +37,7 @@ from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.drafters import dflash as dflash_drafter
 from specdecode.drafters.dflash import DFlashDrafter
 from specdecode.errors import UserError
-from specdecode.heads.dflash import DFlashHeadConfig, load_dflash_head
+from specdecode.heads.dflash import BlockInput, DFlashHeadConfig, load_dflash_head
 from specdecode.llm import LLM
 from specdecode.model.config import ModelConfig
 from specdecode.model.loading import load_model
@@ -180,39 +180,28 @@ def test_the_drafter_computes_what_the_published_equations_give(
     ref = Reference(tiny_model_dir, drafter_dir)
     target = load_model(tiny_model_dir, "float32")
     head = load_dflash_head(drafter_dir, target, None)
-    drafter, short = DFlashDrafter(head, K), DFlashDrafter(head, 2)
-    sampled = SamplingParams(temperature=1.0)
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
+    # (drafter, the tokens it is asked for, its requests' parameters)
+    drafters = [(DFlashDrafter(head, K), K, greedy), (DFlashDrafter(head, K), K, sampled)]
+    drafters.append((DFlashDrafter(head, 2), 2, sampled))
     ids = [5, 17, 42, 99, 3, 250, 8, 61, 77, 12, 140, 33]
     tokens = torch.tensor([ids])
     meta = AttentionMetadata.prefill([len(ids)], "cpu")
     _, ours = target(tokens, meta, target.new_cache(1, len(ids)), hidden_layers=head.feature_layers)
     torch.testing.assert_close(ours[0], ref.features(ids), rtol=1e-4, atol=1e-4)
-    greedy = SamplingParams(temperature=0.0)
     fed = 0
     for end in (3, 4, 8, 12):  # steps that keep 3, 1 and 4 states
-        seq = FakeSeq("s", ids[:end], params=greedy)
-        drafter.commit(
-            seq,
-            Verdict(0, tokens[0, end - 1 : end]),
-            TargetOutputs(hidden=TargetFeatures(fed, ours[0, fed : end - 1])),
-        )
-        short.commit(
-            seq,
-            Verdict(0, tokens[0, end - 1 : end]),
-            TargetOutputs(hidden=TargetFeatures(fed, ours[0, fed : end - 1])),
-        )
+        want = ref.block_logits(ids[:end], K)  # [K, V]
+        for drafter, k, params in drafters:
+            seq = FakeSeq("s", ids[:end], params=params, generator=torch.Generator())
+            states = TargetFeatures(fed, ours[0, fed : end - 1])
+            drafter.commit(seq, Verdict(0, tokens[0, end - 1 : end]), TargetOutputs(hidden=states))
+            draft = drafter.propose([seq], [DraftBudget(K)])[0]
+            if params.greedy:
+                assert draft.tokens.tolist() == want.argmax(-1).tolist()
+            else:  # q of the first k levels of the whole block
+                torch.testing.assert_close(draft.probs, want[:k].softmax(-1), rtol=1e-4, atol=1e-6)
         fed = end - 1
-        want = ref.block_logits(ids[:end], K)
-        draft = drafter.propose([seq], [DraftBudget(K)])[0]
-        assert draft.tokens.tolist() == want.argmax(-1).tolist()
-        gen = torch.Generator().manual_seed(end)
-        two = short.propose(
-            [FakeSeq("s", ids[:end], params=sampled, generator=gen)], [DraftBudget(K)]
-        )
-        torch.testing.assert_close(two[0].probs, want[:2].softmax(-1), rtol=1e-4, atol=1e-6)
-        row = drafter._rows["s"]
-        got = head.logits(head.block(row.cache, ids[end - 1], K, row.newest))
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_near_the_context_end_the_block_has_the_positions_left(
@@ -250,10 +239,10 @@ def test_the_native_block_pass_gives_the_torch_routes_bits(
         if not native:
             for layer in head.layers:
                 layer.native = None
-        cache = head.new_cache(16)
-        head.extend(cache, features[:5])
-        newest = head.extend(cache, features[5:])  # two steps' states
-        logits.append(head.logits(head.block(cache, 17, K, newest)))
+        cache = head.new_cache(1, 16)
+        head.extend(cache, [features[:5]])
+        newest = head.extend(cache, [features[5:]])[0]  # two steps' states
+        logits.append(head.logits(head.blocks(cache, [BlockInput(17, K, newest)])[0]))
         assert cache.lengths == [9]  # the block's own entries dropped
     assert torch.equal(logits[0], logits[1])
 
@@ -283,36 +272,53 @@ def test_greedy_equals_plain_batched_and_alone_with_one_block_pass_a_step(
 ) -> None:
     llm = _dflash(tiny_model_dir, drafter_dir, **spec)
     drafter = llm.engine.drafter
-    per_propose = passes_per_propose(drafter, "block")
-    scored = passes_per_propose(drafter, "logits")
+    counts = [passes_per_propose(drafter, name) for name in ("extend", "blocks", "logits")]
     check_greedy_equals_plain(llm, expected)
-    # one block pass per drafting request per step, however long its chain or deep its tree
-    assert per_propose and all(n <= drafting for n, drafting in per_propose)
-    # and one pass of the output rows per step for all of them (batches of two and more ran)
-    assert all(n <= 1 for n, _ in scored) and any(n and drafting > 1 for n, drafting in scored)
+    assert not len(drafter._contexts)  # finished requests left their rows
+    # per step, however many sequences draft, however long a chain or deep a tree: one pass
+    # feeding their contexts, one over their blocks, one of the output rows (batches of two
+    # and more ran)
+    for per_propose in counts:
+        assert all(n <= 1 for n, _ in per_propose)
+        assert any(n and drafting > 1 for n, drafting in per_propose)
 
 
 def test_a_batchs_drafts_are_each_sequences_own(tiny_model_dir: Path, drafter_dir: Path) -> None:
-    """Blocks scored together (one pass of the output rows, int8: row-exact) draft what each
-    sequence's block drafts alone."""
+    """Sequences drafted together (their contexts fed in one pass, their blocks in one pass
+    with the shorter ones padded, their outputs scored in one; int8: row-exact) draft what
+    each drafts alone, q bit for bit, over two steps; the last sits 3, then 2 positions
+    before the context's end."""
     target = load_model(tiny_model_dir, "bfloat16", quantization="int8")
     head = load_dflash_head(drafter_dir, target, "int8")
-    features = torch.randn(20, len(head.feature_layers) * target.config.hidden_size)
-    seqs = [FakeSeq(f"s{i}", list(range(3 + i, 10 + 3 * i)), params=GREEDY) for i in range(3)]
-    drafts = []
+    end = head.positions
+    features = torch.randn(end, len(head.feature_layers) * target.config.hidden_size)
+    lengths = [7, 10, 13, end - 3]
+    drafts, sampled = [], SamplingParams(temperature=1.0)
+
+    def gen(i: int) -> torch.Generator:
+        return torch.Generator().manual_seed(i)
+
     for together in (True, False):
         drafter = DFlashDrafter(head, K)
-        for seq in seqs:
-            hidden = TargetFeatures(0, features[: len(seq.token_ids) - 1])
-            drafter.commit(
-                seq, Verdict(0, torch.tensor([seq.token_ids[-1]])), TargetOutputs(hidden)
-            )
-        if together:
-            drafts.append(drafter.propose(seqs, [DraftBudget(K)] * 3))
-        else:
-            drafts.append([drafter.propose([seq], [DraftBudget(K)])[0] for seq in seqs])
-    assert [d.tokens.tolist() for d in drafts[0]] == [d.tokens.tolist() for d in drafts[1]]
-    assert all(len(d.tokens) == K for d in drafts[0])
+        for step in range(2):
+            seqs = [
+                FakeSeq(f"s{i}", list(range(n + step)), params=sampled, generator=gen(i))
+                for i, n in enumerate(lengths)
+            ]
+            for seq in seqs:
+                fed = 0 if step == 0 else len(seq.token_ids) - 2
+                hidden = TargetFeatures(fed, features[fed : len(seq.token_ids) - 1])
+                drafter.commit(
+                    seq, Verdict(0, torch.tensor([seq.token_ids[-1]])), TargetOutputs(hidden)
+                )
+            if together:
+                drafts.append(drafter.propose(seqs, [DraftBudget(K)] * len(seqs)))
+            else:
+                drafts.append([drafter.propose([seq], [DraftBudget(K)])[0] for seq in seqs])
+    for together, alone in zip(drafts[:2], drafts[2:], strict=True):
+        assert all(torch.equal(a.probs, b.probs) for a, b in zip(together, alone, strict=True))
+        assert [d.tokens.tolist() for d in together] == [d.tokens.tolist() for d in alone]
+    assert [[len(d.tokens) for d in step] for step in drafts[:2]] == [[K, K, K, 3], [K, K, K, 2]]
 
 
 def test_a_draft_vocabulary_cut_at_load_scores_those_rows_and_drafts_only_them(
@@ -329,8 +335,9 @@ def test_a_draft_vocabulary_cut_at_load_scores_those_rows_and_drafts_only_them(
     features = torch.randn(6, len(whole.feature_layers) * target.config.hidden_size)
     logits = []
     for head in (whole, cut):
-        cache = head.new_cache(16)
-        logits.append(head.logits(head.block(cache, 17, K, head.extend(cache, features))))
+        cache = head.new_cache(1, 16)
+        newest = head.extend(cache, [features])[0]
+        logits.append(head.logits(head.blocks(cache, [BlockInput(17, K, newest)])[0]))
     torch.testing.assert_close(logits[1], logits[0][:, ids])
     llm = _dflash(tiny_model_dir, drafter_dir, draft_vocab_size=len(ids))
     drafted: list[int] = []
@@ -492,9 +499,9 @@ def test_the_trainable_drafter_scores_what_one_block_pass_drafts(
         logits = [trainable.logits(h)[0] for h in outputs]  # K x [4, Vd]
     for a, column in enumerate(columns[0].tolist()):
         begin = 0 if column < 14 else 14
-        cache = head.new_cache(column + 1 - begin + K)
-        newest = head.extend(cache, features[0, begin : column + 1])
-        states = head.block(cache, int(tokens[0, column + 1]), K, newest)
+        cache = head.new_cache(1, column + 1 - begin + K)
+        newest = head.extend(cache, [features[0, begin : column + 1]])[0]
+        states = head.blocks(cache, [BlockInput(int(tokens[0, column + 1]), K, newest)])[0]
         got = head.logits(states)  # [K, Vd]: over the saved d2t's tokens
         want = torch.stack([logits[j][a] for j in range(K)])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -267,6 +267,33 @@ def test_rows_hold_whole_blocks_of_their_own() -> None:
     assert held(cache) == 4 and len({b for t in cache.tables for b in t}) == 4
 
 
+def test_a_selection_of_rows_writes_into_them_in_its_order() -> None:
+    """`select([2, 0])`: one pass over rows 2 and 0 (in that order) appends to each in place;
+    row 1 is untouched; their lengths come back with `set_length`."""
+    cache = empty_cache()
+    cache.add_rows(3)
+    rows = [fill_row(cache, i, n, seed=i) for i, n in enumerate((3, 5, BLOCK_TOKENS - 1))]
+    view = cache.select([2, 0])
+    assert view.lengths == [BLOCK_TOKENS - 1, 3]
+    meta = AttentionMetadata.contiguous(AttentionMode.DECODE, view.lengths, [2, 1], "cpu")
+    new = tuple(torch.randn(LAYERS, 2, 2, HEADS, DIM) for _ in range(2))  # [L, 2, T, Hkv, D]
+    view.prepare(meta)
+    for layer in range(LAYERS):
+        view.write(layer, new[0][layer], new[1][layer])
+    view.advance(meta)
+    for index, length in zip([2, 0], view.lengths, strict=True):
+        cache.set_length(index, length)
+    for index, at, n in ((2, 0, 2), (0, 1, 1)):
+        added = tuple(x[:, at, :n].transpose(1, 2) for x in new)  # [L, Hkv, n, D]
+        want = tuple(torch.cat([a, b], dim=2) for a, b in zip(rows[index], added, strict=True))
+        assert_row(cache, index, want)
+    assert_row(cache, 1, rows[1])
+    with pytest.raises(ValueError, match=r"rows \[0, 3\]: the cache has 3 active"):
+        cache.select([0, 3])
+    with pytest.raises(ValueError, match="the cache has 3 active"):
+        cache.select([])
+
+
 def test_row_and_set_length_refuse_bad_arguments() -> None:
     cache = empty_cache()
     cache.add_rows(2)

@@ -144,8 +144,16 @@ class KVCache:
             raise ValueError(
                 f"rows {first}..{first + count - 1}: the cache has {self.batch_size} active"
             )
-        stop = first + count
-        return KVCache._view(self.pool, self.tables[first:stop], self.lengths[first:stop])
+        return self.select(range(first, first + count))
+
+    def select(self, rows: Sequence[int]) -> KVCache:
+        """A cache over the active rows `rows`, in that order (their blocks: writes land in
+        place), and their lengths; its rows' lengths go back with `set_length` after its
+        passes (`rows` for contiguous ones)."""
+        if not rows or any(not 0 <= r < self.batch_size for r in rows):
+            raise ValueError(f"rows {list(rows)}: the cache has {self.batch_size} active")
+        tables = [self.tables[r] for r in rows]
+        return KVCache._view(self.pool, tables, [self.lengths[r] for r in rows])
 
     def take_lengths(self, view: KVCache, first: int = 0) -> None:
         """The lengths of a `rows(first, ...)` view's rows, after its passes."""

@@ -21,9 +21,11 @@ last target pass kept s4:
     verdict: accepted d1, recovered r (committed t0..t5 d1 r); the pass kept s5, s6.
     propose: extend with s5, s6 (entries 5, 6); one pass over (r at 7, M at 8, 9, 10, 11).
 
-A step's drafting is one pass however long the draft (a sequential head makes K); the
-blocks of all the sequences a step drafts for share one pass of the output rows (the
-drafter's costliest weights: its vocabulary's rows of the target's head).
+A step's drafting is one block pass however long the draft (a sequential head makes K), and
+the sequences a step drafts for share their passes: their contexts live in rows of one cache
+(`drafters.draft_rows`), fed in one pass; their blocks run as one TREE pass (the shorter ones
+padded); their mask entries go through the output rows (the drafter's costliest weights: its
+vocabulary's rows of the target's head) in one pass.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.cache.kv_cache import KVCache
 from specdecode.drafters.base import (
     Drafter,
     DrafterBase,
@@ -44,12 +45,12 @@ from specdecode.drafters.base import (
     DrafterNeeds,
     ModelDrafterConfig,
     SeqView,
-    cache_with_room,
     check_draft_length,
     check_tree_shape,
     draft_limits,
     is_positive_int,
 )
+from specdecode.drafters.draft_rows import DraftRows
 from specdecode.drafters.level_drafts import (
     chain_from_levels,
     check_levels,
@@ -59,7 +60,7 @@ from specdecode.drafters.level_drafts import (
 from specdecode.drafters.state_queue import StateQueue
 from specdecode.drafters.trimmed_head import frequent_tokens
 from specdecode.errors import UserError
-from specdecode.heads.dflash import DFlashHead, load_dflash_head
+from specdecode.heads.dflash import BlockInput, DFlashHead, load_dflash_head
 from specdecode.heads.files import check_draft_vocab_size
 from specdecode.types import Draft, DraftBudget, TargetOutputs, Verdict
 
@@ -110,16 +111,6 @@ def build_dflash_drafter(config: DFlashConfig, context: DrafterContext) -> Draft
     return DFlashDrafter(head, config.num_speculative_tokens, config.tree_width, config.tree_depth)
 
 
-@dataclass
-class BlockRow(StateQueue):
-    """One sequence's drafter state: its context entries' cache (made at its first draft),
-    fc of its newest entry's states ([h], what an anchored block adds) and the queued target
-    states."""
-
-    cache: KVCache | None = None
-    newest: Tensor | None = None
-
-
 class DFlashDrafter(DrafterBase):
     """Proposes up to K tokens per sequence from one block pass (module docstring).
 
@@ -155,7 +146,8 @@ class DFlashDrafter(DrafterBase):
         self.tree_depth = min(tree_depth or num_speculative_tokens, levels)
         self.vocab_size = head.vocab_size
         self._ids = head.draft_to_target.cpu()  # [Vd] level logits' row -> target id
-        self._rows: dict[str, BlockRow] = {}
+        self._rows: dict[str, StateQueue] = {}  # per sequence: target states not yet fed
+        self._contexts = DraftRows(head.new_cache)  # per sequence: a row of context entries
 
     def propose(self, seqs: Sequence[SeqView], budgets: Sequence[DraftBudget]) -> list[Draft]:
         """One draft per sequence, of at most min(K, `budgets[i].max_tokens`) tokens.
@@ -172,9 +164,10 @@ class DFlashDrafter(DrafterBase):
         max_tokens = draft_limits(seqs, budgets)
         with torch.inference_mode():
             limits = [self._limit(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
-            states = [self._block(seq, k) for seq, k in zip(seqs, limits, strict=True) if k]
+            drafting = [(seq, k) for seq, k in zip(seqs, limits, strict=True) if k]
             logits = iter(())
-            if states:  # every block's logits from one pass of the output rows
+            if drafting:  # every block in one pass, their logits in one pass of the output rows
+                states = self._blocks(drafting)
                 levels = [len(s) for s in states]
                 logits = iter(self.head.logits(torch.cat(states)).split(levels))  # [levels, Vd]
             return [
@@ -186,12 +179,13 @@ class DFlashDrafter(DrafterBase):
         """Queue the target's states of the tokens the step kept; the next `propose` feeds
         them to the context."""
         if target.hidden is not None:
-            row = self._rows.setdefault(seq.request_id, BlockRow())
-            row.push(target.hidden, seq.request_id, self.head.kind)
+            queue = self._rows.setdefault(seq.request_id, StateQueue())
+            queue.push(target.hidden, seq.request_id, self.head.kind)
 
     def release(self, request_id: str) -> None:
         """Drop a finished sequence's context (unknown ids are ignored)."""
         self._rows.pop(request_id, None)
+        self._contexts.release(request_id)
 
     def _limit(self, seq: SeqView, max_tokens: int) -> int:
         """The most tokens `seq`'s draft may have (its budget, K, the positions left)."""
@@ -206,19 +200,30 @@ class DFlashDrafter(DrafterBase):
         """The levels (mask entries) a draft of at most k tokens (k >= 1) reads."""
         return min(self.tree_depth, k) if self.tree_width > 1 else k
 
-    def _block(self, seq: SeqView, k: int) -> Tensor:
-        """Feed `seq`'s queued states, then its block pass for a draft of at most k tokens:
-        the first levels' final states ([levels, h]) of a whole block (block_size - 1 mask
-        entries, fewer only where the positions run out: what the drafter was trained on)."""
-        ids = seq.token_ids
-        row = self._rows.setdefault(seq.request_id, BlockRow())
-        states = row.take(seq, self.head.kind)
-        masks = min(self.head.config.max_draft, self._room(seq))  # >= k (`_limit`)
-        row.cache = cache_with_room(
-            row.cache, seq, len(ids) + masks, self.head.config.block_size, self.head.new_cache
+    def _blocks(self, drafting: Sequence[tuple[SeqView, int]]) -> list[Tensor]:
+        """Feed the drafting sequences' queued states to their rows of context entries (one
+        pass), then run their blocks (one pass), for drafts of at most k tokens each: per
+        sequence the first levels' final states ([levels, h]) of a whole block (block_size -
+        1 mask entries, fewer only where the positions run out: what the drafter was trained
+        on)."""
+        capacity = max(len(s.token_ids) + s.params.max_tokens for s, _ in drafting)
+        rows = self._contexts.place(
+            [seq.request_id for seq, _ in drafting], capacity + self.head.config.block_size
         )
-        row.newest = self.head.extend(row.cache, states.to(self.head.device))
-        return self.head.block(row.cache, ids[-1], masks, row.newest)[: self._levels(k)]
+        cache = self._contexts.select(rows)
+        queued = [
+            self._rows.setdefault(seq.request_id, StateQueue()).take(seq, self.head.kind)
+            for seq, _ in drafting
+        ]
+        newest = self.head.extend(cache, queued)  # [R, h]
+        masks = [min(self.head.config.max_draft, self._room(seq)) for seq, _ in drafting]
+        inputs = [
+            BlockInput(seq.token_ids[-1], n, h)
+            for (seq, _), n, h in zip(drafting, masks, newest, strict=True)
+        ]
+        states = self.head.blocks(cache, inputs)
+        self._contexts.store_rows(rows, cache)
+        return [s[: self._levels(k)] for s, (_, k) in zip(states, drafting, strict=True)]
 
     def _draft(self, seq: SeqView, k: int, logits: Tensor | None) -> Draft:
         """A chain or a tree of at most k tokens from its levels' logits ([levels, Vd]; None

@@ -6,7 +6,9 @@ request's next draft token at once.
 tokens this pass get them, the others ride along as padding (num_new 0: computed, never kept),
 so a pass costs one read of the draft model's weights whatever the number of rows. Work on one
 request alone (a prompt's prefill, a tree, a staged draft) goes through a one-row view of its
-row (`view`), whose length is stored back with `store`.
+row (`view`), whose length is stored back with `store`; work on some of them (a block
+drafter's contexts and blocks, `drafters.dflash`) through a view of those rows (`select`,
+`store_rows`).
 
 Released requests leave their row at once but their blocks only at the next `place`, where
 every released row is dropped in one `KVCache.keep_rows` (nothing is copied).
@@ -95,6 +97,18 @@ class DraftRows:
         """Row `row` holds what its `view` holds now."""
         assert self._cache is not None  # place made it
         self._cache.set_length(row, view.lengths[0])
+
+    def select(self, rows: Sequence[int]) -> KVCache:
+        """A cache over `rows` (in that order; passes on it write into the rows in place)
+        holding their slots; `store_rows` their lengths afterwards."""
+        assert self._cache is not None  # place made it
+        return self._cache.select(rows)
+
+    def store_rows(self, rows: Sequence[int], view: KVCache) -> None:
+        """Rows `rows` hold what a `select(rows)` view holds now."""
+        assert self._cache is not None  # place made it
+        for row, length in zip(rows, view.lengths, strict=True):
+            self._cache.set_length(row, length)
 
     def feed_rows(
         self,

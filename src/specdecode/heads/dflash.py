@@ -35,7 +35,7 @@ DFlash2's convolutions and candidate selector, causal or sliding-window drafter 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,17 @@ from specdecode.model.trimmed_linear import check_kept, trimmed_linear
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBED = "mask_embed"  # a trained folder's learned mask embedding ([h])
 BLOCK_INPUTS = ("embeddings", "anchored")  # what a block's entries start from (module docstring)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInput:
+    """One sequence's block in a pass (`DFlashHead.blocks`): the anchor (its last committed
+    token), its mask entries and fc(its newest context entry's states) ([h]; read where
+    block_inputs is "anchored")."""
+
+    anchor: int
+    masks: int
+    newest: Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,64 +361,89 @@ class DFlashHead(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def new_cache(self, capacity: int) -> KVCache:
-        """An empty one-row cache of context entries (every layer's keys and values), its pool
-        sized for `capacity` entries to start with (it grows)."""
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        """An empty cache of `rows` rows of context entries (every layer's keys and values),
+        its pool sized for `capacity` entries a row to start with (it grows; rows are added
+        with `KVCache.add_rows`)."""
         lay = self.config.layers
         return KVCache(
-            len(self.layers), 1, lay.num_kv_heads, lay.head_dim, capacity, self.dtype, self.device
+            len(self.layers),
+            rows,
+            lay.num_kv_heads,
+            lay.head_dim,
+            capacity,
+            self.dtype,
+            self.device,
         )
 
     @torch.inference_mode()
-    def extend(self, cache: KVCache, features: Tensor) -> Tensor:
-        """Append the context entries of the next tokens' target states (features [n, F], the
-        target's concatenated states of `feature_layers`, n >= 1) to `cache`: every layer's
-        keys and values of hidden_norm(fc(features)) at the positions after the cached ones.
-        Returns the newest entry's fc(states) ([h]; what an anchored block adds)."""
-        state = self.fc(features.to(self.dtype)[None])  # [1, n, h]
-        fused = self.hidden_norm(state)
+    def extend(self, cache: KVCache, features: Sequence[Tensor]) -> Tensor:
+        """Append to each row r of `cache` the context entries of its next tokens' target
+        states (features[r] [n_r, F], the target's concatenated states of `feature_layers`,
+        n_r >= 1), every row in one pass: every layer's keys and values of
+        hidden_norm(fc(features)) at the positions after the row's cached ones. Returns each
+        row's newest entry's fc(states) ([R, h]; what an anchored block adds)."""
+        sizes = [len(f) for f in features]
+        width = len(self.feature_layers) * self.config.layers.hidden_size  # F
+        x = torch.zeros(len(sizes), max(sizes), width, dtype=self.dtype, device=self.device)
+        for r, f in enumerate(features):
+            x[r, : len(f)] = f  # [n_r, F] into [W, F]; the rest is padding
+        state = self.fc(x)  # [R, W, h]
         meta = AttentionMetadata.contiguous(
-            AttentionMode.DECODE, cache.lengths, [fused.shape[1]], self.device
+            AttentionMode.DECODE, cache.lengths, sizes, self.device, max_positions=self.positions
         )
         cache.prepare(meta)
-        attn = self.layers[0].self_attn
-        cos, sin = attn.rope_tables(self.rotary, meta.positions, self.dtype)
+        fused = self.hidden_norm(state)
+        cos, sin = self.layers[0].self_attn.rope_tables(self.rotary, meta.positions, self.dtype)
         for index, layer in enumerate(self.layers):
-            _, k, v = layer.self_attn.project(fused, cos, sin)  # [1, n, Hkv, D] each
+            _, k, v = layer.self_attn.project(fused, cos, sin)  # [R, W, Hkv, D] each
             cache.write(index, k, v)
         cache.advance(meta)
-        return state[0, -1]
+        return state[torch.arange(len(sizes)), torch.tensor(sizes) - 1]  # [R, h]
 
     @torch.inference_mode()
-    def block(self, cache: KVCache, anchor: int, drafts: int, newest: Tensor) -> Tensor:
-        """One pass over the block [anchor, mask x drafts] after `cache`'s context entries (the
-        anchor at position cache.lengths[0]; `newest` [h]: what `extend` returned for the last
-        of them, read where block_inputs is "anchored"); returns the mask entries' final
-        normed states ([drafts, h]; `logits` scores them). The block's keys and values are
-        written past the context and dropped after the pass."""
-        embed = self.embed_tokens(torch.tensor([anchor], device=self.device))  # [1, h]
-        masks = self.mask_embed.expand(drafts, -1)  # [drafts, h]
-        if self.config.block_inputs == "anchored":
-            masks = masks + embed
-        x = torch.cat([embed, masks])[None]  # [1, 1 + drafts, h]
-        if self.config.embedding_scale != 1.0:
-            x = x * self.config.embedding_scale
-        if self.config.block_inputs == "anchored":
-            x = x + newest
-        start, width = cache.lengths[0], 1 + drafts
+    def blocks(self, cache: KVCache, inputs: Sequence[BlockInput]) -> list[Tensor]:
+        """One pass over a block per row of `cache` (row r's [anchor, mask x masks] of
+        inputs[r] after its context entries, the anchor at position cache.lengths[r]; the
+        shorter blocks padded); returns each block's mask entries' final normed states
+        ([masks, h]; `logits` scores them). The blocks' keys and values are written past the
+        contexts and dropped after the pass."""
+        width, hidden = 1 + max(i.masks for i in inputs), self.config.layers.hidden_size
+        anchored = self.config.block_inputs == "anchored"
+        x = torch.zeros(len(inputs), width, hidden, dtype=self.dtype, device=self.device)
+        mask = torch.eye(width, dtype=torch.bool).repeat(len(inputs), 1, 1)  # [R, T, T]
+        for r, i in enumerate(inputs):
+            embed = self.embed_tokens(torch.tensor([i.anchor], device=self.device))  # [1, h]
+            masks = self.mask_embed.expand(i.masks, -1)  # [masks, h]
+            if anchored:
+                masks = masks + embed
+            block = torch.cat([embed, masks])  # [1 + masks, h]
+            if self.config.embedding_scale != 1.0:
+                block = block * self.config.embedding_scale
+            if anchored:
+                block = block + i.newest
+            x[r, : len(block)] = block
+            mask[r, : len(block), : len(block)] = True  # a block's entries see each other
+        starts = tuple(cache.lengths)
+        positions = torch.tensor(starts)[:, None] + torch.arange(width)  # [R, T]
         meta = AttentionMetadata(
             AttentionMode.TREE,
-            (start,),
-            (width,),
-            torch.arange(start, start + width, device=self.device)[None],  # [1, T]
-            torch.ones(1, width, width, dtype=torch.bool, device=self.device),  # all see all
+            starts,
+            tuple(1 + i.masks for i in inputs),
+            positions.clamp(max=self.positions - 1).to(self.device),  # (padding past the end)
+            mask.to(self.device),
         )
         cache.prepare(meta)
         view, cos, sin = pass_view(self.layers[0].self_attn, self.rotary, meta, self.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, meta, view)  # [1, 1 + drafts, h]
-        cache.truncate(start)
-        return self.norm(x[0, 1:])  # [drafts, h]
+            x = layer(x, cos, sin, cache, meta, view)  # [R, T, h]
+        cache.truncate(starts)
+        return [self.norm(x[r, 1 : 1 + i.masks]) for r, i in enumerate(inputs)]
+
+    @property
+    def positions(self) -> int:
+        """The positions the drafter's RoPE table covers."""
+        return self.rotary.cos.shape[0]
 
     @torch.inference_mode()
     def logits(self, states: Tensor) -> Tensor:
