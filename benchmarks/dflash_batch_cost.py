@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from specdecode.drafters.dflash import DFlashDrafter
-from specdecode.heads.dflash import DFlashHead, DFlashHeadConfig, save_dflash_head
+from specdecode.heads.dflash import DFlashHead
+from specdecode.heads.dflash_config import DFlashHeadConfig, save_dflash_head
 from specdecode.heads.eagle3_config import default_aux_layers
 from specdecode.llm import LLM
 from specdecode.sampling_params import SamplingParams

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from specdecode.corpus.prompts import load_prompts
-from specdecode.heads.dflash import DFlashHeadConfig, save_dflash_head
+from specdecode.heads.dflash_config import DFlashHeadConfig, save_dflash_head
 from specdecode.heads.eagle3 import save_eagle3_head
 from specdecode.heads.eagle3_config import Eagle3HeadConfig, default_aux_layers
 from specdecode.llm import LLM

@@ -246,7 +246,11 @@ def build_tiny_dflash(
     own). So its drafts are accepted at times, not always."""
     from safetensors.torch import load_file
 
-    from specdecode.heads.dflash import DFlashHeadConfig, dflash_tensor_shapes, save_dflash_head
+    from specdecode.heads.dflash_config import (
+        DFlashHeadConfig,
+        dflash_tensor_shapes,
+        save_dflash_head,
+    )
     from specdecode.model.config import ModelConfig
 
     if (out / "config.json").is_file():

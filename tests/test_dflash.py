@@ -37,7 +37,8 @@ from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.drafters import dflash as dflash_drafter
 from specdecode.drafters.dflash import DFlashDrafter
 from specdecode.errors import UserError
-from specdecode.heads.dflash import BlockInput, DFlashHeadConfig, load_dflash_head
+from specdecode.heads.dflash import BlockInput, load_dflash_head
+from specdecode.heads.dflash_config import DFlashHeadConfig
 from specdecode.llm import LLM
 from specdecode.model.config import ModelConfig
 from specdecode.model.loading import load_model
@@ -286,8 +287,9 @@ def test_greedy_equals_plain_batched_and_alone_with_one_block_pass_a_step(
 def test_a_batchs_drafts_are_each_sequences_own(tiny_model_dir: Path, drafter_dir: Path) -> None:
     """Sequences drafted together (their contexts fed in one pass, their blocks in one pass
     with the shorter ones padded, their outputs scored in one; int8: row-exact) draft what
-    each drafts alone, q bit for bit, over two steps; the last sits 3, then 2 positions
-    before the context's end."""
+    each drafts alone, q bit for bit, over two steps: in the first one sequence drafts
+    nothing and one at most 2 tokens; the last sits 3, then 2 positions before the
+    context's end."""
     target = load_model(tiny_model_dir, "bfloat16", quantization="int8")
     head = load_dflash_head(drafter_dir, target, "int8")
     end = head.positions
@@ -311,14 +313,17 @@ def test_a_batchs_drafts_are_each_sequences_own(tiny_model_dir: Path, drafter_di
                 drafter.commit(
                     seq, Verdict(0, torch.tensor([seq.token_ids[-1]])), TargetOutputs(hidden)
                 )
+            budgets = [DraftBudget(n) for n in ([K, 0, 2, K] if step == 0 else [K] * 4)]
             if together:
-                drafts.append(drafter.propose(seqs, [DraftBudget(K)] * len(seqs)))
+                drafts.append(drafter.propose(seqs, budgets))
             else:
-                drafts.append([drafter.propose([seq], [DraftBudget(K)])[0] for seq in seqs])
+                drafts.append(
+                    [drafter.propose([s], [b])[0] for s, b in zip(seqs, budgets, strict=True)]
+                )
     for together, alone in zip(drafts[:2], drafts[2:], strict=True):
         assert all(torch.equal(a.probs, b.probs) for a, b in zip(together, alone, strict=True))
         assert [d.tokens.tolist() for d in together] == [d.tokens.tolist() for d in alone]
-    assert [[len(d.tokens) for d in step] for step in drafts[:2]] == [[K, K, K, 3], [K, K, K, 2]]
+    assert [[len(d.tokens) for d in step] for step in drafts[:2]] == [[K, 0, 2, 3], [K, K, K, 2]]
 
 
 def test_a_draft_vocabulary_cut_at_load_scores_those_rows_and_drafts_only_them(

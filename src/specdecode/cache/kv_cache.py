@@ -14,9 +14,10 @@ metadata does.
 
 Rows come and go (continuous batching): `add_rows` appends empty rows, `keep_rows` keeps some
 (the others' blocks go back to the pool: no copy), `row` is a one-row cache over an active
-row's blocks (from length 0: a prefix cache's hit is loaded there) and `rows` one over
+row's blocks (from length 0: a prefix cache's hit is loaded there), `rows` one over
 consecutive rows and their lengths (the rows that decode while later ones still prefill; the
-prompts prefilled together). Writes through a view land in the rows' blocks. Several rows
+prompts prefilled together) and `select` one over any rows, in any order (the sequences a
+block drafter drafts for). Writes through a view land in the rows' blocks. Several rows
 may hold one block (a shared prompt prefix, `PrefixCache`): such blocks are full and never
 written again, since a row only writes past its length.
 """
@@ -148,8 +149,8 @@ class KVCache:
 
     def select(self, rows: Sequence[int]) -> KVCache:
         """A cache over the active rows `rows`, in that order (their blocks: writes land in
-        place), and their lengths; its rows' lengths go back with `set_length` after its
-        passes (`rows` for contiguous ones)."""
+        place), and their lengths; after its passes give each row its view's length with
+        `set_length`."""
         if not rows or any(not 0 <= r < self.batch_size for r in rows):
             raise ValueError(f"rows {list(rows)}: the cache has {self.batch_size} active")
         tables = [self.tables[r] for r in rows]

@@ -206,23 +206,23 @@ class DFlashDrafter(DrafterBase):
         sequence the first levels' final states ([levels, h]) of a whole block (block_size -
         1 mask entries, fewer only where the positions run out: what the drafter was trained
         on)."""
-        capacity = max(len(s.token_ids) + s.params.max_tokens for s, _ in drafting)
-        rows = self._contexts.place(
-            [seq.request_id for seq, _ in drafting], capacity + self.head.config.block_size
-        )
-        cache = self._contexts.select(rows)
-        queued = [
+        queued = [  # (first: a queue out of step raises before any row changes)
             self._rows.setdefault(seq.request_id, StateQueue()).take(seq, self.head.kind)
             for seq, _ in drafting
         ]
-        newest = self.head.extend(cache, queued)  # [R, h]
-        masks = [min(self.head.config.max_draft, self._room(seq)) for seq, _ in drafting]
-        inputs = [
-            BlockInput(seq.token_ids[-1], n, h)
-            for (seq, _), n, h in zip(drafting, masks, newest, strict=True)
-        ]
-        states = self.head.blocks(cache, inputs)
-        self._contexts.store_rows(rows, cache)
+        room = max(len(seq.token_ids) for seq, _ in drafting) + self.head.config.block_size
+        rows = self._contexts.place([seq.request_id for seq, _ in drafting], room)
+        cache = self._contexts.select(rows)
+        try:
+            newest = self.head.extend(cache, queued)  # [R, h]
+            masks = [min(self.head.config.max_draft, self._room(seq)) for seq, _ in drafting]
+            inputs = [
+                BlockInput(seq.token_ids[-1], n, h)
+                for (seq, _), n, h in zip(drafting, masks, newest, strict=True)
+            ]
+            states = self.head.blocks(cache, inputs)
+        finally:  # the rows hold what the passes left (the contexts fed, no block)
+            self._contexts.store_rows(rows, cache)
         return [s[: self._levels(k)] for s, (_, k) in zip(states, drafting, strict=True)]
 
     def _draft(self, seq: SeqView, k: int, logits: Tensor | None) -> Draft:

@@ -45,15 +45,18 @@ class DraftRows:
         return request_id in self._ids
 
     def place(self, request_ids: Sequence[str], capacity: int) -> list[int]:
-        """The row of each request (new ones get an empty row; a new cache's pool starts with
-        room for `capacity` slots per row); rows of released requests are dropped first."""
+        """The row of each request (new ones get an empty row; the first call's cache starts
+        with its rows and a pool with room for `capacity` slots each, later rows come with
+        `KVCache.add_rows` and the pool grows as they fill); rows of released requests are
+        dropped first."""
         self._drop_released()
         known = {rid: row for row, rid in enumerate(self._ids)}
         new = [rid for rid in dict.fromkeys(request_ids) if rid not in known]
         if self._cache is None:
-            self._cache = self._new_cache(0, capacity)
-        if new:
+            self._cache = self._new_cache(len(new), capacity)
+        elif new:
             self._cache.add_rows(len(new))
+        if new:
             known.update((rid, len(self._ids) + i) for i, rid in enumerate(new))
             self._ids.extend(new)
         return [known[rid] for rid in request_ids]
@@ -88,15 +91,11 @@ class DraftRows:
     def view(self, row: int) -> KVCache:
         """A one-row cache over `row`'s storage holding its slots (passes on it write into the
         row in place); `store` its length afterwards."""
-        assert self._cache is not None  # place made it
-        view = self._cache.row(row)
-        view.lengths = [self._cache.lengths[row]]
-        return view
+        return self.select([row])
 
     def store(self, row: int, view: KVCache) -> None:
         """Row `row` holds what its `view` holds now."""
-        assert self._cache is not None  # place made it
-        self._cache.set_length(row, view.lengths[0])
+        self.store_rows([row], view)
 
     def select(self, rows: Sequence[int]) -> KVCache:
         """A cache over `rows` (in that order; passes on it write into the rows in place)

@@ -5,8 +5,8 @@ sequences at once: column t is a block whose context is the target's states of i
 sequence's tokens up to t (their fused features c, keys and values from each layer's own
 k/v projections) and whose entries are token t + 1 (the anchor) at its position and K mask
 entries after it, attending to that context and to each other, as the drafter's one pass
-after committed tokens ..t + 1 holds them; the drafters it makes are "anchored" (every entry
-adds fc(column t's states), mask entries token t + 1's embedding too: `heads.dflash`), a
+after committed tokens ..t + 1 holds them. The drafters it makes are "anchored": every entry
+adds fc(column t's states), and mask entries token t + 1's embedding too (`heads.dflash`); a
 config of z-lab's "embeddings" form trains as it is. Mask entry j (output j - 1) predicts token
 t + j + 1: the objective's TTT convention (`train.objective`, shift 1), every output read
 at the columns the loss needs (`gathers_first`). Logits are the target's own output rows of
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specdecode.errors import UserError
-from specdecode.heads.dflash import (
+from specdecode.heads.dflash_config import (
     MASK_EMBED,
     DFlashHeadConfig,
     dflash_tensor_shapes,

@@ -26,7 +26,7 @@ from specdecode.corpus.examples import (
 from specdecode.corpus.vocab import draft_vocabulary
 from specdecode.engine.scheduler import ONE_PASS_PREFILL
 from specdecode.errors import UserError
-from specdecode.heads.dflash import DFlashHeadConfig
+from specdecode.heads.dflash_config import DFlashHeadConfig
 from specdecode.heads.eagle3_config import Eagle3HeadConfig, default_aux_layers
 from specdecode.heads.exit_head import ExitHeadConfig
 from specdecode.llm import LLM
