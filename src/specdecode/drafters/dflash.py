@@ -194,7 +194,7 @@ class DFlashDrafter(DrafterBase):
 
     def _room(self, seq: SeqView) -> int:
         """The mask entries `seq`'s block has positions for (entry j sits at len - 1 + j)."""
-        return max(self.head.rotary.cos.shape[0] - len(seq.token_ids), 0)
+        return max(self.head.positions - len(seq.token_ids), 0)
 
     def _levels(self, k: int) -> int:
         """The levels (mask entries) a draft of at most k tokens (k >= 1) reads."""

@@ -57,12 +57,12 @@ from specdecode.model.trimmed_linear import check_kept, trimmed_linear
 @dataclass(frozen=True, slots=True)
 class BlockInput:
     """One sequence's block in a pass (`DFlashHead.blocks`): the anchor (its last committed
-    token), its mask entries and fc(its newest context entry's states) ([h]; read where
-    block_inputs is "anchored")."""
+    token), its mask entries and fc(its newest context entry's states) ([h], `extend`'s; read
+    where block_inputs is "anchored")."""
 
     anchor: int
     masks: int
-    newest: Tensor | None
+    newest: Tensor
 
 
 class DFlashHead(nn.Module):
