@@ -75,7 +75,7 @@ def instrument(model: nn.Module, timers: Timers) -> None:
         ("rope_", "rope"),
     ):
         setattr(kernels, fn, timers.wrap(part, getattr(kernels, fn)))
-    attention._attention = timers.wrap("attention", attention._attention)
+    attention.attend = timers.wrap("attention", attention.attend)
     tf.F.silu = timers.wrap("activation", tf.F.silu)
     tf.F.gelu = timers.wrap("activation", tf.F.gelu)
     KVCache.write = timers.wrap("cache write", KVCache.write)

@@ -679,6 +679,9 @@ int main() {
     check_attention<sd::BFloat16>(1, 9, 3, 2, 50, 80, tree, 2.f);
     check_attention<float>(1, 6, 2, 3, 19, 20, tree);
     check_attention<sd::BFloat16>(1, 4, 1, 2, 23, 256, tree);
+    // bf16 heads of 64 grouped 3 and 4 at a time (AVX-512), spans past whole blocks of slots
+    check_attention<sd::BFloat16>(1, 9, 3, 3, 37, 64, tree);
+    check_attention<sd::BFloat16>(1, 8, 2, 2, 70, 64, tree);
     check_paged_attention<float>(3, 4, 2, 5, 70, 64, tree);
     check_paged_attention<sd::BFloat16>(2, 4, 2, 3, 41, 128, tree);
     check_paged_attention<sd::BFloat16>(2, 2, 1, 2, 35, 48, tree);

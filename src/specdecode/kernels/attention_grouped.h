@@ -1,6 +1,7 @@
-// The grouped-heads attention of the 256-bit (AVX2) and 128-bit (NEON) folders: their
-// attention_paths.h defines the vector type and its operations (Vec, W, SCORE_SUMS,
-// VALUE_SUMS, vzero, vset, vload, vfma, vsum, vstore) and then includes this.
+// The grouped heads' routine of the 256-bit (AVX2) and 128-bit (NEON) folders (attend_heads
+// and heads_at_once, for attention_group_tasks.h): their attention_paths.h defines the vector
+// type and its operations (Vec, W, SCORE_SUMS, VALUE_SUMS, vzero, vset, vload, vfma, vsum,
+// vstore) and then includes this.
 //
 // For D a multiple of their W lanes: the query
 // heads that share a KV head (up to MAX_HEADS at a time) attend together, with attend_one's
@@ -109,49 +110,13 @@ void attend_heads(int64_t nh, const scalar_t* const* q, const scalar_t* k, const
   });
 }
 
-// grouped_attention (attention_shared.h): for D a multiple of W.
-template <typename T, class QueryOffsets>
-bool grouped_attention(const T* q, const T* k, const T* v, const AttentionShape& shape,
-                       float scale, float cap, const QueryOffsets& query_offsets, T* out) {
-  const int64_t H = shape.H, Tq = shape.T, D = shape.D, group = shape.H / shape.Hkv;
-  if (D % W == 0) {
-    // Tasks run (row, query, KV head, block of the KV head's query heads), blocks fastest: at
-    // most MAX_HEADS heads a block, and more, smaller blocks where the pool has more threads
-    // than (row, query, KV head) units. A head's bits do not depend on its block.
-    const int64_t units = shape.B * Tq * shape.Hkv;
-    const int64_t fewest = (group + MAX_HEADS - 1) / MAX_HEADS;
-    const int64_t blocks =
-        std::min(group, std::max(fewest, (max_threads() + units - 1) / units));
-    parallel_for(0, units * blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf, scores, acc;  // per thread, see attend_heads
-      std::vector<int64_t> offsets;
-      int64_t query = -1;  // the (row, token) whose offsets `offsets` holds
-      const T* qs[MAX_HEADS];
-      T* outs[MAX_HEADS];
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t unit = task / blocks, block = task % blocks;
-        if (unit / shape.Hkv != query) {
-          query = unit / shape.Hkv;
-          query_offsets(query, offsets);
-        }
-        const int64_t b = query / Tq, t = query % Tq, kv = unit % shape.Hkv;
-        const int64_t h0 = kv * group + block * group / blocks;
-        const int64_t h1 = kv * group + (block + 1) * group / blocks;
-        for (int64_t h = h0; h < h1; ++h) {
-          const int64_t at = ((b * H + h) * Tq + t) * D;  // q and out are [B, H, T, D]
-          qs[h - h0] = q + at;
-          outs[h - h0] = out + at;
-        }
-        const int64_t head = kv * shape.head_stride;
-        const Offsets slots{offsets.data(), int64_t(offsets.size())};
-        attend_heads(h1 - h0, qs, k + head, v + head, slots, D, scale, cap, outs, qf, scores,
-                     acc);
-      }
-    });
-    return true;
-  }
-  return false;
+// heads_at_once (attention_group_tasks.h): MAX_HEADS for D a multiple of W, either dtype.
+template <typename T>
+int64_t heads_at_once(int64_t D) {
+  return D % W == 0 ? MAX_HEADS : 0;
 }
 
 }  // namespace
 }  // namespace specdecode
+
+#include "attention_group_tasks.h"

@@ -9,9 +9,11 @@
 //   fast_attend(q, keys, values, slots, D, scale, cap, out, scores): one query by a routine of
 //   its own for its dtype and D, returning false where it has none (attend_one then runs);
 //   grouped_attention(q, k, v, shape, scale, cap, query_offsets, out): every query at once
-//   with the query heads of a KV head together (attention_grouped.h), returning false where
-//   the folder has no such path or D does not suit it. A folder without one of these two paths
-//   includes attention_fast_absent.h or attention_grouped_absent.h.
+//   with the query heads of a KV head together (attention_group_tasks.h's loop over the
+//   folder's routine: attention_grouped.h's for AVX2 and NEON, AVX-512's own for bf16),
+//   returning false where the folder has no such path or D or the dtype does not suit it. A
+//   folder without one of these two paths includes attention_fast_absent.h or
+//   attention_grouped_absent.h.
 // Every path of a folder gives a query the same bits, whatever the pass.
 #pragma once
 

@@ -1,0 +1,65 @@
+// The task loop of grouped attention (attention_shared.h's grouped_attention): the query heads
+// that share a KV head attend together, through the arch folder's routine. The folder defines, before including this:
+//   heads_at_once<T>(D): the most query heads its routine takes at once for dtype T and head
+//   size D, 0 where it serves neither (then false is returned and each query runs alone);
+//   attend_heads(nh, q, k, v, slots, D, scale, cap, out, qf, scores, acc): attend_one for nh
+//   (<= heads_at_once) query heads q[i] that share the KV head at k, v, each with attend_one's
+//   bits (the folder's one-query routine's), into out[i].
+#pragma once
+
+#include "attention_shared.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace specdecode {
+namespace {
+
+// grouped_attention (attention_shared.h): where the folder's heads_at_once is not 0.
+template <typename T, class QueryOffsets>
+bool grouped_attention(const T* q, const T* k, const T* v, const AttentionShape& shape,
+                       float scale, float cap, const QueryOffsets& query_offsets, T* out) {
+  const int64_t H = shape.H, Tq = shape.T, D = shape.D, group = shape.H / shape.Hkv;
+  const int64_t most = heads_at_once<T>(D);
+  if (most > 0) {
+    // Tasks run (row, query, KV head, block of the KV head's query heads), blocks fastest: at
+    // most `most` heads a block, and more, smaller blocks where the pool has more threads
+    // than (row, query, KV head) units. A head's bits do not depend on its block.
+    const int64_t units = shape.B * Tq * shape.Hkv;
+    const int64_t fewest = (group + most - 1) / most;
+    const int64_t blocks =
+        std::min(group, std::max(fewest, (max_threads() + units - 1) / units));
+    parallel_for(0, units * blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf, scores, acc;  // per thread, see attend_heads
+      std::vector<int64_t> offsets;
+      int64_t query = -1;  // the (row, token) whose offsets `offsets` holds
+      std::vector<const T*> qs(most);  // a block's queries and outputs
+      std::vector<T*> outs(most);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t unit = task / blocks, block = task % blocks;
+        if (unit / shape.Hkv != query) {
+          query = unit / shape.Hkv;
+          query_offsets(query, offsets);
+        }
+        const int64_t b = query / Tq, t = query % Tq, kv = unit % shape.Hkv;
+        const int64_t h0 = kv * group + block * group / blocks;
+        const int64_t h1 = kv * group + (block + 1) * group / blocks;
+        for (int64_t h = h0; h < h1; ++h) {
+          const int64_t at = ((b * H + h) * Tq + t) * D;  // q and out are [B, H, T, D]
+          qs[h - h0] = q + at;
+          outs[h - h0] = out + at;
+        }
+        const int64_t head = kv * shape.head_stride;
+        const Offsets slots{offsets.data(), int64_t(offsets.size())};
+        attend_heads(h1 - h0, qs.data(), k + head, v + head, slots, D, scale, cap, outs.data(), qf,
+                     scores, acc);
+      }
+    });
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+}  // namespace specdecode
