@@ -16,6 +16,22 @@
 namespace specdecode {
 namespace {
 
+// How many blocks to split each KV head's `group` query heads into, at least `fewest`: the
+// fewest whose (unit, block) tasks spread over `threads` within 15% of even (the pool deals
+// them out in equal runs), else the most even. E.g. SmolLM2's 3 KV heads of 3 heads, one token,
+// 2 threads: 1 block gives 3 tasks (2 against 1), 3 blocks 9 (5 against 4): 3.
+inline int64_t head_blocks(int64_t units, int64_t group, int64_t fewest, int64_t threads) {
+  int64_t best = group;
+  double best_spread = 1e30;
+  for (int64_t blocks = std::min(fewest, group); blocks <= group; ++blocks) {
+    const int64_t tasks = units * blocks;
+    const double spread = double((tasks + threads - 1) / threads * threads) / double(tasks);
+    if (spread <= 1.15) return blocks;
+    if (spread < best_spread) best = blocks, best_spread = spread;
+  }
+  return best;
+}
+
 // grouped_attention (attention_shared.h): where the folder's heads_at_once is not 0.
 template <typename T, class QueryOffsets>
 bool grouped_attention(const T* q, const T* k, const T* v, const AttentionShape& shape,
@@ -24,12 +40,9 @@ bool grouped_attention(const T* q, const T* k, const T* v, const AttentionShape&
   const int64_t most = heads_at_once<T>(D);
   if (most > 0) {
     // Tasks run (row, query, KV head, block of the KV head's query heads), blocks fastest: at
-    // most `most` heads a block, and more, smaller blocks where the pool has more threads
-    // than (row, query, KV head) units. A head's bits do not depend on its block.
+    // most `most` heads a block (head_blocks). A head's bits do not depend on its block.
     const int64_t units = shape.B * Tq * shape.Hkv;
-    const int64_t fewest = (group + most - 1) / most;
-    const int64_t blocks =
-        std::min(group, std::max(fewest, (max_threads() + units - 1) / units));
+    const int64_t blocks = head_blocks(units, group, (group + most - 1) / most, max_threads());
     parallel_for(0, units * blocks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qf, scores, acc;  // per thread, see attend_heads
       std::vector<int64_t> offsets;
