@@ -1,10 +1,12 @@
 // The task loop of grouped attention (attention_shared.h's grouped_attention): the query heads
-// that share a KV head attend together, through the arch folder's routine. The folder defines, before including this:
+// that share a KV head attend together, through the arch folder's routine. The folder defines,
+// before including this:
 //   heads_at_once<T>(D): the most query heads its routine takes at once for dtype T and head
 //   size D, 0 where it serves neither (then false is returned and each query runs alone);
-//   attend_heads(nh, q, k, v, slots, D, scale, cap, out, qf, scores, acc): attend_one for nh
-//   (<= heads_at_once) query heads q[i] that share the KV head at k, v, each with attend_one's
-//   bits (the folder's one-query routine's), into out[i].
+//   attend_heads(nh, q, k, v, slots, D, scale, cap, out, qf, scores, acc): the attention of nh
+//   (<= heads_at_once) query heads q[i] that share the KV head at k, v into out[i], each with
+//   the bits it gets alone (nh = 1), as attention.cpp's header says; qf, scores, acc: the
+//   caller's buffers.
 #pragma once
 
 #include "attention_shared.h"

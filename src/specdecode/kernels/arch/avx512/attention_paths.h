@@ -269,19 +269,24 @@ int64_t heads_at_once(int64_t D) {
   return D == 64 ? 4 : D == 128 ? 2 : 0;
 }
 
-// attend_heads (attention_group_tasks.h): attend_bf16 for the nh heads.
+// attend_heads (attention_group_tasks.h): attend_bf16 for the nh heads, heads_at_once(D) of
+// them at a time.
 template <typename scalar_t, typename Slots>
 void attend_heads(int64_t nh, const scalar_t* const* q, const scalar_t* k, const scalar_t* v,
                   const Slots& slots, int64_t D, float scale, float cap, scalar_t* const* out,
                   std::vector<float>&, std::vector<float>& scores, std::vector<float>&) {
   if constexpr (std::is_same_v<scalar_t, BFloat16>) {
-    with_count<4>(nh, [&](auto heads) {
-      constexpr int NH = decltype(heads)::value;
+    const int64_t most = heads_at_once<scalar_t>(D);
+    for (int64_t i = 0; i < nh; i += most) {
       if (D == 64)
-        attend_bf16<NH, 2>(q, k, v, slots, scale, cap, out, scores);
-      else if constexpr (NH <= 2)
-        attend_bf16<NH, 4>(q, k, v, slots, scale, cap, out, scores);
-    });
+        with_count<4>(std::min(most, nh - i), [&](auto heads) {
+          attend_bf16<decltype(heads)::value, 2>(q + i, k, v, slots, scale, cap, out + i, scores);
+        });
+      else
+        with_count<2>(std::min(most, nh - i), [&](auto heads) {
+          attend_bf16<decltype(heads)::value, 4>(q + i, k, v, slots, scale, cap, out + i, scores);
+        });
+    }
   }
 }
 
