@@ -35,6 +35,7 @@ from specdecode.heads.eagle3_config import Eagle3HeadConfig
 from specdecode.llm import LLM
 from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
+from specdecode.train import start
 from specdecode.train.compute import head_compute_dtype
 from specdecode.train.config import TrainConfig
 from specdecode.train.eagle3_model import TrainableEagle3
@@ -221,11 +222,11 @@ def test_training_is_deterministic_and_resumes_exactly(
 
 
 def test_a_resume_with_other_settings_is_refused_naming_them(
-    trained: tuple[Path, Path], tmp_path: Path
+    trained: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A checkpoint keeps the settings that shape the head and its data: resuming it with
     another --unroll or --seed (or from a checkpoint that does not say) is a clear error,
-    and the checkpoint is left as it was."""
+    given before the target loads, and the checkpoint is left as it was."""
     model_dir, _ = trained
     out = tmp_path / "run"
     train(
@@ -236,6 +237,11 @@ def test_a_resume_with_other_settings_is_refused_naming_them(
     )
     checkpoint = out / "checkpoint.pt"
     before = checkpoint.read_bytes()
+
+    def no_target(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the target loaded before the checkpoint was checked")
+
+    monkeypatch.setattr(start, "LLM", no_target)
     changed = train_config(model_dir, out, unroll=2, seed=1, resume=True)
     with pytest.raises(UserError, match=r"unroll 3 there, 2 now; seed 0 there, 1 now"):
         train(changed, examples(200), examples(4, 1000), progress=False)

@@ -89,6 +89,7 @@ def start(
     when `config.resume` says so. `examples` / `held_out` replace the default data (tests);
     they are checked against the bench all the same."""
     device = training_device(config.device)
+    saved = load_checkpoint(config)  # before the target loads: a refusal comes at once
     llm = LLM(
         config.model,
         dtype=config.dtype,
@@ -97,7 +98,6 @@ def start(
         scheduler=ONE_PASS_PREFILL,
     )
     stream, held_default, bench = default_examples()
-    saved = load_checkpoint(config)
     state = TrainState() if saved is None else TrainState(**saved["state"])
     encoded = encoded_examples(
         stream if examples is None else examples, llm.tokenizer, config.max_length, bench
