@@ -21,7 +21,8 @@ namespace {
 // How many blocks to split each KV head's `group` query heads into, at least `fewest`: the
 // fewest whose (unit, block) tasks spread over `threads` within 15% of even (the pool deals
 // them out in equal runs), else the most even. E.g. SmolLM2's 3 KV heads of 3 heads, one token,
-// 2 threads: 1 block gives 3 tasks (2 against 1), 3 blocks 9 (5 against 4): 3.
+// 2 threads: 1 block gives 3 tasks (2 against 1), 2 blocks 6 (of 1 and 2 heads: 4 heads
+// against 5): 2.
 inline int64_t head_blocks(int64_t units, int64_t group, int64_t fewest, int64_t threads) {
   int64_t best = group;
   double best_spread = 1e30;
