@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
 from torch import Tensor
 
 from specdecode.errors import UserError
+from specdecode.heads.files import write_folder
 from specdecode.model.config import ModelConfig, read_config_json
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -261,9 +261,4 @@ def save_dflash_head(
 ) -> None:
     """Write `cfg` (config.json; `extra` under "specdecode") and `weights` (model.safetensors)
     into folder `path`."""
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {n: t.detach().contiguous().cpu() for n, t in weights.items()},
-        str(path / "model.safetensors"),
-    )
-    (path / "config.json").write_text(cfg.to_json(extra))
+    write_folder(path, cfg.to_json(extra), weights)

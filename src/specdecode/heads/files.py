@@ -110,10 +110,15 @@ def save_head_folder(
 ) -> None:
     """Write `config_text` (config.json) and `weights` (model.safetensors, with the derived
     `t2d` mask over the target's `vocab_size` tokens) into folder `path`."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[d2t_to_draft_ids(weights["d2t"].detach().cpu())] = True
+    write_folder(path, config_text, {**weights, "t2d": t2d})
+
+
+def write_folder(path: Path, config_text: str, weights: Mapping[str, Tensor]) -> None:
+    """Write `config_text` (config.json) and `weights` as they are (model.safetensors) into
+    folder `path`, made if missing."""
     path.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous().cpu() for name, t in weights.items()}
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[d2t_to_draft_ids(tensors["d2t"])] = True
-    tensors["t2d"] = t2d
     save_file(tensors, str(path / WEIGHTS_FILE))
     (path / "config.json").write_text(config_text)
