@@ -12,8 +12,10 @@ kernel; its share is estimated separately (the kernel over a 64-row weight of th
 width: quantization plus a negligible product).
 
 Per T: median ms per pass over `--repeats` passes (after one untimed pass), each part's median
-ms per pass, and T's cost relative to T = 1. The parts are timed inside the same passes, so
-their sum is the pass (less "python + dispatch").
+ms per pass, and T's cost relative to T = 1. The widths are timed in rounds (each once a
+round, the order reversed every other round), so that the machine's drift (memory bandwidth
+moves from minute to minute) reaches every width alike. The parts are timed inside the same
+passes, so their sum is the pass (less "python + dispatch").
 
 Usage: python benchmarks/pass_profile.py [--model qwen2.5-coder-1.5b] [--quantization int8]
        [--widths 1,4,9,16] [--context 256] [--repeats 7] [--op-by-op]
@@ -116,23 +118,31 @@ def profile(model: tf.Transformer, widths: list[int], context: int, repeats: int
         cache,
     )
     instrument(model, timers)
-    out = []
-    for width in widths:
-        tokens = torch.randint(vocab, (1, width), generator=gen)
-        meta = AttentionMetadata.contiguous(AttentionMode.DECODE, [context], [width], model.device)
-        passes, parts = [], defaultdict(list)
-        for rep in range(repeats + 1):
+    inputs = {
+        width: (
+            torch.randint(vocab, (1, width), generator=gen),
+            AttentionMetadata.contiguous(AttentionMode.DECODE, [context], [width], model.device),
+        )
+        for width in widths
+    }
+    passes: dict[int, list[float]] = defaultdict(list)
+    parts: dict[int, dict[str, list[float]]] = {width: defaultdict(list) for width in widths}
+    for rep in range(repeats + 1):  # rounds over the widths, alternating their order
+        for width in widths if rep % 2 == 0 else widths[::-1]:
+            tokens, meta = inputs[width]
             timers.seconds.clear()
             t0 = time.perf_counter()
             model(tokens, meta, cache)
             elapsed = time.perf_counter() - t0
             cache.truncate(context)
             if rep:
-                passes.append(elapsed)
+                passes[width].append(elapsed)
                 for name, seconds in timers.seconds.items():
-                    parts[name].append(seconds)
-        row = {name: statistics.median(v) * 1e3 for name, v in parts.items()}
-        row["pass"] = statistics.median(passes) * 1e3
+                    parts[width][name].append(seconds)
+    out = []
+    for width in widths:
+        row = {name: statistics.median(v) * 1e3 for name, v in parts[width].items()}
+        row["pass"] = statistics.median(passes[width]) * 1e3
         out.append({"width": width, **row})
     return out
 

@@ -20,7 +20,7 @@ from specdecode import kernels
 from specdecode.bench import harness, machine
 from specdecode.bench.costs import (
     PASS_TABLE_WIDTH,
-    forward_seconds,
+    bench_costs,
     predicted_from_counters,
     predicted_speedup,
 )
@@ -44,7 +44,7 @@ from specdecode.bench.stats import (
 )
 from specdecode.cli import build_parser, main
 from specdecode.corpus.prompts import BenchPrompt, available_sets, load_prompts
-from specdecode.engine.costs import expected_tokens
+from specdecode.engine.costs import expected_tokens, interleaved_seconds, pass_seconds
 from specdecode.metrics import SpecCounters
 from specdecode.model.loading import load_model
 from specdecode.sampling_params import SamplingParams
@@ -804,12 +804,43 @@ def test_predicted_from_counters_matches_the_worked_example() -> None:
     )
 
 
-def test_forward_seconds_times_each_width_on_the_same_context(tiny_model_dir: Path) -> None:
+def test_interleaved_seconds_runs_every_pass_each_round_alternating_the_order() -> None:
+    order: list[str] = []
+    passes = {key: (lambda key=key: order.append(key)) for key in "abc"}
+    seconds = interleaved_seconds(passes, repeats=3)
+    assert order == list("abccbaabccba")  # an untimed round, then 3 timed ones
+    assert set(seconds) == set("abc") and all(s >= 0 for s in seconds.values())
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        interleaved_seconds(passes, repeats=0)
+
+
+def test_pass_seconds_times_each_shape_on_the_same_context(tiny_model_dir: Path) -> None:
     model = load_model(tiny_model_dir, dtype="float32")
-    costs = forward_seconds(model, context=16, widths=[1, 4], repeats=2)
-    assert set(costs) == {1, 4} and all(c > 0 for c in costs.values())
+    costs = pass_seconds(model, context=16, shapes=[(1, 1), (1, 4), (2, 3)], repeats=2)
+    assert set(costs) == {(1, 1), (1, 4), (2, 3)} and all(c > 0 for c in costs.values())
     with pytest.raises(ValueError, match="context >= 1"):
-        forward_seconds(model, context=0, widths=[1])
+        pass_seconds(model, context=0, shapes=[(1, 1)])
+
+
+def test_bench_costs_times_the_drafts_passes_among_the_targets(tiny_model_dir: Path) -> None:
+    """Every round times each target width and the draft model's token once, so that the
+    draft / target and t(T) / t(1) ratios are same-run ratios."""
+    target = load_model(tiny_model_dir, dtype="float32")
+    draft = load_model(tiny_model_dir, dtype="float32")
+    calls: list[tuple[str, int]] = []
+    for name, model in (("target", target), ("draft", draft)):
+        forward = model.forward
+
+        def recorded(tokens, *args, name=name, forward=forward, **kwargs):
+            calls.append((name, tokens.shape[1]))
+            return forward(tokens, *args, **kwargs)
+
+        model.forward = recorded
+    costs = bench_costs(target, {"d": draft}, max_k=2, context=20, repeats=2)
+    assert len(costs["target_ms"]) == PASS_TABLE_WIDTH and set(costs["draft_ms"]) == {"d"}
+    timed = [c for c in calls if c[1] != 20]  # (not the prefills of the context)
+    one_round = [("target", w) for w in range(1, PASS_TABLE_WIDTH + 1)] + [("draft", 1)]
+    assert timed == one_round + one_round[::-1] + one_round
 
 
 def test_plan_replays_chains_and_trees_and_picks_the_best(

@@ -20,12 +20,16 @@ whole, then lookups miss and steps decode one token), which a single rate a does
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from specdecode import kernels
 from specdecode.bench.roofline import madds_per_token
-from specdecode.engine.costs import expected_tokens, pass_seconds
+from specdecode.engine.costs import (
+    expected_tokens,
+    interleaved_seconds,
+    verification_passes,
+)
 from specdecode.metrics import SpecCounters
 from specdecode.model.gguf_linear import REQUANTIZED
 from specdecode.model.transformer import Transformer
@@ -49,15 +53,6 @@ def predicted_speedup(
     return expected_tokens(acceptance, k) * target_s[1] / step
 
 
-def forward_seconds(
-    model: Transformer, context: int, widths: Sequence[int], repeats: int = 5, seed: int = 0
-) -> dict[int, float]:
-    """Median seconds of one forward pass of `width` new tokens after `context` cached tokens
-    (one row; `pass_seconds`)."""
-    shapes = pass_seconds(model, context, [(1, w) for w in widths], repeats, seed)
-    return {w: shapes[(1, w)] for w in widths}
-
-
 def bench_costs(
     target: Transformer,
     drafts: Mapping[str, Transformer],
@@ -71,9 +66,17 @@ def bench_costs(
     `kernels.isa`); for the roofline, the target's projection multiply-adds per token
     ("madds_per_token") and, for formats of INT8_PRODUCTS on the CPU kernels, their int8 peak
     measured in this run ("int8_peak_gmacs", G a second: `kernels.int8_peak`; None
-    elsewhere)."""
+    elsewhere). Every pass is timed `repeats` times in interleaved rounds, the drafts' among
+    the target's (`interleaved_seconds`): their ratios are same-run ratios."""
     widths = range(1, max(max_k + 1, PASS_TABLE_WIDTH) + 1)
-    target_s = forward_seconds(target, context, widths, repeats)
+    passes: dict[tuple[str | None, int], Callable[[], None]] = {
+        (None, w): run
+        for (_, w), run in verification_passes(target, context, [(1, w) for w in widths]).items()
+    }
+    for name, model in drafts.items():
+        passes[(name, 1)] = verification_passes(model, context, [(1, 1)])[(1, 1)]
+    seconds = interleaved_seconds(passes, repeats)  # the drafts' passes among the target's
+    target_s = {w: seconds[(None, w)] for w in widths}
     on_cpu = target.device.type == "cpu" and kernels.available()
     return {
         "madds_per_token": madds_per_token(target),
@@ -82,10 +85,7 @@ def bench_costs(
         ),
         "context": context,
         "target_ms": [target_s[t] * 1e3 for t in sorted(target_s)],
-        "draft_ms": {
-            name: forward_seconds(model, context, [1], repeats)[1] * 1e3
-            for name, model in drafts.items()
-        },
+        "draft_ms": {name: seconds[(name, 1)] * 1e3 for name in drafts},
         "kernels": (
             f"{kernels.variant()} kernels, {kernels.isa()}" if on_cpu else target.device.type
         ),

@@ -1,23 +1,29 @@
 """What speculation costs and yields, as the engine and every tool that plans it reads it: the
-expected tokens of a step (`expected_tokens`), the seconds of a verification pass measured
-beforehand (`pass_seconds`) and the running table of pass costs by shape (`PassCosts`) that
-the "cost" draft-length policy reads. `specdecode plan`, `bench` and `serve` import these from
-here; nothing here imports them.
+expected tokens of a step (`expected_tokens`), the seconds of verification passes measured
+beforehand, in interleaved rounds (`pass_seconds`, `interleaved_seconds`), and the running
+table of pass costs by shape (`PassCosts`) that the "cost" draft-length policy reads.
+`specdecode plan`, `bench` and `serve` import these from here; nothing here imports them.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
+from torch import Tensor
 
 from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
+from specdecode.cache.kv_cache import KVCache
 from specdecode.model.transformer import Transformer
 
 PASS_AVERAGE = 0.2  # weight of a new pass's seconds in its shape's running average
 PASS_CONTEXT = 256  # cached tokens before the passes measured to seed the table (`seed_rows`)
+
+K = TypeVar("K")
+Shape = tuple[int, int]  # a verification pass: (rows, tokens per row)
 
 
 def expected_tokens(acceptance: float, k: float) -> float:
@@ -30,25 +36,44 @@ def expected_tokens(acceptance: float, k: float) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
-@torch.inference_mode()
-def pass_seconds(
-    model: Transformer,
-    context: int,
-    shapes: Sequence[tuple[int, int]],
-    repeats: int = 5,
-    seed: int = 0,
-    fastest: bool = False,
-) -> dict[tuple[int, int], float]:
-    """Median seconds (with `fastest`, the least: noise only adds time) of one forward pass
-    of `rows` rows of `width` new tokens each (DECODE, as a verification pass), every row
-    after the same `context` cached tokens, per shape (rows, width).
+def interleaved_seconds(
+    passes: Mapping[K, Callable[[], object]], repeats: int = 5, fastest: bool = False
+) -> dict[K, float]:
+    """Median seconds (with `fastest`, the least: noise only adds time) of each of `passes`
+    over `repeats` rounds, after one untimed round. A round runs every pass once, in turn: in
+    the order given, the next round in the reverse order, and so on, so that a drift in the
+    machine's speed (its memory bandwidth moves from minute to minute) reaches every pass
+    alike, not only the ones timed last: the ratios between them are same-run ratios.
 
-    One row is filled once with `context` random tokens and copied to every row; each timed
-    pass appends its tokens and is rolled back, so every pass sees the same context. One
-    untimed pass per shape comes first.
+    Example: passes {1: a, 4: b}, repeats 2: a, b (untimed), then b, a, then a, b.
     """
-    if context < 1 or repeats < 1 or not shapes or min(min(s) for s in shapes) < 1:
-        raise ValueError("need context >= 1, repeats >= 1 and shapes of rows, widths >= 1")
+    if repeats < 1 or not passes:
+        raise ValueError("need repeats >= 1 and at least one pass")
+    order = list(passes)
+    times: dict[K, list[float]] = {key: [] for key in order}
+    for round_ in range(repeats + 1):
+        for key in order if round_ % 2 == 0 else reversed(order):
+            t0 = time.perf_counter()
+            passes[key]()
+            if round_:
+                times[key].append(time.perf_counter() - t0)
+    pick = min if fastest else statistics.median
+    return {key: pick(t) for key, t in times.items()}
+
+
+@torch.inference_mode()
+def verification_passes(
+    model: Transformer, context: int, shapes: Sequence[Shape], seed: int = 0
+) -> dict[Shape, Callable[[], None]]:
+    """Per shape (rows, width): a callable that runs one forward pass of `rows` rows of
+    `width` new tokens each (DECODE, as a verification pass, logits for every token), every
+    row after the same `context` cached tokens, and rolls the rows back to them.
+
+    One row is filled once (here) with `context` random tokens and copied to every row count's
+    cache, so every pass sees the same context.
+    """
+    if context < 1 or not shapes or min(min(s) for s in shapes) < 1:
+        raise ValueError("need context >= 1, shapes, and rows, widths >= 1")
     device = model.device
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
@@ -57,29 +82,48 @@ def pass_seconds(
     prompt = torch.randint(vocab, (1, context), generator=gen)
     model(prompt.to(device), AttentionMetadata.prefill([context], device), first)
     caches = {1: first}
-    out = {}
+    passes = {}
     for rows, width in shapes:
         if rows not in caches:
             caches[rows] = model.new_cache(rows, capacity)
             caches[rows].load_prefix(first, context)
-        cache = caches[rows]
         tokens = torch.randint(vocab, (rows, width), generator=gen).to(device)
         meta = AttentionMetadata.contiguous(
             AttentionMode.DECODE, [context] * rows, [width] * rows, device
         )
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            model(tokens, meta, cache)  # logits for every token, as verification needs
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-            cache.truncate(context)
-        out[(rows, width)] = min(times[1:]) if fastest else statistics.median(times[1:])
-    return out
+        passes[(rows, width)] = _rolled_back_pass(model, tokens, meta, caches[rows], context)
+    return passes
 
 
-Shape = tuple[int, int]  # a verification pass: (rows, tokens per row)
+def _rolled_back_pass(
+    model: Transformer, tokens: Tensor, meta: AttentionMetadata, cache: KVCache, context: int
+) -> Callable[[], None]:
+    """A callable: the pass of `tokens` ([rows, width]) over `cache`, then the rows rolled
+    back to `context` cached tokens."""
+
+    @torch.inference_mode()
+    def run() -> None:
+        model(tokens, meta, cache)
+        if tokens.device.type == "cuda":
+            torch.cuda.synchronize(tokens.device)
+        cache.truncate(context)
+
+    return run
+
+
+def pass_seconds(
+    model: Transformer,
+    context: int,
+    shapes: Sequence[Shape],
+    repeats: int = 5,
+    seed: int = 0,
+    fastest: bool = False,
+) -> dict[Shape, float]:
+    """Median seconds (with `fastest`, the least) of each shape's verification pass
+    (`verification_passes`), the shapes timed in interleaved rounds (`interleaved_seconds`)."""
+    if repeats < 1:
+        raise ValueError("need repeats >= 1")
+    return interleaved_seconds(verification_passes(model, context, shapes, seed), repeats, fastest)
 
 
 def seed_rows(model: Transformer, costs: PassCosts, max_tokens: int, rows: Sequence[int]) -> None:
