@@ -17,6 +17,7 @@ from typing import ClassVar
 import pytest
 
 from specdecode import kernels
+from specdecode.bench import costs as costs_module
 from specdecode.bench import harness, machine
 from specdecode.bench.costs import (
     PASS_TABLE_WIDTH,
@@ -822,12 +823,16 @@ def test_pass_seconds_times_each_shape_on_the_same_context(tiny_model_dir: Path)
         pass_seconds(model, context=0, shapes=[(1, 1)])
 
 
-def test_bench_costs_times_the_drafts_passes_among_the_targets(tiny_model_dir: Path) -> None:
-    """Every round times each target width and the draft model's token once, so that the
-    draft / target and t(T) / t(1) ratios are same-run ratios."""
+def test_bench_costs_times_the_drafts_passes_among_the_targets(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every round times each target width, the draft model's token and the bandwidth read
+    once, so that t(T) / t(1), draft / target and the roofline's share of its floor are
+    same-run ratios."""
     target = load_model(tiny_model_dir, dtype="float32")
     draft = load_model(tiny_model_dir, dtype="float32")
     calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(costs_module, "bandwidth_read", lambda: lambda: calls.append(("read", 0)))
     for name, model in (("target", target), ("draft", draft)):
         forward = model.forward
 
@@ -838,8 +843,10 @@ def test_bench_costs_times_the_drafts_passes_among_the_targets(tiny_model_dir: P
         model.forward = recorded
     costs = bench_costs(target, {"d": draft}, max_k=2, context=20, repeats=2)
     assert len(costs["target_ms"]) == PASS_TABLE_WIDTH and set(costs["draft_ms"]) == {"d"}
+    assert costs["bandwidth_gb_s"] > 0
     timed = [c for c in calls if c[1] != 20]  # (not the prefills of the context)
-    one_round = [("target", w) for w in range(1, PASS_TABLE_WIDTH + 1)] + [("draft", 1)]
+    targets = [("target", w) for w in range(1, PASS_TABLE_WIDTH + 1)]
+    one_round = [*targets, ("draft", 1), ("read", 0)]
     assert timed == one_round + one_round[::-1] + one_round
 
 
@@ -883,6 +890,8 @@ def test_plan_with_given_acceptance_and_a_free_drafter(tiny_model_dir: Path) -> 
     config = PlanConfig(str(tiny_model_dir), ngram, 0.5, context=8, max_k=2, dtype="float32")
     plan = run_plan(config)
     assert plan["draft_ms"] == 0.0 and plan["acceptance"] == 0.5
+    # the floor from the bandwidth read in the pass table's own rounds
+    assert plan["roofline"]["bandwidth_gb_s"] == plan["costs"]["bandwidth_gb_s"] > 0
     assert "| T | ms | t(T) / t(1) | G multiply-adds/s |" in plan_text(plan)  # fp32: no peak
     gguf = run_plan(replace(config, quantization="q8_0"))
     assert gguf["costs"]["int8_peak_gmacs"] > 0

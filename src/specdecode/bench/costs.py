@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from specdecode import kernels
-from specdecode.bench.roofline import madds_per_token
+from specdecode.bench.roofline import BANDWIDTH_BYTES, bandwidth_read, madds_per_token
 from specdecode.engine.costs import (
     expected_tokens,
     interleaved_seconds,
@@ -42,6 +42,7 @@ INT8_PRODUCTS = frozenset({"int8", "gguf", *REQUANTIZED})
 # Pass costs are measured for T = 1 .. at least this many new tokens: the pass table that shows
 # how a verification pass grows with its width (t(T) / t(1)), whatever K is planned.
 PASS_TABLE_WIDTH = 16
+BANDWIDTH = "bandwidth"  # the read's key among the passes
 
 
 def predicted_speedup(
@@ -66,8 +67,10 @@ def bench_costs(
     `kernels.isa`); for the roofline, the target's projection multiply-adds per token
     ("madds_per_token") and, for formats of INT8_PRODUCTS on the CPU kernels, their int8 peak
     measured in this run ("int8_peak_gmacs", G a second: `kernels.int8_peak`; None
-    elsewhere). Every pass is timed `repeats` times in interleaved rounds, the drafts' among
-    the target's (`interleaved_seconds`): their ratios are same-run ratios."""
+    elsewhere); the read bandwidth in GB/s ("bandwidth_gb_s": a streaming read of
+    `BANDWIDTH_BYTES`, `bandwidth_read`), for the roofline's floor. Every pass and the read are
+    timed `repeats` times in interleaved rounds (`interleaved_seconds`; the medians): their
+    ratios are same-run ratios."""
     widths = range(1, max(max_k + 1, PASS_TABLE_WIDTH) + 1)
     passes: dict[tuple[str | None, int], Callable[[], None]] = {
         (None, w): run
@@ -75,6 +78,7 @@ def bench_costs(
     }
     for name, model in drafts.items():
         passes[(name, 1)] = verification_passes(model, context, [(1, 1)])[(1, 1)]
+    passes[(BANDWIDTH, 0)] = bandwidth_read()
     seconds = interleaved_seconds(passes, repeats)  # the drafts' passes among the target's
     target_s = {w: seconds[(None, w)] for w in widths}
     on_cpu = target.device.type == "cpu" and kernels.available()
@@ -86,6 +90,7 @@ def bench_costs(
         "context": context,
         "target_ms": [target_s[t] * 1e3 for t in sorted(target_s)],
         "draft_ms": {name: seconds[(name, 1)] * 1e3 for name in drafts},
+        "bandwidth_gb_s": BANDWIDTH_BYTES / seconds[(BANDWIDTH, 0)] / 1e9,
         "kernels": (
             f"{kernels.variant()} kernels, {kernels.isa()}" if on_cpu else target.device.type
         ),

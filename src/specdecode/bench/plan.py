@@ -38,7 +38,7 @@ from specdecode.bench.costs import (
 )
 from specdecode.bench.harness import chat_ids
 from specdecode.bench.replay import ReplayStats, replay
-from specdecode.bench.roofline import measure_bandwidth, roofline, roofline_text
+from specdecode.bench.roofline import roofline, roofline_text
 from specdecode.bench.runners import measured_target
 from specdecode.cache.attention_metadata import AttentionMetadata
 from specdecode.corpus.prompts import load_prompts
@@ -235,7 +235,7 @@ def run_plan(config: PlanConfig) -> dict[str, Any]:
         "rows": rows,
         "best": max(rows, key=lambda r: r["predicted_speedup"]),
         "roofline": roofline(
-            target.model, config.context, measure_bandwidth(), costs["target_ms"][0]
+            target.model, config.context, costs["bandwidth_gb_s"], costs["target_ms"][0]
         ),
     }
 

@@ -8,15 +8,18 @@ bytes / bandwidth. Bytes per token (`bytes_per_token`):
   byte plus a scale and an offset per group), and its bias;
 - the norms' weights; one row of the embedding; two rows of the RoPE tables;
 - the KV cache at `context` cached tokens (keys and values of every layer).
-Bandwidth (`measure_bandwidth`): the best of a few sums over a 1 GiB fp32 tensor, far beyond the
-caches (a streaming read, the most a decode can hope for). fp32, not bf16: summing bf16 widens
-every value first, which can make the sum compute-bound below what the kernels stream (figures
-for the reference machine: docs/design.md).
+Bandwidth (`bandwidth_read`): a sum over a 1 GiB fp32 tensor, far beyond the caches (a
+streaming read), timed by `bench.costs.bench_costs` in the same interleaved rounds as the
+passes, so that the floor and the measured pass come from the same minutes (this machine's
+bandwidth moves from minute to minute): the share of the floor is a same-run ratio of two
+medians. fp32, not bf16: summing bf16 widens every value first, which can make the sum
+compute-bound below what the kernels stream (figures for the reference machine:
+docs/design.md).
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,18 +68,16 @@ def _is_projection(module: nn.Module) -> bool:
     return hasattr(module, "weight_bytes")
 
 
-@torch.inference_mode()
-def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, runs: int = 5) -> float:
-    """Read bandwidth in GB/s (1e9 B/s): the best of `runs` sums over `nbytes` of fp32, after
-    one untimed sum."""
+def bandwidth_read(nbytes: int = BANDWIDTH_BYTES) -> Callable[[], None]:
+    """A callable that sums `nbytes` of fp32 (allocated here) once: a streaming read far beyond
+    the caches, whose seconds give the read bandwidth, nbytes / seconds."""
     x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
+
+    @torch.inference_mode()
+    def read() -> None:
         x.sum()
-        times.append(time.perf_counter() - t0)
-    return nbytes / min(times) / 1e9
+
+    return read
 
 
 def roofline(

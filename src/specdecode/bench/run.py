@@ -17,7 +17,7 @@ from specdecode.bench.machine import machine_facts, wait_until_quiet
 from specdecode.bench.methods import parse_methods
 from specdecode.bench.records import Run
 from specdecode.bench.report import markdown
-from specdecode.bench.roofline import measure_bandwidth, roofline
+from specdecode.bench.roofline import roofline
 from specdecode.bench.runners import OursRunner, Runner, build_runners, measured_target
 from specdecode.bench.stats import summarize
 from specdecode.corpus.prompts import load_prompts
@@ -89,10 +89,9 @@ def run_bench(config: BenchConfig, log: bool = True) -> dict[str, Any]:
     runs, discarded = run_interleaved(runners, rendered, params, config.loop, _log if log else None)
     context = int(statistics.median(len(ids) for _, ids in rendered)) + config.max_tokens // 2
     costs = measure_costs(runners, context, config.loop.quiet_wait_s)
-    bandwidth = measure_bandwidth()
     targets = {_format(r.llm): r.llm.model for r in runners if isinstance(r, OursRunner)}
-    roof = {
-        name: roofline(model, context, bandwidth, costs[name]["target_ms"][0])
+    roof = {  # each format's floor from the bandwidth read in its own passes' rounds
+        name: roofline(model, context, costs[name]["bandwidth_gb_s"], costs[name]["target_ms"][0])
         for name, model in targets.items()
     }
     return {
