@@ -123,7 +123,8 @@ void gguf_tiles(const uint8_t* w, int64_t tiles, int64_t nsb, const GgufActs& ac
     const GgufActs a{acts.x8 + m0 * acts.K,           acts.dx + m0 * (acts.K / B),
                      acts.sx + m0 * (acts.K / B),      acts.bsum16 + m0 * (acts.K / 16),
                      acts.bsum32 + m0 * (acts.K / 32), acts.K};
-    const uint8_t* next = m0 == 0 && tile + 1 < tiles ? w + (tile + 1) * tile_bytes : nullptr;
+    const bool prefetch = T >= PREFETCH_FROM_TOKENS && m0 == 0 && tile + 1 < tiles;
+    const uint8_t* next = prefetch ? w + (tile + 1) * tile_bytes : nullptr;
     gguf_tile<BITS, S, SUBS, OFF, MINS, T>(w + tile * tile_bytes, nsb, a, next, acc);
     store_rows(&acc[0][0], T, tile * LANES, N, b, y + m0 * ldy, ldy);
   };

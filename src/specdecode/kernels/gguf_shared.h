@@ -10,6 +10,7 @@
 //   (stride K / B), bsum16 (stride K / 16), bsum32 (stride K / 32). While it computes, the tile
 //   at `next` (nullptr: none) may be prefetched, superblock by superblock (prefetch_part): the
 //   hardware prefetchers alone leave the memory stream idle while a multi-token tile computes.
+//   Each folder says from how many tokens a tile is handed `next` (PREFETCH_FROM_TOKENS).
 //   Every folder's tile gives the same bits.
 #pragma once
 

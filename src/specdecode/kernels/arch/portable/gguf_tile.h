@@ -15,6 +15,10 @@ namespace {
 template <int BITS>
 constexpr int GGUF_TOKENS = 8;
 
+// The fewest tokens a tile computes for which it is handed the next tile (gguf.cpp: `next`),
+// which this tile does not prefetch.
+constexpr int PREFETCH_FROM_TOKENS = 1;
+
 // Code of value k (0 <= k < S) of lane l of one tile's sub-block at `codes` (the layout in
 // gguf.cpp's header).
 template <int BITS, int S>
