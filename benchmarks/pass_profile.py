@@ -35,8 +35,8 @@ from torch import nn
 
 from specdecode import kernels
 from specdecode.bench.machine import machine_facts, wait_until_quiet
-from specdecode.cache.attention_metadata import AttentionMetadata, AttentionMode
 from specdecode.cache.kv_cache import KVCache
+from specdecode.engine.costs import interleaved_seconds, verification_passes
 from specdecode.llm import LLM
 from specdecode.model import attention
 from specdecode.model import transformer as tf
@@ -107,42 +107,29 @@ def quantization_ms(model: tf.Transformer, width: int, repeats: int) -> float:
 
 @torch.inference_mode()
 def profile(model: tf.Transformer, widths: list[int], context: int, repeats: int) -> list[dict]:
-    """Per width: the pass's median ms and each part's median ms per pass."""
+    """Per width: the pass's median ms and each part's median ms per pass (the passes of
+    `verification_passes`, timed in `interleaved_seconds`' rounds)."""
     timers = Timers()
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    cache = model.new_cache(1, context + max(widths))
-    model(
-        torch.randint(vocab, (1, context), generator=gen),
-        AttentionMetadata.prefill([context], model.device),
-        cache,
-    )
-    instrument(model, timers)
-    inputs = {
-        width: (
-            torch.randint(vocab, (1, width), generator=gen),
-            AttentionMetadata.contiguous(AttentionMode.DECODE, [context], [width], model.device),
-        )
-        for width in widths
-    }
-    passes: dict[int, list[float]] = defaultdict(list)
+    passes = verification_passes(model, context, [(1, width) for width in widths])
+    instrument(model, timers)  # (after the context's prefill)
     parts: dict[int, dict[str, list[float]]] = {width: defaultdict(list) for width in widths}
-    for rep in range(repeats + 1):  # rounds over the widths, alternating their order
-        for width in widths if rep % 2 == 0 else widths[::-1]:
-            tokens, meta = inputs[width]
+
+    def with_parts(width: int, run: Callable[[], None]) -> Callable[[], None]:
+        def call() -> None:
             timers.seconds.clear()
-            t0 = time.perf_counter()
-            model(tokens, meta, cache)
-            elapsed = time.perf_counter() - t0
-            cache.truncate(context)
-            if rep:
-                passes[width].append(elapsed)
-                for name, seconds in timers.seconds.items():
-                    parts[width][name].append(seconds)
+            run()
+            for name, seconds in timers.seconds.items():
+                parts[width][name].append(seconds)
+
+        return call
+
+    seconds = interleaved_seconds(
+        {width: with_parts(width, run) for (_, width), run in passes.items()}, repeats
+    )
     out = []
-    for width in widths:
-        row = {name: statistics.median(v) * 1e3 for name, v in parts[width].items()}
-        row["pass"] = statistics.median(passes[width]) * 1e3
+    for width in widths:  # each part's first entry is the untimed round's
+        row = {name: statistics.median(v[1:]) * 1e3 for name, v in parts[width].items()}
+        row["pass"] = seconds[width] * 1e3
         out.append({"width": width, **row})
     return out
 
